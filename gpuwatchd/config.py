@@ -1,0 +1,117 @@
+"""The daemon's configuration: one YAML file, validated, every field defaulted.
+
+Errors name the file, the key path and what was expected; unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(ms|s|m|h))+$")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_LISTEN = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]*):\d{1,5}$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+class ConfigError(Exception):
+    """A configuration problem, already phrased for the operator."""
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a Prometheus-style duration ("500ms", "10s", "1m30s")."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 10s, 1m or a number of seconds")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and _DURATION.match(value.strip()):
+        return sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(value))
+    raise ValueError("expected a duration such as 10s, 1m or a number of seconds")
+
+
+def _check_listen(value: Any) -> Any:
+    if not (isinstance(value, str) and _LISTEN.match(value)):
+        raise ValueError("expected HOST:PORT, e.g. 0.0.0.0:9766 or [::1]:9766")
+    return value
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SourceConfig(Strict):
+    enabled: bool = True
+    interval: Duration = 5.0
+    timeout: Duration = 3.0
+
+
+class NvmlConfig(SourceConfig):
+    interval: Duration = 1.0
+    timeout: Duration = 2.0
+
+
+class PcieConfig(SourceConfig):
+    interval: Duration = 10.0
+
+
+class SourcesConfig(Strict):
+    nvml: NvmlConfig = NvmlConfig()
+    pcie: PcieConfig = PcieConfig()
+
+    def enabled(self) -> dict[str, SourceConfig]:
+        return {
+            name: getattr(self, name)
+            for name in type(self).model_fields
+            if getattr(self, name).enabled
+        }
+
+
+class Config(Strict):
+    listen: Annotated[str, BeforeValidator(_check_listen)] = "0.0.0.0:9766"
+    evaluation_interval: Duration = 1.0  # how often rules run and the exposition is rendered
+    history: Duration = 600.0  # how far back rules can look
+    procfs: Path = Path("/proc")
+    sysfs: Path = Path("/sys")
+    rules_file: Path | None = None
+    sources: SourcesConfig = SourcesConfig()
+
+    def listen_address(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+def _describe(error: dict[str, Any]) -> str:
+    path = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        return f"{path}: unknown key"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{path}: {message}, got {error.get('input')!r}"
+
+
+def load_config(path: Path | None, **overrides: Any) -> Config:
+    """Read and validate `path` (None: all defaults), then apply non-None overrides."""
+    data: dict[str, Any] = {}
+    where = "<defaults>"
+    if path is not None:
+        where = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot read: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}: not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{where}: expected a mapping at the top level")
+        data = loaded or {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError("\n".join(f"{where}: {_describe(err)}" for err in e.errors())) from e

@@ -1,0 +1,1 @@
+"""The simulator: a scenario file becomes a node (fake NVML, written sysfs/procfs trees)."""

@@ -1,0 +1,53 @@
+"""GPU product profiles the simulator can build nodes from (values as NVML reports them)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class GpuModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str  # nvmlDeviceGetName
+    pci_device_id: int  # PCI device id (vendor is always 0x10de)
+    pci_class: int = 0x030200  # 3D controller; GeForce/RTX report 0x030000 (VGA)
+    memory_total_mib: int
+    power_limit_w: float
+    max_sm_clock_mhz: int
+    max_mem_clock_mhz: int
+    pcie_max_gen: int
+    pcie_max_width: int = 16
+    nvlinks: int = 0
+    datacenter: bool = True
+    # NVML functions this product answers with NVML_ERROR_NOT_SUPPORTED
+    unsupported: tuple[str, ...] = ()
+
+
+BUILTIN_MODELS: dict[str, GpuModel] = {
+    "a100-sxm4-80gb": GpuModel(
+        name="NVIDIA A100-SXM4-80GB", pci_device_id=0x20B2, memory_total_mib=81920,
+        power_limit_w=400, max_sm_clock_mhz=1410, max_mem_clock_mhz=1593,
+        pcie_max_gen=4, nvlinks=12,
+    ),
+    "h100-sxm5-80gb": GpuModel(
+        name="NVIDIA H100 80GB HBM3", pci_device_id=0x2330, memory_total_mib=81559,
+        power_limit_w=700, max_sm_clock_mhz=1980, max_mem_clock_mhz=2619,
+        pcie_max_gen=5, nvlinks=18,
+    ),
+    "l40s": GpuModel(
+        name="NVIDIA L40S", pci_device_id=0x26B9, memory_total_mib=46068,
+        power_limit_w=350, max_sm_clock_mhz=2520, max_mem_clock_mhz=9001,
+        pcie_max_gen=4, nvlinks=0,
+        unsupported=("nvmlDeviceGetNvLinkState",),
+    ),
+    "rtx-4090": GpuModel(
+        name="NVIDIA GeForce RTX 4090", pci_device_id=0x2684, pci_class=0x030000,
+        memory_total_mib=24564, power_limit_w=450, max_sm_clock_mhz=3105,
+        max_mem_clock_mhz=10501, pcie_max_gen=4, nvlinks=0, datacenter=False,
+        unsupported=(
+            "nvmlDeviceGetNvLinkState",
+            "nvmlDeviceGetEccMode",
+            "nvmlDeviceGetTotalEccErrors",
+        ),
+    ),
+}

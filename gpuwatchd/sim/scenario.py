@@ -1,0 +1,380 @@
+"""Scenario files: a node, a timeline of phases, and the ground truth to check against.
+
+The format is documented in docs/scenarios.md. A scenario is pure data: `Timeline`
+answers "what is every value on the node at virtual time t", and the fakes (NVML,
+sysfs) render that state in the real bindings' and the kernel's formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gpuwatchd.config import ConfigError, Duration, parse_duration
+from gpuwatchd.sim.models import BUILTIN_MODELS, GpuModel
+
+CLOCK_EVENT_REASONS = (
+    "gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
+    "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
+    "display_clock_setting",
+)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GpuProcess(Strict):
+    pid: int
+    name: str = "python"
+    gpu_memory_mib: float = 0
+
+
+class GpuValues(Strict):
+    """Everything a phase can set or ramp on a GPU, in human units (the fakes convert)."""
+
+    utilization_gpu: float | None = Field(None, ge=0, le=100)  # percent
+    utilization_memory: float | None = Field(None, ge=0, le=100)  # percent
+    memory_used_mib: float | None = Field(None, ge=0)
+    power_w: float | None = Field(None, ge=0)
+    temperature_c: float | None = None
+    sm_clock_mhz: float | None = Field(None, ge=0)
+    mem_clock_mhz: float | None = Field(None, ge=0)
+    pstate: int | None = Field(None, ge=0, le=15)
+    clock_event_reasons: list[Literal[CLOCK_EVENT_REASONS]] | None = None  # type: ignore[valid-type]
+    pcie_gen: int | None = Field(None, ge=1, le=6)
+    pcie_width: int | None = Field(None, ge=1, le=32)
+    pcie_tx_mb_s: float | None = Field(None, ge=0)  # MB/s, 10^6 bytes
+    pcie_rx_mb_s: float | None = Field(None, ge=0)
+    pcie_replay_count: float | None = Field(None, ge=0)  # a counter: ramp it to make it rise
+    ecc_corrected_total: float | None = Field(None, ge=0)
+    ecc_uncorrected_total: float | None = Field(None, ge=0)
+    persistence_mode: bool | None = None
+    nvlink_down: list[int] | None = None  # link indices that are inactive
+    processes: list[GpuProcess] | None = None
+    lost: bool | None = None  # fell off the bus: NVML answers GPU_IS_LOST
+    hung: bool | None = None  # NVML calls on this GPU block
+    xid: list[int] | None = None  # Xid events raised once, at the start of the phase
+
+
+RAMPABLE = {
+    name for name, f in GpuValues.model_fields.items()
+    if f.annotation in (float | None, int | None)
+}
+
+
+class LinkValues(Strict):
+    gen: int | None = Field(None, ge=1, le=6)
+    width: int | None = Field(None, ge=1, le=32)
+
+
+GpuSelector = Literal["all"] | list[int]
+
+
+class Change(Strict):
+    gpus: GpuSelector = "all"
+    set: GpuValues = GpuValues()
+    ramp: dict[str, tuple[float, float]] = {}  # value: [from, to] across the phase
+
+    @model_validator(mode="after")
+    def _rampable(self) -> Change:
+        for key in self.ramp:
+            if key not in RAMPABLE:
+                raise ValueError(f"ramp.{key}: not a numeric GPU value ({', '.join(sorted(RAMPABLE))})")
+        return self
+
+
+class Phase(Strict):
+    name: str
+    duration: Duration
+    # shorthand for a single change: gpus/set/ramp at the phase level
+    gpus: GpuSelector = "all"
+    set: GpuValues | None = None
+    ramp: dict[str, tuple[float, float]] | None = None
+    changes: list[Change] = []
+    bridges: dict[str, LinkValues] = {}  # bridge name (see Topology) -> link state
+
+    def all_changes(self) -> list[Change]:
+        if self.set is None and self.ramp is None:
+            return self.changes
+        single = Change(gpus=self.gpus, set=self.set or GpuValues(), ramp=self.ramp or {})
+        return [single, *self.changes]
+
+
+class Node(Strict):
+    hostname: str = "sim-node"
+    driver_version: str = "550.90.07"
+    cuda_driver_version: int = 12040  # as nvmlSystemGetCudaDriverVersion: 1000*major + 10*minor
+    gpu_model: str | GpuModel = "a100-sxm4-80gb"
+    gpu_count: int = Field(8, ge=0, le=256)
+    pcie_topology: Literal["switched", "direct"] = "switched"
+    numa_nodes: int = Field(2, ge=1)
+    cpus: int = Field(128, ge=1)
+    initial: GpuValues = GpuValues()
+
+    def model(self) -> GpuModel:
+        if isinstance(self.gpu_model, GpuModel):
+            return self.gpu_model
+        return BUILTIN_MODELS[self.gpu_model]
+
+    @model_validator(mode="after")
+    def _known_model(self) -> Node:
+        if isinstance(self.gpu_model, str) and self.gpu_model not in BUILTIN_MODELS:
+            raise ValueError(
+                f"gpu_model: unknown model {self.gpu_model!r} (built in: {', '.join(BUILTIN_MODELS)})"
+            )
+        return self
+
+
+class Expectation(Strict):
+    """Ground truth for the rules: `cause` fires on `gpus` (from `onset`, by `by`), or never."""
+
+    cause: str
+    gpus: GpuSelector = "all"
+    never: bool = False
+    onset: Duration | Literal[0] = 0  # when the fault starts: firing earlier is wrong
+    by: Duration | None = None  # must be firing by then
+
+
+class Scenario(Strict):
+    name: str
+    description: str = ""
+    node: Node = Node()
+    phases: list[Phase] = Field(min_length=1)
+    expect: list[Expectation] = []
+
+    @property
+    def duration(self) -> float:
+        return sum(p.duration for p in self.phases)
+
+
+# Everything a GPU starts with unless the node's `initial` or a phase says otherwise:
+# an idle, healthy datacenter GPU.
+IDLE_DEFAULTS = dict(
+    utilization_gpu=0.0, utilization_memory=0.0, memory_used_mib=0.0, temperature_c=32.0,
+    pstate=8, clock_event_reasons=["gpu_idle"], pcie_tx_mb_s=0.0, pcie_rx_mb_s=0.0,
+    pcie_replay_count=0.0, ecc_corrected_total=0.0, ecc_uncorrected_total=0.0,
+    persistence_mode=True, nvlink_down=[], processes=[], lost=False, hung=False, xid=[],
+)
+
+
+@dataclass(frozen=True)
+class PciFunction:
+    """One PCI function in the simulated tree: a GPU or a bridge above it."""
+
+    name: str  # "gpu3", "rp1", "sw1-up", "sw1-dp1"
+    bdf: str  # 0000:4e:00.0
+    parent: str | None  # name of the bridge above, None under the host bridge
+    domain_root: str  # the pciDDDD:BB directory it hangs from
+    max_gen: int
+    max_width: int
+    numa_node: int
+
+
+class Topology:
+    """The PCIe tree a node's GPUs sit in, derived from the node description.
+
+    switched: two GPUs per PCIe switch (upstream port + one downstream port per GPU),
+    each switch under its own CPU root port, as on HGX boards. direct: each GPU directly
+    under a root port.
+    """
+
+    def __init__(self, node: Node) -> None:
+        model = node.model()
+        self.functions: dict[str, PciFunction] = {}
+        self.gpu_names: list[str] = []
+        per_numa = max(1, -(-node.gpu_count // node.numa_nodes))
+        for i in range(node.gpu_count):
+            numa = min(i // per_numa, node.numa_nodes - 1)
+            if node.pcie_topology == "switched":
+                self._switched_gpu(i, numa, model)
+            else:
+                self._direct_gpu(i, numa, model)
+
+    def _add(self, fn: PciFunction) -> None:
+        self.functions.setdefault(fn.name, fn)
+
+    def _switched_gpu(self, i: int, numa: int, model: GpuModel) -> None:
+        sw, port = divmod(i, 2)
+        root_bus = 0x10 + 0x20 * sw  # each switch in its own root complex
+        root = f"pci0000:{root_bus:02x}"
+        gen = model.pcie_max_gen  # HGX switches match the GPUs' generation
+        rp = PciFunction(f"rp{sw}", f"0000:{root_bus:02x}:01.1", None, root, gen, 16, numa)
+        up = PciFunction(f"sw{sw}-up", f"0000:{root_bus + 1:02x}:00.0", rp.name, root, gen, 16, numa)
+        dp = PciFunction(
+            f"sw{sw}-dp{port}", f"0000:{root_bus + 2:02x}:{port * 8:02x}.0", up.name, root, gen, 16, numa
+        )
+        gpu = PciFunction(
+            f"gpu{i}", f"0000:{root_bus + 3 + port:02x}:00.0", dp.name, root,
+            model.pcie_max_gen, model.pcie_max_width, numa,
+        )
+        for fn in (rp, up, dp, gpu):
+            self._add(fn)
+        self.gpu_names.append(gpu.name)
+
+    def _direct_gpu(self, i: int, numa: int, model: GpuModel) -> None:
+        root_bus = 0x10 + 0x10 * i
+        root = f"pci0000:{root_bus:02x}"
+        gen = model.pcie_max_gen
+        rp = PciFunction(f"rp{i}", f"0000:{root_bus:02x}:01.1", None, root, gen, 16, numa)
+        gpu = PciFunction(
+            f"gpu{i}", f"0000:{root_bus + 1:02x}:00.0", rp.name, root,
+            model.pcie_max_gen, model.pcie_max_width, numa,
+        )
+        self._add(rp)
+        self._add(gpu)
+        self.gpu_names.append(gpu.name)
+
+    def gpu(self, index: int) -> PciFunction:
+        return self.functions[self.gpu_names[index]]
+
+    def path_to_root(self, name: str) -> list[PciFunction]:
+        """Root port first, `name` last."""
+        chain: list[PciFunction] = []
+        current: str | None = name
+        while current is not None:
+            fn = self.functions[current]
+            chain.append(fn)
+            current = fn.parent
+        return chain[::-1]
+
+    def bridges(self) -> list[PciFunction]:
+        return [fn for fn in self.functions.values() if not fn.name.startswith("gpu")]
+
+
+@dataclass
+class XidEvent:
+    time: float  # seconds since scenario start
+    gpu: int
+    xid: int
+
+
+class Timeline:
+    """Values of every GPU and bridge at virtual time t (seconds since scenario start)."""
+
+    def __init__(self, scenario: Scenario, loop: bool = False) -> None:
+        self.scenario = scenario
+        self.loop = loop
+        self.topology = Topology(scenario.node)
+        self._starts: list[float] = []
+        t = 0.0
+        for phase in scenario.phases:
+            self._starts.append(t)
+            t += phase.duration
+        self.duration = t
+        base = {**IDLE_DEFAULTS, **scenario.node.initial.model_dump(exclude_none=True)}
+        self._base = base
+        self._cache: tuple[float, list[dict[str, Any]], dict[str, dict[str, int]]] | None = None
+
+    def _local(self, t: float) -> float:
+        if self.loop and self.duration > 0:
+            return t % self.duration
+        return t
+
+    def _gpus(self, change: Change) -> range | list[int]:
+        count = self.scenario.node.gpu_count
+        if change.gpus == "all":
+            return range(count)
+        return [i for i in change.gpus if 0 <= i < count]
+
+    def state(self, t: float) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
+        """(per-GPU value dicts, bridge name -> {gen, width}) at time t."""
+        t = self._local(t)
+        if self._cache is not None and self._cache[0] == t:
+            return self._cache[1], self._cache[2]
+        model = self.scenario.node.model()
+        gpus = [dict(self._base) for _ in range(self.scenario.node.gpu_count)]
+        for values in gpus:
+            values.setdefault("pcie_gen", model.pcie_max_gen)
+            values.setdefault("pcie_width", model.pcie_max_width)
+            values.setdefault("power_w", model.power_limit_w * 0.15)
+            values.setdefault("sm_clock_mhz", 210.0)
+            values.setdefault("mem_clock_mhz", float(model.max_mem_clock_mhz))
+        bridges = {
+            fn.name: {"gen": fn.max_gen, "width": fn.max_width} for fn in self.topology.bridges()
+        }
+        for phase, start in zip(self.scenario.phases, self._starts):
+            if start > t:
+                break
+            progress = min(1.0, (t - start) / phase.duration)
+            for change in phase.all_changes():
+                fixed = change.set.model_dump(exclude_none=True)
+                fixed.pop("xid", None)  # events, not state
+                for i in self._gpus(change):
+                    gpus[i].update(fixed)
+                    for key, (a, b) in change.ramp.items():
+                        gpus[i][key] = a + (b - a) * progress
+            for name, link in phase.bridges.items():
+                if name in bridges:
+                    bridges[name].update(link.model_dump(exclude_none=True))
+        self._cache = (t, gpus, bridges)
+        return gpus, bridges
+
+    def xid_events(self, t0: float, t1: float) -> list[XidEvent]:
+        """Xid events raised in (t0, t1], in absolute (unlooped) seconds."""
+        events: list[XidEvent] = []
+        if t1 <= t0:
+            return events
+        period = self.duration if self.loop and self.duration > 0 else None
+        first_cycle = int(t0 // period) if period else 0
+        last_cycle = int(t1 // period) if period else 0
+        for cycle in range(first_cycle, last_cycle + 1):
+            offset = cycle * period if period else 0.0
+            for phase, start in zip(self.scenario.phases, self._starts):
+                for change in phase.all_changes():
+                    for xid in change.set.xid or []:
+                        at = offset + start
+                        if t0 < at <= t1:
+                            events.extend(XidEvent(at, i, xid) for i in self._gpus(change))
+        return events
+
+
+SCENARIO_PACKAGE = "gpuwatchd.sim.scenarios"
+
+
+def builtin_scenarios() -> list[str]:
+    files = resources.files(SCENARIO_PACKAGE).iterdir()
+    return sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml"))
+
+
+def load_scenario(name_or_path: str | Path) -> Scenario:
+    """A built-in scenario by name, or a scenario file by path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        where = str(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot read scenario: {e.strerror}") from e
+    else:
+        resource = resources.files(SCENARIO_PACKAGE) / f"{name_or_path}.yaml"
+        if not resource.is_file():
+            raise ConfigError(
+                f"unknown scenario {str(name_or_path)!r}: not a file, and not one of the "
+                f"built-in scenarios ({', '.join(builtin_scenarios())})"
+            )
+        where, text = f"built-in scenario {name_or_path}", resource.read_text()
+    try:
+        data = yaml.safe_load(text)
+        return Scenario.model_validate(data)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from e
+    except ValidationError as e:
+        problems = (
+            f"{where}: {'.'.join(str(p) for p in err['loc'])}: "
+            f"{err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors()
+        )
+        raise ConfigError("\n".join(problems)) from e
+
+
+__all__ = [
+    "CLOCK_EVENT_REASONS", "Expectation", "GpuValues", "Node", "Phase", "PciFunction",
+    "Scenario", "Timeline", "Topology", "XidEvent", "builtin_scenarios", "load_scenario",
+    "parse_duration",
+]
