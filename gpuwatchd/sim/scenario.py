@@ -271,6 +271,10 @@ class Timeline:
         self._base = base
         self._cache: tuple[float, list[dict[str, Any]], dict[str, dict[str, int]]] | None = None
 
+    def phases(self) -> list[tuple[float, Phase]]:
+        """(start, phase) in timeline order."""
+        return list(zip(self._starts, self.scenario.phases))
+
     def _local(self, t: float) -> float:
         if self.loop and self.duration > 0:
             return t % self.duration

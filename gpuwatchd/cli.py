@@ -1,0 +1,111 @@
+"""Command line: run, simulate (contracts in design.md)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gpuwatchd import __version__
+from gpuwatchd.config import Config, ConfigError, load_config
+from gpuwatchd.sim.scenario import Scenario, builtin_scenarios, load_scenario
+
+SCENARIO_HELP = "a built-in scenario's name or a path to a scenario file"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _load(config_file: Path | None, **overrides: Any) -> Config:
+    try:
+        return load_config(config_file, **overrides)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
+
+
+def _scenario(name: str) -> Scenario:
+    try:
+        return load_scenario(name)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
+
+
+config_option = click.option(
+    "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),
+    help="YAML configuration file (every key has a default)",
+)
+log_option = click.option(
+    "--log-level", default="info", show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gpuwatchd")
+def main() -> None:
+    """gpuwatchd: is this GPU starved, and on what?"""
+
+
+@main.command()
+@config_option
+@click.option("--listen", help="HOST:PORT to serve /metrics on (overrides the config)")
+@click.option("--simulate", "scenario_name", metavar="SCENARIO", help=f"serve a simulated node: {SCENARIO_HELP}")
+@log_option
+def run(config_file: Path | None, listen: str | None, scenario_name: str | None, log_level: str) -> None:
+    """Run the daemon: sample this node and serve Prometheus metrics."""
+    from gpuwatchd.daemon import Daemon
+
+    _setup_logging(log_level)
+    config = _load(config_file, listen=listen)
+    scenario = _scenario(scenario_name) if scenario_name else None
+    try:
+        daemon = Daemon(config, scenario)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {config.listen}: {e.strerror}") from e
+    stop = lambda *_: daemon._stop.set()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    daemon.start()
+    if scenario is not None:
+        click.echo(f"serving simulated node {scenario.name!r} on http://{config.listen}/metrics", err=True)
+    daemon.wait()
+    daemon.stop()
+
+
+@main.command()
+@click.argument("scenario_name", metavar="SCENARIO")
+@config_option
+@click.option("--until", type=float, help="stop after this many simulated seconds")
+@click.option("--metrics", is_flag=True, help="print the final /metrics exposition")
+@log_option
+def simulate(scenario_name: str, config_file: Path | None, until: float | None, metrics: bool, log_level: str) -> None:
+    """Replay SCENARIO in virtual time, as fast as the CPU allows.
+
+    SCENARIO is a built-in scenario's name or a path to a scenario file.
+    """
+    from gpuwatchd.simulate import Simulation, format_result
+
+    _setup_logging(log_level if log_level != "info" else "warning")
+    config = _load(config_file)
+    simulation = Simulation(_scenario(scenario_name), config)
+    try:
+        result = simulation.run(until=until)
+    finally:
+        simulation.close()
+    click.echo(format_result(result))
+    if metrics:
+        sys.stdout.write(result.exposition.decode())
+
+
+@main.command("scenarios")
+def list_scenarios() -> None:
+    """List the built-in scenarios."""
+    for name in builtin_scenarios():
+        click.echo(f"{name}: {' '.join(load_scenario(name).description.split())}")

@@ -1,0 +1,106 @@
+"""Wiring: config -> sources -> pollers -> store -> exporter -> HTTP, in real time."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from gpuwatchd.config import Config
+from gpuwatchd.exporter import Exporter, MetricsServer
+from gpuwatchd.metrics import MetricSpec
+from gpuwatchd.scheduler import Poller, ThreadedScheduler
+from gpuwatchd.sim.node import SimNode
+from gpuwatchd.sim.scenario import Scenario
+from gpuwatchd.sources import Context, Source, load_builtin_sources
+from gpuwatchd.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def build_sources(config: Config, context: Context) -> list[Source]:
+    registry = load_builtin_sources()
+    return [registry[name](cfg, context) for name, cfg in config.sources.enabled().items()]
+
+
+def all_specs(sources: list[Source]) -> list[MetricSpec]:
+    return [spec for source in sources for spec in source.metrics]
+
+
+class Pipeline:
+    """Sources, store, pollers and exporter for one node, real or simulated."""
+
+    def __init__(self, config: Config, context: Context, now: Callable[[], float]) -> None:
+        self.config = config
+        self.now = now
+        self.sources = build_sources(config, context)
+        self.store = Store(history_seconds=config.history)
+        self.pollers = [Poller(source, self.store, now) for source in self.sources]
+        self.exporter = Exporter(self.store, self.pollers, all_specs(self.sources), now)
+
+    def close(self) -> None:
+        for source in self.sources:
+            try:
+                source.close()
+            except Exception as e:  # closing must not stop the others from closing
+                log.warning("source %s: close failed: %s", source.name, e)
+
+
+class Daemon:
+    """`gpuwatchd run`: threads for the sources, the evaluation loop and the HTTP server."""
+
+    def __init__(self, config: Config, scenario: Scenario | None = None) -> None:
+        self.config = config
+        self.node = SimNode(scenario, virtual=False, loop=True) if scenario else None
+        if self.node is not None:
+            context, now = self.node.context(), self.node.clock.now
+        else:
+            context, now = Context(procfs=config.procfs, sysfs=config.sysfs), time.time
+        self.pipeline = Pipeline(config, context, now)
+        self.scheduler = ThreadedScheduler(self.pipeline.pollers)
+        host, port = config.listen_address()
+        self.server = MetricsServer(self.pipeline.exporter, host, port)
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self._evaluate_forever, name="evaluate", daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.address
+
+    def start(self) -> None:
+        self.scheduler.start()
+        self.pipeline.exporter.render()
+        self.server.start()
+        self._loop.start()
+        log.info("gpuwatchd listening on %s:%d", *self.address)
+
+    def evaluate_once(self) -> None:
+        if self.node is not None:
+            self.node.tick()
+        now = self.pipeline.now()
+        for poller in self.pipeline.pollers:
+            poller.check_hung(now)
+        self.pipeline.exporter.render()
+
+    def _evaluate_forever(self) -> None:
+        interval = self.config.evaluation_interval
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.evaluate_once()
+            except Exception:  # the loop must survive anything one cycle throws
+                log.exception("evaluation cycle failed")
+            next_at = max(next_at + interval, time.monotonic())
+            self._stop.wait(next_at - time.monotonic())
+
+    def wait(self) -> None:
+        self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.scheduler.stop()
+        self.server.stop()
+        self.pipeline.close()
+        if self.node is not None:
+            self.node.close()

@@ -1,0 +1,219 @@
+"""Renders what the store and the pollers hold into cached expositions, and serves them.
+
+The exporter never calls a source: `render()` runs once per evaluation cycle and swaps
+in new bytes; a scrape only picks the cached bytes for its content type. A slow or hung
+source therefore can never slow a scrape down.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import socket
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry
+from prometheus_client import generate_latest as render_text
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as render_openmetrics
+
+from gpuwatchd import __version__
+from gpuwatchd.metrics import MetricSpec, gauge
+from gpuwatchd.scheduler import Poller
+from gpuwatchd.store import Store
+
+log = logging.getLogger(__name__)
+
+TEXT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+SELF_METRICS = (
+    gauge("build_info", "gpuwatchd build; value is always 1", ("version",)),
+    gauge("source_up", "1 if the source's last poll succeeded and none is overdue", ("source",)),
+    gauge("source_duration_seconds", "How long the source's last poll took", ("source",)),
+    gauge(
+        "source_last_success_timestamp_seconds",
+        "Unix time of the source's last successful poll",
+        ("source",),
+    ),
+    MetricSpec(
+        "gpuwatchd_source_errors_total", "Failed or overdue polls per source", ("source",), "counter"
+    ),
+)
+
+
+def _family(spec: MetricSpec) -> Metric:
+    if spec.type == "counter":
+        return CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
+    return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+
+
+class _Snapshot:
+    """A prometheus_client collector over one moment of the store and the pollers."""
+
+    def __init__(self, exporter: Exporter) -> None:
+        self._exporter = exporter
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._exporter.families()
+
+
+@dataclass(frozen=True)
+class Exposition:
+    text: bytes
+    openmetrics: bytes
+    rendered_at: float
+
+
+class Exporter:
+    def __init__(
+        self,
+        store: Store,
+        pollers: list[Poller],
+        specs: Iterable[MetricSpec],
+        now: Callable[[], float],
+    ) -> None:
+        self.store = store
+        self.pollers = pollers
+        self.now = now
+        self.specs = {spec.name: spec for spec in (*SELF_METRICS, *specs)}
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(_Snapshot(self))
+        self._current = Exposition(b"", b"", float("nan"))
+        self._lock = threading.Lock()
+
+    def families(self) -> Iterator[Metric]:
+        now = self.now()
+        rows: dict[str, list[tuple[tuple[str, ...], float]]] = defaultdict(list)
+        for (name, labels), value in self.store.latest(now):
+            rows[name].append((labels, value))
+        rows[SELF_METRICS[0].name].append(((__version__,), 1.0))
+        for poller in self.pollers:
+            health, source = poller.health, (poller.name,)
+            rows["gpuwatchd_source_up"].append((source, float(health.up)))
+            rows["gpuwatchd_source_duration_seconds"].append((source, health.duration))
+            rows["gpuwatchd_source_errors_total"].append((source, float(health.errors_total)))
+            if health.last_success is not None:
+                rows["gpuwatchd_source_last_success_timestamp_seconds"].append(
+                    (source, health.last_success)
+                )
+        for name, spec in self.specs.items():
+            samples = rows.get(name)
+            if not samples:
+                continue
+            family = _family(spec)
+            for labels, value in sorted(samples):
+                family.add_metric(labels, value)
+            yield family
+
+    def render(self) -> Exposition:
+        text = render_text(self._registry)
+        openmetrics = render_openmetrics(self._registry)
+        exposition = Exposition(text, openmetrics, self.now())
+        with self._lock:
+            self._current = exposition
+        return exposition
+
+    @property
+    def current(self) -> Exposition:
+        with self._lock:
+            return self._current
+
+
+def wants_openmetrics(accept: str | None) -> bool:
+    return any(
+        part.split(";")[0].strip() == "application/openmetrics-text"
+        for part in (accept or "").split(",")
+    )
+
+
+LANDING = """<!doctype html>
+<html><head><meta charset="utf-8"><title>gpuwatchd</title></head>
+<body><h1>gpuwatchd {version}</h1>
+<p>Is this GPU starved, and on what?</p>
+<ul><li><a href="/metrics">/metrics</a></li><li><a href="/healthz">/healthz</a></li></ul>
+<h2>Sources</h2>
+<table><tr><th>source</th><th>up</th><th>last error</th></tr>{rows}</table>
+</body></html>
+"""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    exporter: Exporter  # set on the subclass made per server
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            current = self.exporter.current
+            if wants_openmetrics(self.headers.get("Accept")):
+                self._send(HTTPStatus.OK, OPENMETRICS_TYPE, current.openmetrics)
+            else:
+                self._send(HTTPStatus.OK, TEXT_TYPE, current.text)
+        elif path == "/healthz":
+            self._healthz()
+        elif path == "/":
+            self._send(HTTPStatus.OK, "text/html; charset=utf-8", self._landing())
+        else:
+            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"not found\n")
+
+    def _healthz(self) -> None:
+        """Healthy while the render loop is alive; sources being down is not unhealthy."""
+        current = self.exporter.current
+        age = self.exporter.now() - current.rendered_at
+        lines = [f"source {p.name}: {'up' if p.health.up else 'down'}" for p in self.exporter.pollers]
+        if age <= 30:
+            self._send(HTTPStatus.OK, "text/plain; charset=utf-8", ("ok\n" + "\n".join(lines) + "\n").encode())
+        else:
+            body = f"exposition not rendered for {age:.0f}s\n".encode()
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, "text/plain; charset=utf-8", body)
+
+    def _landing(self) -> bytes:
+        rows = "".join(
+            f"<tr><td>{html.escape(p.name)}</td><td>{'yes' if p.health.up else 'no'}</td>"
+            f"<td>{html.escape(p.health.last_error or '')}</td></tr>"
+            for p in self.exporter.pollers
+        )
+        return LANDING.format(version=__version__, rows=rows).encode()
+
+    def _send(self, status: HTTPStatus, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("http: " + format, *args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class MetricsServer:
+    """The HTTP endpoint, on its own threads; `address` is the bound (host, port)."""
+
+    def __init__(self, exporter: Exporter, host: str, port: int) -> None:
+        handler = type("Handler", (_Handler,), {"exporter": exporter})
+        server_cls = _Server6 if ":" in host else _Server
+        self._server = server_cls((host, port), handler)
+        self.address = self._server.server_address[:2]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

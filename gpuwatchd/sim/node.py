@@ -1,0 +1,41 @@
+"""A simulated node: the scenario's timeline rendered as a fake NVML and real-format trees."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from gpuwatchd.sim.clock import SimClock
+from gpuwatchd.sim.fake_nvml import make_pynvml
+from gpuwatchd.sim.scenario import Scenario, Timeline
+from gpuwatchd.sim.sysfs import SysfsWriter
+from gpuwatchd.sources.base import Context
+
+
+class SimNode:
+    """Everything a source can observe on the simulated node, at the clock's time.
+
+    The sources run unchanged against it: the NVML source gets a private copy of the
+    real pynvml whose C library is the fake, file sources get roots under a temporary
+    directory that `tick()` keeps in step with the timeline.
+    """
+
+    def __init__(self, scenario: Scenario, virtual: bool, loop: bool = False) -> None:
+        self.scenario = scenario
+        self.timeline = Timeline(scenario, loop=loop)
+        self.clock = SimClock(virtual=virtual)
+        self.root = Path(tempfile.mkdtemp(prefix=f"gpuwatchd-sim-{scenario.name}-"))
+        self.pynvml = make_pynvml(self.timeline, self.clock)
+        self._sysfs = SysfsWriter(self.root / "sys", self.timeline)
+        self.tick()
+
+    def context(self) -> Context:
+        return Context(procfs=self.root / "proc", sysfs=self.root / "sys", pynvml=self.pynvml)
+
+    def tick(self) -> None:
+        """Bring the written trees up to the clock's time."""
+        self._sysfs.write(self.clock.elapsed())
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

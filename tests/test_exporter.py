@@ -1,0 +1,182 @@
+"""The exporter and HTTP server, through real HTTP, with a small real Source."""
+
+import threading
+import urllib.request
+
+import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+from gpuwatchd.config import SourceConfig
+from gpuwatchd.exporter import Exporter, MetricsServer, wants_openmetrics
+from gpuwatchd.metrics import Sample, counter, gauge
+from gpuwatchd.scheduler import Poller
+from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.store import Store
+
+
+class Scripted(Source):
+    """Returns whatever the test put in `next`; raises it if it is an exception."""
+
+    name = "scripted"
+    metrics = (
+        gauge("gpu_temperature_celsius", "Temperature", ("gpu", "uuid")),
+        counter("gpu_xid_errors_total", "Xid errors", ("gpu", "uuid", "xid")),
+    )
+
+    def __init__(self) -> None:
+        super().__init__(SourceConfig(interval=1, timeout=1), Context())
+        self.next: list[Sample] | Exception = []
+
+    def collect(self) -> list[Sample]:
+        if isinstance(self.next, Exception):
+            raise self.next
+        return self.next
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def setup():
+    clock, source, store = Clock(), Scripted(), Store()
+    poller = Poller(source, store, clock)
+    exporter = Exporter(store, [poller], source.metrics, clock)
+    return clock, source, poller, exporter
+
+
+def families(text: bytes) -> dict:
+    return {f.name: f for f in parse_text(text.decode())}
+
+
+def test_renders_samples_self_metrics_and_build_info(setup):
+    clock, source, poller, exporter = setup
+    source.next = [
+        Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 61.0),
+        Sample("gpuwatchd_gpu_xid_errors_total", ("0", "GPU-a", "79"), 2.0),
+    ]
+    poller.poll()
+    got = families(exporter.render().text)
+    temp = got["gpuwatchd_gpu_temperature_celsius"]
+    assert temp.type == "gauge"
+    assert [(s.labels, s.value) for s in temp.samples] == [({"gpu": "0", "uuid": "GPU-a"}, 61.0)]
+    xid = got["gpuwatchd_gpu_xid_errors"]
+    assert xid.type == "counter"
+    assert xid.samples[0].name == "gpuwatchd_gpu_xid_errors_total"
+    assert got["gpuwatchd_source_up"].samples[0].value == 1.0
+    assert got["gpuwatchd_source_last_success_timestamp_seconds"].samples[0].value == 1000.0
+    assert got["gpuwatchd_build_info"].samples[0].labels["version"]
+
+
+def test_failed_source_is_down_and_counts_errors_and_keeps_others(setup, caplog):
+    clock, source, poller, exporter = setup
+    source.next = SourceError("driver not loaded")
+    for _ in range(3):
+        poller.poll()
+    got = families(exporter.render().text)
+    assert got["gpuwatchd_source_up"].samples[0].value == 0.0
+    assert got["gpuwatchd_source_errors"].samples[0].value == 3.0
+    assert [r.message for r in caplog.records].count("source scripted: down: SourceError: driver not loaded") == 1
+
+
+def test_stale_series_disappear_while_source_stays_listed(setup):
+    clock, source, poller, exporter = setup
+    source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 61.0)]
+    poller.poll()
+    clock.t += 10  # well past 3 intervals with no successful poll
+    got = families(exporter.render().text)
+    assert "gpuwatchd_gpu_temperature_celsius" not in got
+    assert "gpuwatchd_source_up" in got
+
+
+def test_openmetrics_rendering_parses(setup):
+    clock, source, poller, exporter = setup
+    source.next = [Sample("gpuwatchd_gpu_xid_errors_total", ("0", "GPU-a", "79"), 1.0)]
+    poller.poll()
+    text = exporter.render().openmetrics.decode()
+    assert text.endswith("# EOF\n")
+    names = {f.name for f in parse_openmetrics(text)}
+    assert {"gpuwatchd_gpu_xid_errors", "gpuwatchd_source_up"} <= names
+
+
+@pytest.mark.parametrize("accept, expected", [
+    (None, False),
+    ("text/plain;version=0.0.4", False),
+    ("application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.4", True),
+])
+def test_content_negotiation(accept, expected):
+    assert wants_openmetrics(accept) is expected
+
+
+def get(url: str, accept: str | None = None) -> tuple[int, str, bytes]:
+    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.headers["Content-Type"], response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read()
+
+
+def test_http_endpoints_serve_cached_bytes(setup):
+    clock, source, poller, exporter = setup
+    source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 61.0)]
+    poller.poll()
+    exporter.render()
+    server = MetricsServer(exporter, "127.0.0.1", 0)
+    server.start()
+    try:
+        base = "http://%s:%d" % server.address
+        status, ctype, body = get(base + "/metrics")
+        assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
+        assert b'gpuwatchd_gpu_temperature_celsius{gpu="0",uuid="GPU-a"} 61.0' in body
+        # a scrape never renders: new samples show only after the next render
+        source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 70.0)]
+        poller.poll()
+        assert get(base + "/metrics")[2] == body
+        exporter.render()
+        assert b"} 70.0" in get(base + "/metrics")[2]
+        status, ctype, body = get(base + "/metrics", "application/openmetrics-text; version=1.0.0")
+        assert ctype.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
+        status, _, body = get(base + "/healthz")
+        assert status == 200 and b"source scripted: up" in body
+        status, ctype, body = get(base + "/")
+        assert status == 200 and b"/metrics" in body and ctype.startswith("text/html")
+        assert get(base + "/nope")[0] == 404
+        clock.t += 3600
+        assert get(base + "/healthz")[0] == 503
+    finally:
+        server.stop()
+
+
+def test_hung_source_reported_down_once_and_recovers(setup, caplog):
+    clock, source, poller, exporter = setup
+    entered, release = threading.Event(), threading.Event()
+
+    class Hanging(Scripted):
+        def collect(self):
+            entered.set()
+            release.wait(30)
+            return [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 50.0)]
+
+    hanging = Hanging()
+    poller = Poller(hanging, exporter.store, clock)
+    exporter.pollers[:] = [poller]
+    thread = threading.Thread(target=poller.poll)
+    thread.start()
+    assert entered.wait(5)
+    clock.t += 0.5
+    poller.check_hung(clock())
+    assert poller.health.errors_total == 0  # within its timeout
+    clock.t += 1.0
+    poller.check_hung(clock())
+    poller.check_hung(clock())
+    assert not poller.health.up and poller.health.errors_total == 1
+    assert families(exporter.render().text)["gpuwatchd_source_up"].samples[0].value == 0.0
+    release.set()
+    thread.join(5)
+    assert poller.health.up

@@ -1,0 +1,55 @@
+from gpuwatchd.metrics import Sample
+from gpuwatchd.store import Store
+
+GPU0 = ("0", "GPU-a")
+
+
+def util(value: float) -> Sample:
+    return Sample("gpuwatchd_gpu_utilization_ratio", GPU0, value)
+
+
+def test_latest_and_window():
+    store = Store(history_seconds=60)
+    store.register_source("nvml", stale_after=10)
+    for t in range(0, 100, 5):
+        store.update("nvml", float(t), [util(t / 100)])
+    assert store.get(*util(0)[:2]) == 0.95
+    points = store.window("gpuwatchd_gpu_utilization_ratio", GPU0, since=80)
+    assert points == [(80.0, 0.8), (85.0, 0.85), (90.0, 0.9), (95.0, 0.95)]
+
+
+def test_history_is_bounded_by_time_and_points():
+    store = Store(history_seconds=30, max_points=4)
+    for t in range(1000):
+        store.update("nvml", float(t), [util(0.5)])
+    assert len(store.window("gpuwatchd_gpu_utilization_ratio", GPU0, since=0)) == 4
+    store = Store(history_seconds=30, max_points=10_000)
+    for t in range(1000):
+        store.update("nvml", float(t), [util(0.5)])
+    assert len(store.window("gpuwatchd_gpu_utilization_ratio", GPU0, since=0)) == 31
+
+
+def test_series_a_source_stops_reporting_disappear():
+    store = Store()
+    store.update("nvml", 0.0, [util(0.5), Sample("gpuwatchd_gpu_power_watts", GPU0, 300.0)])
+    store.update("nvml", 1.0, [util(0.6)])
+    assert store.get("gpuwatchd_gpu_power_watts", GPU0) is None
+    assert store.series_count() == 1
+    assert [key for key, _ in store.latest(1.0)] == [("gpuwatchd_gpu_utilization_ratio", GPU0)]
+
+
+def test_sources_do_not_clobber_each_other():
+    store = Store()
+    store.update("nvml", 0.0, [util(0.5)])
+    store.update("pcie", 0.0, [Sample("gpuwatchd_pcie_link_width", ("0000:34:00.0",), 16.0)])
+    store.update("nvml", 1.0, [util(0.7)])
+    assert store.get("gpuwatchd_pcie_link_width", ("0000:34:00.0",)) == 16.0
+
+
+def test_stale_source_is_left_out_of_latest():
+    store = Store()
+    store.register_source("nvml", stale_after=3)
+    store.update("nvml", 10.0, [util(0.5)])
+    assert len(list(store.latest(13.0))) == 1
+    assert list(store.latest(13.5)) == []
+    assert store.is_stale("never-polled", 0.0)
