@@ -69,12 +69,12 @@ def run(config_file: Path | None, listen: str | None, scenario_name: str | None,
         daemon = Daemon(config, scenario)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {config.listen}: {e.strerror}") from e
-    stop = lambda *_: daemon._stop.set()  # noqa: E731
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: daemon.request_stop())
     daemon.start()
-    if scenario is not None:
-        click.echo(f"serving simulated node {scenario.name!r} on http://{config.listen}/metrics", err=True)
+    host, port = daemon.address
+    what = f"simulated node {scenario.name!r}" if scenario else "this node"
+    click.echo(f"gpuwatchd: serving {what} on http://{host}:{port}/metrics", err=True)
     daemon.wait()
     daemon.stop()
 

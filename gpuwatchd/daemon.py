@@ -73,7 +73,6 @@ class Daemon:
         self.pipeline.exporter.render()
         self.server.start()
         self._loop.start()
-        log.info("gpuwatchd listening on %s:%d", *self.address)
 
     def evaluate_once(self) -> None:
         if self.node is not None:
@@ -93,6 +92,9 @@ class Daemon:
                 log.exception("evaluation cycle failed")
             next_at = max(next_at + interval, time.monotonic())
             self._stop.wait(next_at - time.monotonic())
+
+    def request_stop(self) -> None:
+        self._stop.set()
 
     def wait(self) -> None:
         self._stop.wait()

@@ -54,6 +54,9 @@ class GpuValues(Strict):
     pcie_replay_count: float | None = Field(None, ge=0)  # a counter: ramp it to make it rise
     ecc_corrected_total: float | None = Field(None, ge=0)
     ecc_uncorrected_total: float | None = Field(None, ge=0)
+    aer_correctable_total: float | None = Field(None, ge=0)  # AER counters of the GPU function
+    aer_nonfatal_total: float | None = Field(None, ge=0)
+    aer_fatal_total: float | None = Field(None, ge=0)
     persistence_mode: bool | None = None
     nvlink_down: list[int] | None = None  # link indices that are inactive
     processes: list[GpuProcess] | None = None
@@ -76,6 +79,12 @@ class LinkValues(Strict):
 GpuSelector = Literal["all"] | list[int]
 
 
+def _check_ramp(ramp: dict[str, tuple[float, float]] | None) -> None:
+    for key in ramp or {}:
+        if key not in RAMPABLE:
+            raise ValueError(f"ramp.{key}: not a numeric GPU value ({', '.join(sorted(RAMPABLE))})")
+
+
 class Change(Strict):
     gpus: GpuSelector = "all"
     set: GpuValues = GpuValues()
@@ -83,9 +92,7 @@ class Change(Strict):
 
     @model_validator(mode="after")
     def _rampable(self) -> Change:
-        for key in self.ramp:
-            if key not in RAMPABLE:
-                raise ValueError(f"ramp.{key}: not a numeric GPU value ({', '.join(sorted(RAMPABLE))})")
+        _check_ramp(self.ramp)
         return self
 
 
@@ -98,6 +105,11 @@ class Phase(Strict):
     ramp: dict[str, tuple[float, float]] | None = None
     changes: list[Change] = []
     bridges: dict[str, LinkValues] = {}  # bridge name (see Topology) -> link state
+
+    @model_validator(mode="after")
+    def _rampable(self) -> Phase:
+        _check_ramp(self.ramp)
+        return self
 
     def all_changes(self) -> list[Change]:
         if self.set is None and self.ramp is None:
@@ -159,6 +171,7 @@ IDLE_DEFAULTS = dict(
     utilization_gpu=0.0, utilization_memory=0.0, memory_used_mib=0.0, temperature_c=32.0,
     pstate=8, clock_event_reasons=["gpu_idle"], pcie_tx_mb_s=0.0, pcie_rx_mb_s=0.0,
     pcie_replay_count=0.0, ecc_corrected_total=0.0, ecc_uncorrected_total=0.0,
+    aer_correctable_total=0.0, aer_nonfatal_total=0.0, aer_fatal_total=0.0,
     persistence_mode=True, nvlink_down=[], processes=[], lost=False, hung=False, xid=[],
 )
 
@@ -201,16 +214,19 @@ class Topology:
 
     def _switched_gpu(self, i: int, numa: int, model: GpuModel) -> None:
         sw, port = divmod(i, 2)
-        root_bus = 0x10 + 0x20 * sw  # each switch in its own root complex
-        root = f"pci0000:{root_bus:02x}"
+        # bus numbers stop at 0xff: 8 switches per PCI domain (segment), as large nodes do
+        domain, slot = divmod(sw, 8)
+        root_bus = 0x10 + 0x20 * slot  # each switch in its own root complex
+        root, d = f"pci{domain:04x}:{root_bus:02x}", f"{domain:04x}"
         gen = model.pcie_max_gen  # HGX switches match the GPUs' generation
-        rp = PciFunction(f"rp{sw}", f"0000:{root_bus:02x}:01.1", None, root, gen, 16, numa)
-        up = PciFunction(f"sw{sw}-up", f"0000:{root_bus + 1:02x}:00.0", rp.name, root, gen, 16, numa)
+        rp = PciFunction(f"rp{sw}", f"{d}:{root_bus:02x}:01.1", None, root, gen, 16, numa)
+        up = PciFunction(f"sw{sw}-up", f"{d}:{root_bus + 1:02x}:00.0", rp.name, root, gen, 16, numa)
         dp = PciFunction(
-            f"sw{sw}-dp{port}", f"0000:{root_bus + 2:02x}:{port * 8:02x}.0", up.name, root, gen, 16, numa
+            f"sw{sw}-dp{port}", f"{d}:{root_bus + 2:02x}:{port * 8:02x}.0", up.name, root,
+            gen, 16, numa,
         )
         gpu = PciFunction(
-            f"gpu{i}", f"0000:{root_bus + 3 + port:02x}:00.0", dp.name, root,
+            f"gpu{i}", f"{d}:{root_bus + 3 + port:02x}:00.0", dp.name, root,
             model.pcie_max_gen, model.pcie_max_width, numa,
         )
         for fn in (rp, up, dp, gpu):
@@ -218,12 +234,13 @@ class Topology:
         self.gpu_names.append(gpu.name)
 
     def _direct_gpu(self, i: int, numa: int, model: GpuModel) -> None:
-        root_bus = 0x10 + 0x10 * i
-        root = f"pci0000:{root_bus:02x}"
+        domain, slot = divmod(i, 15)  # 15 root ports per PCI domain: bus numbers stop at 0xff
+        root_bus = 0x10 + 0x10 * slot
+        root, d = f"pci{domain:04x}:{root_bus:02x}", f"{domain:04x}"
         gen = model.pcie_max_gen
-        rp = PciFunction(f"rp{i}", f"0000:{root_bus:02x}:01.1", None, root, gen, 16, numa)
+        rp = PciFunction(f"rp{i}", f"{d}:{root_bus:02x}:01.1", None, root, gen, 16, numa)
         gpu = PciFunction(
-            f"gpu{i}", f"0000:{root_bus + 1:02x}:00.0", rp.name, root,
+            f"gpu{i}", f"{d}:{root_bus + 1:02x}:00.0", rp.name, root,
             model.pcie_max_gen, model.pcie_max_width, numa,
         )
         self._add(rp)

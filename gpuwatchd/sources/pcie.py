@@ -1,0 +1,306 @@
+"""PCIe link state of every NVIDIA GPU and of each bridge above it, read from sysfs.
+
+No root, no lspci, no NVML: only world-readable files under `<sysfs>/bus/pci/devices`
+(`context.sysfs`, like node_exporter's --path.sysfs). Every poll lists that directory;
+a function is a GPU when its `vendor` is 0x10de and its `class` is 0x03xxxx (VGA or 3D
+controller; NVSwitches, 0x0680xx, are not). For a GPU seen for the first time the
+symlink is resolved (`../../../devices/pci0000:30/0000:30:01.1/0000:31:00.0/...`) and
+the parent directories whose names are PCI addresses are the bridges on its path, up to
+the root port; that walk is cached until the GPU leaves the listing.
+
+Per function (the GPU, role "gpu", and each bridge, role "bridge"), per poll:
+`current_link_speed`, `max_link_speed` ("16.0 GT/s PCIe", older kernels "8 GT/s" or
+"2.5 GT/s", "Unknown" / "Unknown speed"), `current_link_width`, `max_link_width`
+("16"; "0" while the link is down), and `aer_dev_{correctable,nonfatal,fatal}` where
+the kernel has AER stats (their `TOTAL_ERR_*` lines); per GPU `numa_node` (-1: none).
+A bridge shared by several GPUs is read once per poll and reported under each GPU, so
+every series can be joined to a GPU by `gpu_bus_id` alone.
+
+A missing or garbled file drops only the series it feeds; one bad device never fails
+the poll. Only a missing `bus/pci/devices` directory fails it (SourceError).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+from gpuwatchd.config import SourceConfig
+from gpuwatchd.metrics import Sample, counter, gauge
+from gpuwatchd.sources import register
+from gpuwatchd.sources.base import Context, Source, SourceError
+
+NVIDIA_VENDOR = 0x10DE
+DISPLAY_CLASS = 0x03  # PCI base class: display controller (0x0300 VGA, 0x0302 3D)
+
+# Link speed (GT/s, x10 to compare exactly) -> PCIe generation
+_GENERATIONS = {25: 1, 50: 2, 80: 3, 160: 4, 320: 5, 640: 6}
+# Link widths the PCIe spec defines; anything else (0: link down, 63: all-ones read of
+# a device gone from the bus) is unknown
+_WIDTHS = frozenset({1, 2, 4, 8, 12, 16, 32})
+_AER_FILES = (
+    ("aer_dev_correctable", "TOTAL_ERR_COR", "correctable"),
+    ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL", "nonfatal"),
+    ("aer_dev_fatal", "TOTAL_ERR_FATAL", "fatal"),
+)
+
+_SPEED = re.compile(r"([0-9]{1,3}(?:\.[0-9]{1,3})?) ?GT/s(?: PCIe)?")
+_WIDTH = re.compile(r"x?([0-9]{1,3})")
+_AER_LINE = re.compile(r"(\S+) ([0-9]{1,20})")
+_NUMA = re.compile(r"-?[0-9]{1,6}")
+_HEX = re.compile(r"(?:0x)?([0-9a-fA-F]{1,8})")
+# domain (4 hex digits, more under Intel VMD), bus, device, function
+BDF = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-1][0-9a-f]\.[0-7]")
+
+
+def parse_link_speed(text: str) -> float | None:
+    """GT/s from a `*_link_speed` file ("16.0 GT/s PCIe\\n", "8 GT/s"); None if unknown."""
+    match = _SPEED.fullmatch(text.strip())
+    if match is None:
+        return None
+    value = float(match.group(1))
+    return value if value > 0 and math.isfinite(value) else None
+
+
+def link_generation(gt_per_s: float | None) -> int | None:
+    """PCIe generation of a link speed in GT/s (2.5 -> 1 ... 64 -> 6); None if not one."""
+    if gt_per_s is None:
+        return None
+    return _GENERATIONS.get(round(gt_per_s * 10))
+
+
+def parse_link_width(text: str) -> int | None:
+    """Lanes from a `*_link_width` file ("16\\n"); None for 0 (link down) or garbage."""
+    match = _WIDTH.fullmatch(text.strip())
+    if match is None:
+        return None
+    width = int(match.group(1))
+    return width if width in _WIDTHS else None
+
+
+def parse_aer(text: str) -> dict[str, int]:
+    """Every "<name> <count>" line of an `aer_dev_*` file ("RxErr 0", "TOTAL_ERR_COR 2").
+
+    Lines that are not a name and a decimal count are skipped; garbage gives {}.
+    """
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        match = _AER_LINE.fullmatch(line.strip())
+        if match is not None:
+            counts[match.group(1)] = int(match.group(2))
+    return counts
+
+
+def parse_numa_node(text: str) -> int | None:
+    """A `numa_node` file: the node, -1 for none (any negative), None if garbled."""
+    match = _NUMA.fullmatch(text.strip())
+    if match is None:
+        return None
+    return max(-1, int(match.group(0)))
+
+
+def parse_hex(text: str) -> int | None:
+    """A `vendor` / `device` / `class` file ("0x10de\\n")."""
+    match = _HEX.fullmatch(text.strip())
+    return None if match is None else int(match.group(1), 16)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8192).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class PciFunction:
+    bdf: str  # lowercase 0000:34:00.0
+    path: str  # its resolved directory under <sysfs>/devices
+    role: str  # "gpu" | "bridge"
+
+
+@dataclass
+class LinkReading:
+    """What one function's files said this poll; None where a file was missing or garbled."""
+
+    speed: float | None = None
+    speed_max: float | None = None
+    width: int | None = None
+    width_max: int | None = None
+    aer: dict[str, int] = field(default_factory=dict)  # severity -> TOTAL_ERR_* count
+
+    @property
+    def generation(self) -> int | None:
+        return link_generation(self.speed)
+
+    @property
+    def generation_max(self) -> int | None:
+        return link_generation(self.speed_max)
+
+    def degraded(self) -> bool | None:
+        """Generation or width below the maximum; None when that cannot be told."""
+        pairs = ((self.generation, self.generation_max), (self.width, self.width_max))
+        known = [(cur, top) for cur, top in pairs if cur is not None and top is not None]
+        if any(cur < top for cur, top in known):
+            return True
+        return False if len(known) == len(pairs) else None
+
+
+def read_link(path: str) -> LinkReading:
+    def text(name: str) -> str:
+        return _read(os.path.join(path, name)) or ""
+
+    reading = LinkReading(
+        speed=parse_link_speed(text("current_link_speed")),
+        speed_max=parse_link_speed(text("max_link_speed")),
+        width=parse_link_width(text("current_link_width")),
+        width_max=parse_link_width(text("max_link_width")),
+    )
+    for file, total, severity in _AER_FILES:
+        content = _read(os.path.join(path, file))
+        if content is not None:
+            value = parse_aer(content).get(total)
+            if value is not None:
+                reading.aer[severity] = value
+    return reading
+
+
+_LINK_LABELS = ("gpu_bus_id", "device", "role")
+
+
+@register
+class PcieSource(Source):
+    name = "pcie"
+    metrics = (
+        gauge("pcie_link_generation", "Current PCIe link generation (1-6) of the function.",
+              _LINK_LABELS),
+        gauge("pcie_link_generation_max", "Maximum PCIe link generation the function supports.",
+              _LINK_LABELS),
+        gauge("pcie_link_speed_transfers_per_second",
+              "Current PCIe link speed, transfers per second per lane.", _LINK_LABELS),
+        gauge("pcie_link_speed_max_transfers_per_second",
+              "Maximum PCIe link speed the function supports, transfers per second per lane.",
+              _LINK_LABELS),
+        gauge("pcie_link_width", "Current PCIe link width, lanes.", _LINK_LABELS),
+        gauge("pcie_link_width_max", "Maximum PCIe link width the function supports, lanes.",
+              _LINK_LABELS),
+        gauge("pcie_link_degraded",
+              "1 if the function's link runs below its maximum generation or width.",
+              _LINK_LABELS),
+        counter("pcie_aer_errors_total",
+                "PCIe AER errors the function reported (kernel aer_dev_* TOTAL_ERR_*).",
+                ("gpu_bus_id", "device", "severity")),
+        gauge("pcie_gpu_numa_node", "NUMA node of the GPU's PCIe attachment, -1 for none.",
+              ("gpu_bus_id",)),
+    )
+
+    def __init__(self, config: SourceConfig, context: Context) -> None:
+        super().__init__(config, context)
+        self.devices_dir = os.path.join(os.fspath(context.sysfs), "bus", "pci", "devices")
+        # entry name in bus/pci/devices -> its path (GPU first, root port last), or None
+        # for a function that is not a GPU
+        self._paths: dict[str, tuple[PciFunction, ...] | None] = {}
+
+    def gpus(self) -> list[tuple[PciFunction, ...]]:
+        """The path of every GPU found by the last poll: the GPU first, the root port last."""
+        return [path for path in self._paths.values() if path is not None]
+
+    def collect(self) -> list[Sample]:
+        try:
+            entries = os.listdir(self.devices_dir)
+        except FileNotFoundError as e:
+            raise SourceError(
+                f"{self.devices_dir} does not exist: is sysfs mounted at {self.context.sysfs}? "
+                "(set `sysfs:` in the config to where it is)"
+            ) from e
+        except OSError as e:
+            raise SourceError(f"cannot list {self.devices_dir}: {e.strerror or e}") from e
+        self._refresh(entries)
+
+        samples: list[Sample] = []
+        readings: dict[str, LinkReading] = {}  # a shared bridge is read once per poll
+        for name in sorted(entries):
+            path = self._paths.get(name)
+            if not path:
+                continue
+            gpu = path[0]
+            for fn in path:
+                reading = readings.get(fn.path)
+                if reading is None:
+                    reading = readings[fn.path] = read_link(fn.path)
+                self._link_samples(samples, gpu.bdf, fn, reading)
+            numa_text = _read(os.path.join(gpu.path, "numa_node"))
+            numa = None if numa_text is None else parse_numa_node(numa_text)
+            if numa is not None:
+                samples.append(Sample(
+                    "gpuwatchd_pcie_gpu_numa_node", (gpu.bdf,), float(numa)
+                ))
+        return samples
+
+    def _refresh(self, entries: list[str]) -> None:
+        """Walk functions new to the listing; forget the ones that left it."""
+        present = set(entries)
+        for gone in [name for name in self._paths if name not in present]:
+            del self._paths[gone]
+        for name in entries:
+            if name in self._paths:
+                continue
+            entry = os.path.join(self.devices_dir, name)
+            vendor = parse_hex(_read(os.path.join(entry, "vendor")) or "")
+            pci_class = parse_hex(_read(os.path.join(entry, "class")) or "")
+            if vendor is None or pci_class is None:
+                continue  # unreadable now: look again next poll
+            if vendor != NVIDIA_VENDOR or pci_class >> 16 != DISPLAY_CLASS:
+                self._paths[name] = None
+                continue
+            resolved = os.path.realpath(entry)
+            if not os.path.isdir(resolved):
+                continue
+            self._paths[name] = walk_to_root(resolved)
+
+    @staticmethod
+    def _link_samples(
+        samples: list[Sample], gpu_bus_id: str, fn: PciFunction, reading: LinkReading
+    ) -> None:
+        labels = (gpu_bus_id, fn.bdf, fn.role)
+        values = (
+            ("gpuwatchd_pcie_link_generation", reading.generation),
+            ("gpuwatchd_pcie_link_generation_max", reading.generation_max),
+            ("gpuwatchd_pcie_link_speed_transfers_per_second",
+             None if reading.speed is None else reading.speed * 1e9),
+            ("gpuwatchd_pcie_link_speed_max_transfers_per_second",
+             None if reading.speed_max is None else reading.speed_max * 1e9),
+            ("gpuwatchd_pcie_link_width", reading.width),
+            ("gpuwatchd_pcie_link_width_max", reading.width_max),
+        )
+        for metric, value in values:
+            if value is not None:
+                samples.append(Sample(metric, labels, float(value)))
+        degraded = reading.degraded()
+        if degraded is not None:
+            samples.append(Sample("gpuwatchd_pcie_link_degraded", labels, float(degraded)))
+        for severity, count in reading.aer.items():
+            samples.append(Sample(
+                "gpuwatchd_pcie_aer_errors_total", (gpu_bus_id, fn.bdf, severity), float(count)
+            ))
+
+
+def walk_to_root(resolved: str) -> tuple[PciFunction, ...]:
+    """The GPU at `resolved` and every bridge above it whose directory is a PCI address."""
+    gpu = PciFunction(os.path.basename(resolved).lower(), resolved, "gpu")
+    path = [gpu]
+    parent = os.path.dirname(resolved)
+    while BDF.fullmatch(os.path.basename(parent).lower()):
+        path.append(PciFunction(os.path.basename(parent).lower(), parent, "bridge"))
+        parent = os.path.dirname(parent)
+    return tuple(path)
+
+
+__all__ = [
+    "BDF", "LinkReading", "PciFunction", "PcieSource", "link_generation", "parse_aer",
+    "parse_hex", "parse_link_speed", "parse_link_width", "parse_numa_node", "read_link",
+    "walk_to_root",
+]

@@ -1,0 +1,130 @@
+"""`gpuwatchd run --simulate healthy-8gpu`: the whole path from a (simulated) GPU to a scrape.
+
+The daemon runs as a real subprocess through the console entry point; the test scrapes
+it over HTTP and checks every metric family for all 8 GPUs against the scenario.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon_process import running_daemon
+from gpuwatchd.sim.scenario import Timeline, load_scenario
+
+MIB = 2**20
+GPU_FAMILIES = {
+    # family: expected value on every GPU of healthy-8gpu (None: only presence is checked)
+    "gpuwatchd_gpu_info": 1,
+    "gpuwatchd_gpu_lost": 0,
+    "gpuwatchd_gpu_utilization_ratio": 0.95,
+    "gpuwatchd_gpu_memory_utilization_ratio": 0.42,
+    "gpuwatchd_gpu_memory_used_bytes": 71680 * MIB,
+    "gpuwatchd_gpu_memory_total_bytes": 81920 * MIB,
+    "gpuwatchd_gpu_power_watts": 335,
+    "gpuwatchd_gpu_power_limit_watts": 400,
+    "gpuwatchd_gpu_temperature_celsius": None,
+    "gpuwatchd_gpu_sm_clock_hertz": 1410e6,
+    "gpuwatchd_gpu_sm_clock_max_hertz": 1410e6,
+    "gpuwatchd_gpu_memory_clock_hertz": 1593e6,
+    "gpuwatchd_gpu_memory_clock_max_hertz": 1593e6,
+    "gpuwatchd_gpu_performance_state": 0,
+    "gpuwatchd_gpu_pcie_link_generation": 4,
+    "gpuwatchd_gpu_pcie_link_generation_max": 4,
+    "gpuwatchd_gpu_pcie_link_width": 16,
+    "gpuwatchd_gpu_pcie_link_width_max": 16,
+    "gpuwatchd_gpu_pcie_tx_bytes_per_second": 1800e6,
+    "gpuwatchd_gpu_pcie_rx_bytes_per_second": 9500e6,
+    "gpuwatchd_gpu_pcie_replay_errors": 0,
+    "gpuwatchd_gpu_persistence_mode": 1,
+    "gpuwatchd_gpu_ecc_mode": 1,
+    "gpuwatchd_gpu_compute_processes": 1,
+}
+
+
+def scrape(url: str) -> dict[str, list]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[str]:
+    with running_daemon("healthy-8gpu") as url:
+        yield url
+
+
+def complete_scrape(url: str) -> dict[str, list]:
+    """Scrape until every family is there for all 8 GPUs (bounded: 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        got = scrape(url)
+        if all(len({s.labels["gpu"] for s in got.get(f, [])}) == 8 for f in GPU_FAMILIES) and (
+            "gpuwatchd_pcie_link_generation" in got
+        ):
+            return got
+        assert time.monotonic() < deadline, f"incomplete after 30s: {sorted(got)}"
+        time.sleep(0.2)
+
+
+def test_every_gpu_family_has_the_scenarios_values(daemon):
+    got = complete_scrape(daemon)
+    for family, expected in GPU_FAMILIES.items():
+        samples = got[family]
+        assert sorted(int(s.labels["gpu"]) for s in samples) == list(range(8)), family
+        assert all(s.labels["uuid"].startswith("GPU-") for s in samples), family
+        if expected is not None:
+            for s in samples:
+                assert s.value == pytest.approx(expected, rel=1e-6), (family, s)
+    temps = [s.value for s in got["gpuwatchd_gpu_temperature_celsius"]]
+    assert all(58 <= t <= 66 for t in temps)
+
+
+def test_info_labels_and_per_label_families(daemon):
+    got = complete_scrape(daemon)
+    info = got["gpuwatchd_gpu_info"][0].labels
+    assert info["model"] == "NVIDIA A100-SXM4-80GB"
+    assert info["driver_version"] == "550.90.07"
+    assert info["cuda_driver_version"] == "12.4"
+    uuids = {s.labels["uuid"] for s in got["gpuwatchd_gpu_info"]}
+    assert len(uuids) == 8
+    reasons = got["gpuwatchd_gpu_clock_event_reason_active"]
+    assert {s.labels["reason"] for s in reasons} >= {"gpu_idle", "sw_power_cap", "hw_slowdown"}
+    assert all(s.value == 0 for s in reasons)  # training at full clocks: nothing active
+    nvlinks = got["gpuwatchd_gpu_nvlink_active"]
+    assert len(nvlinks) == 8 * 12 and all(s.value == 1 for s in nvlinks)
+    ecc = got["gpuwatchd_gpu_ecc_errors"]
+    assert {s.labels["type"] for s in ecc} == {"corrected", "uncorrected"}
+    memory = got["gpuwatchd_gpu_process_memory_used_bytes"]
+    assert {s.labels["pid"] for s in memory} == {"4242"}
+    assert all(s.value == 71680 * MIB for s in memory)
+
+
+def test_pcie_tree_and_self_metrics(daemon):
+    got = complete_scrape(daemon)
+    timeline = Timeline(load_scenario("healthy-8gpu"))
+    gpu_bdfs = {timeline.topology.gpu(i).bdf for i in range(8)}
+    gens = got["gpuwatchd_pcie_link_generation"]
+    assert {s.labels["gpu_bus_id"] for s in gens} == gpu_bdfs
+    # each GPU: itself + downstream port + switch upstream port + root port
+    for bdf in gpu_bdfs:
+        mine = [s for s in gens if s.labels["gpu_bus_id"] == bdf]
+        assert len(mine) == 4 and all(s.value == 4 for s in mine)
+    assert all(s.value == 0 for s in got["gpuwatchd_pcie_link_degraded"])
+    up = {s.labels["source"]: s.value for s in got["gpuwatchd_source_up"]}
+    assert up == {"nvml": 1, "pcie": 1}
+    assert got["gpuwatchd_build_info"][0].value == 1
+
+
+def test_healthz_and_openmetrics(daemon):
+    base = daemon.removesuffix("/metrics")
+    with urllib.request.urlopen(base + "/healthz", timeout=5) as response:
+        assert response.status == 200
+    request = urllib.request.Request(daemon, headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert response.read().endswith(b"# EOF\n")

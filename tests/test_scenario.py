@@ -1,0 +1,82 @@
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.config import ConfigError
+from gpuwatchd.sim.scenario import Scenario, Timeline, builtin_scenarios, load_scenario
+
+
+def scenario(**overrides) -> Scenario:
+    data = {
+        "name": "t",
+        "node": {"gpu_count": 4},
+        "phases": [
+            {"name": "warm", "duration": "10s", "set": {"pstate": 0}, "ramp": {"utilization_gpu": [0, 100]}},
+            {"name": "fault", "duration": "20s", "changes": [
+                {"gpus": [1], "set": {"pcie_gen": 3, "xid": [79]}},
+            ], "bridges": {"sw0-up": {"gen": 2}}},
+        ],
+    }
+    data.update(overrides)
+    return Scenario.model_validate(data)
+
+
+def test_builtin_scenarios_load():
+    assert {"healthy-8gpu", "idle-8gpu", "pcie-gen3-under-load"} <= set(builtin_scenarios())
+    for name in builtin_scenarios():
+        assert load_scenario(name).name == name
+
+
+def test_ramps_persist_and_changes_target_gpus():
+    timeline = Timeline(scenario())
+    gpus, bridges = timeline.state(5)
+    assert gpus[0]["utilization_gpu"] == 50 and gpus[0]["pstate"] == 0
+    assert gpus[1]["pcie_gen"] == 4  # the A100's max until the fault phase
+    gpus, bridges = timeline.state(15)
+    assert [g["utilization_gpu"] for g in gpus] == [100] * 4  # ramp end value persists
+    assert [g["pcie_gen"] for g in gpus] == [4, 3, 4, 4]
+    assert bridges["sw0-up"]["gen"] == 2 and bridges["sw1-up"]["gen"] == 4
+
+
+def test_idle_defaults_before_anything_happens():
+    gpus, _ = Timeline(scenario()).state(0)
+    assert gpus[2]["clock_event_reasons"] == ["gpu_idle"]
+    assert gpus[2]["power_w"] == pytest.approx(60)  # 15 % of the A100's 400 W
+
+
+def test_looping_repeats_the_timeline_and_its_events():
+    timeline = Timeline(scenario(), loop=True)
+    assert timeline.duration == 30
+    assert timeline.state(35)[0][0]["utilization_gpu"] == 50
+    events = timeline.xid_events(0, 75)
+    assert [(e.time, e.gpu, e.xid) for e in events] == [(10, 1, 79), (40, 1, 79), (70, 1, 79)]
+    assert Timeline(scenario()).xid_events(10, 75) == []  # (t0, t1]: t0 excluded, no loop
+
+
+def test_topology_switched_and_direct():
+    timeline = Timeline(scenario())
+    path = [f.name for f in timeline.topology.path_to_root("gpu3")]
+    assert path == ["rp1", "sw1-up", "sw1-dp1", "gpu3"]
+    direct = Timeline(scenario(node={"gpu_count": 2, "pcie_topology": "direct"}))
+    assert [f.name for f in direct.topology.path_to_root("gpu1")] == ["rp1", "gpu1"]
+    assert len({direct.topology.gpu(i).bdf for i in range(2)}) == 2
+
+
+def test_errors_name_the_file_and_the_key(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nphases:\n  - name: p\n    duration: 1m\n    set: {utilisation: 5}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: phases\.0\.set\.utilisation: Extra inputs"):
+        load_scenario(path)
+    path.write_text("name: x\nnode: {gpu_model: v100}\nphases: [{name: p, duration: 1s}]\n")
+    with pytest.raises(ConfigError, match="unknown model 'v100'"):
+        load_scenario(path)
+    path.write_text("name: x\nphases: [{name: p, duration: 1s, ramp: {pstate: [0, 8]}, set: {}}]\n")
+    load_scenario(path)  # pstate is numeric: rampable
+    path.write_text("name: x\nphases: [{name: p, duration: 1s, ramp: {processes: [0, 8]}}]\n")
+    with pytest.raises(ConfigError, match="not a numeric GPU value"):
+        load_scenario(path)
+
+
+def test_unknown_scenario_names_the_builtins():
+    with pytest.raises(ConfigError, match="healthy-8gpu"):
+        load_scenario("no-such-scenario")
