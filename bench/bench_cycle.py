@@ -87,9 +87,20 @@ def bench_daemon(scenario: Path) -> dict[str, float]:
     """Spawn the real daemon; time to the first scrape with every GPU's NVML and PCIe data."""
     started = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuwatchd", "run", "--simulate", str(scenario), "--listen",
-         "127.0.0.1:0", "--log-level", "warning"],
-        stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "run",
+            "--simulate",
+            str(scenario),
+            "--listen",
+            "127.0.0.1:0",
+            "--log-level",
+            "warning",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stderr is not None
     line = next(line for line in proc.stderr if "gpuwatchd: serving" in line)
@@ -111,8 +122,11 @@ def bench_daemon(scenario: Path) -> dict[str, float]:
     finally:
         proc.terminate()
         proc.wait(10)
-    return {"first full scrape s": first_scrape, "RSS MiB": rss,
-            "daemon CPU %": (cpu.user + cpu.system) / uptime * 100}
+    return {
+        "first full scrape s": first_scrape,
+        "RSS MiB": rss,
+        "daemon CPU %": (cpu.user + cpu.system) / uptime * 100,
+    }
 
 
 def main() -> None:

@@ -38,11 +38,15 @@ def _scenario(name: str) -> Scenario:
 
 
 config_option = click.option(
-    "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False),
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, dir_okay=False),
     help="YAML configuration file (every key has a default)",
 )
 log_option = click.option(
-    "--log-level", default="info", show_default=True,
+    "--log-level",
+    default="info",
+    show_default=True,
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
 
@@ -56,9 +60,16 @@ def main() -> None:
 @main.command()
 @config_option
 @click.option("--listen", help="HOST:PORT to serve /metrics on (overrides the config)")
-@click.option("--simulate", "scenario_name", metavar="SCENARIO", help=f"serve a simulated node: {SCENARIO_HELP}")
+@click.option(
+    "--simulate",
+    "scenario_name",
+    metavar="SCENARIO",
+    help=f"serve a simulated node: {SCENARIO_HELP}",
+)
 @log_option
-def run(config_file: Path | None, listen: str | None, scenario_name: str | None, log_level: str) -> None:
+def run(
+    config_file: Path | None, listen: str | None, scenario_name: str | None, log_level: str
+) -> None:
     """Run the daemon: sample this node and serve Prometheus metrics."""
     from gpuwatchd.daemon import Daemon
 
@@ -85,7 +96,9 @@ def run(config_file: Path | None, listen: str | None, scenario_name: str | None,
 @click.option("--until", type=float, help="stop after this many simulated seconds")
 @click.option("--metrics", is_flag=True, help="print the final /metrics exposition")
 @log_option
-def simulate(scenario_name: str, config_file: Path | None, until: float | None, metrics: bool, log_level: str) -> None:
+def simulate(
+    scenario_name: str, config_file: Path | None, until: float | None, metrics: bool, log_level: str
+) -> None:
     """Replay SCENARIO in virtual time, as fast as the CPU allows.
 
     SCENARIO is a built-in scenario's name or a path to a scenario file.

@@ -42,12 +42,15 @@ SELF_METRICS = (
         ("source",),
     ),
     MetricSpec(
-        "gpuwatchd_source_errors_total", "Failed or overdue polls per source", ("source",), "counter"
+        "gpuwatchd_source_errors_total",
+        "Failed or overdue polls per source",
+        ("source",),
+        "counter",
     ),
 )
 
 
-def _family(spec: MetricSpec) -> Metric:
+def _family(spec: MetricSpec) -> GaugeMetricFamily | CounterMetricFamily:
     if spec.type == "counter":
         return CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
     return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
@@ -166,9 +169,15 @@ class _Handler(BaseHTTPRequestHandler):
         """Healthy while the render loop is alive; sources being down is not unhealthy."""
         current = self.exporter.current
         age = self.exporter.now() - current.rendered_at
-        lines = [f"source {p.name}: {'up' if p.health.up else 'down'}" for p in self.exporter.pollers]
+        lines = [
+            f"source {p.name}: {'up' if p.health.up else 'down'}" for p in self.exporter.pollers
+        ]
         if age <= 30:
-            self._send(HTTPStatus.OK, "text/plain; charset=utf-8", ("ok\n" + "\n".join(lines) + "\n").encode())
+            self._send(
+                HTTPStatus.OK,
+                "text/plain; charset=utf-8",
+                ("ok\n" + "\n".join(lines) + "\n").encode(),
+            )
         else:
             body = f"exposition not rendered for {age:.0f}s\n".encode()
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, "text/plain; charset=utf-8", body)
@@ -208,7 +217,8 @@ class MetricsServer:
         handler = type("Handler", (_Handler,), {"exporter": exporter})
         server_cls = _Server6 if ":" in host else _Server
         self._server = server_cls((host, port), handler)
-        self.address = self._server.server_address[:2]
+        bound = self._server.server_address
+        self.address: tuple[str, int] = (str(bound[0]), int(bound[1]))
         self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
 
     def start(self) -> None:

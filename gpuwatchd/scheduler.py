@@ -43,7 +43,9 @@ class Poller:
         self._now = now
         self._in_flight_since: float | None = None
         self._hang_reported = False
-        store.register_source(self.name, stale_after=max(3 * self.interval, self.interval + self.timeout))
+        store.register_source(
+            self.name, stale_after=max(3 * self.interval, self.interval + self.timeout)
+        )
 
     def poll(self) -> None:
         started = self._now()

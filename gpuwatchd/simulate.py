@@ -57,7 +57,9 @@ class Simulation:
         self.node.tick()
         self.scheduler.run_due(self.pipeline.now())
 
-    def run(self, until: float | None = None, on_step: Callable[[float], None] | None = None) -> SimulationResult:
+    def run(
+        self, until: float | None = None, on_step: Callable[[float], None] | None = None
+    ) -> SimulationResult:
         clock = self.node.clock
         end = self.node.timeline.duration if until is None else until
         phase_ends = [(start + p.duration, p.name) for start, p in self.node.timeline.phases()]
@@ -83,7 +85,9 @@ class Simulation:
         rows = []
         for gpu in range(self.scenario.node.gpu_count):
             labels = self._gpu_labels(gpu)
-            values = [store.get(metric, labels) if labels else None for _, metric in SNAPSHOT_COLUMNS]
+            values = [
+                store.get(metric, labels) if labels else None for _, metric in SNAPSHOT_COLUMNS
+            ]
             if values and values[0] is not None:
                 values[0] *= 100
             rows.append((str(gpu), values))

@@ -18,9 +18,20 @@ def running_daemon(scenario: str, *extra: str) -> Iterator[str]:
     """Yields the /metrics URL once the daemon prints that it serves; stops it after."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuwatchd", "run", "--simulate", scenario,
-         "--listen", "127.0.0.1:0", *extra],
-        stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "run",
+            "--simulate",
+            scenario,
+            "--listen",
+            "127.0.0.1:0",
+            *extra,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     assert proc.stderr is not None
     url = None

@@ -19,13 +19,18 @@ def test_no_file_gives_all_defaults():
 
 
 def test_file_values_and_durations(tmp_path):
-    config = load_config(write(tmp_path, """
+    config = load_config(
+        write(
+            tmp_path,
+            """
 listen: "[::1]:9100"
 history: 5m
 sources:
   nvml: {interval: 500ms, timeout: 1s}
   pcie: {enabled: false}
-"""))
+""",
+        )
+    )
     assert config.listen_address() == ("::1", 9100)
     assert config.history == 300
     assert config.sources.nvml.interval == 0.5
@@ -33,17 +38,23 @@ sources:
 
 
 def test_errors_name_file_key_path_and_expectation(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 listen: nonsense
 sources:
   nvml:
     interval: soon
     colour: blue
-""")
+""",
+    )
     with pytest.raises(ConfigError) as e:
         load_config(path)
     lines = str(e.value).splitlines()
-    assert f"{path}: listen: expected HOST:PORT, e.g. 0.0.0.0:9766 or [::1]:9766, got 'nonsense'" in lines
+    assert (
+        f"{path}: listen: expected HOST:PORT, e.g. 0.0.0.0:9766 or [::1]:9766, got 'nonsense'"
+        in lines
+    )
     assert any(
         line.startswith(f"{path}: sources.nvml.interval: expected a duration") and "'soon'" in line
         for line in lines
@@ -56,12 +67,15 @@ def test_unknown_top_level_key_and_unknown_source(tmp_path):
         load_config(write(tmp_path, "sources:\n  dcgmm: {}\n"))
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("- a\n- b\n", "expected a mapping at the top level"),
-    ("listen: [\n", "not valid YAML"),
-    ("history: -5s\n", "history: expected a duration"),
-    ("history: 0\n", "history: Input should be greater than 0"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("- a\n- b\n", "expected a mapping at the top level"),
+        ("listen: [\n", "not valid YAML"),
+        ("history: -5s\n", "history: expected a duration"),
+        ("history: 0\n", "history: Input should be greater than 0"),
+    ],
+)
 def test_malformed_files(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(write(tmp_path, text))
@@ -77,7 +91,9 @@ def test_overrides_win_over_file(tmp_path):
     assert config.listen == "127.0.0.1:2"
 
 
-@pytest.mark.parametrize("value, seconds", [(3, 3.0), (0.5, 0.5), ("250ms", 0.25), ("1m30s", 90.0), ("2h", 7200.0)])
+@pytest.mark.parametrize(
+    "value, seconds", [(3, 3.0), (0.5, 0.5), ("250ms", 0.25), ("1m30s", 90.0), ("2h", 7200.0)]
+)
 def test_parse_duration(value, seconds):
     assert parse_duration(value) == seconds
 

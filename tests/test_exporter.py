@@ -81,7 +81,9 @@ def test_failed_source_is_down_and_counts_errors_and_keeps_others(setup, caplog)
     got = families(exporter.render().text)
     assert got["gpuwatchd_source_up"].samples[0].value == 0.0
     assert got["gpuwatchd_source_errors"].samples[0].value == 3.0
-    assert [r.message for r in caplog.records].count("source scripted: down: SourceError: driver not loaded") == 1
+    assert [r.message for r in caplog.records].count(
+        "source scripted: down: SourceError: driver not loaded"
+    ) == 1
 
 
 def test_stale_series_disappear_while_source_stays_listed(setup):
@@ -104,11 +106,14 @@ def test_openmetrics_rendering_parses(setup):
     assert {"gpuwatchd_gpu_xid_errors", "gpuwatchd_source_up"} <= names
 
 
-@pytest.mark.parametrize("accept, expected", [
-    (None, False),
-    ("text/plain;version=0.0.4", False),
-    ("application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.4", True),
-])
+@pytest.mark.parametrize(
+    "accept, expected",
+    [
+        (None, False),
+        ("text/plain;version=0.0.4", False),
+        ("application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.4", True),
+    ],
+)
 def test_content_negotiation(accept, expected):
     assert wants_openmetrics(accept) is expected
 
@@ -130,7 +135,7 @@ def test_http_endpoints_serve_cached_bytes(setup):
     server = MetricsServer(exporter, "127.0.0.1", 0)
     server.start()
     try:
-        base = "http://%s:%d" % server.address
+        base = "http://{}:{}".format(*server.address)
         status, ctype, body = get(base + "/metrics")
         assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
         assert b'gpuwatchd_gpu_temperature_celsius{gpu="0",uuid="GPU-a"} 61.0' in body

@@ -6,9 +6,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from daemon_process import running_daemon
+from prometheus_client.parser import text_string_to_metric_families
 
 SCENARIO = """
 name: hang
@@ -31,7 +30,9 @@ def source_up(url: str) -> dict[str, float]:
 def test_hung_nvml_call_marks_source_down_and_scrapes_still_answer(tmp_path: Path):
     (tmp_path / "hang.yaml").write_text(SCENARIO)
     (tmp_path / "config.yaml").write_text(CONFIG)
-    with running_daemon(str(tmp_path / "hang.yaml"), "--config", str(tmp_path / "config.yaml")) as url:
+    with running_daemon(
+        str(tmp_path / "hang.yaml"), "--config", str(tmp_path / "config.yaml")
+    ) as url:
         seen = []
         deadline = time.monotonic() + 30
         while not seen or seen[-1].get("nvml") != 0:

@@ -38,8 +38,9 @@ NVME, ROOT_PORT, I350, E810 = "0000:01:00.0", "0000:00:02.1", "0000:45:00.0", "0
 GPU_LABELS = {"vendor": "0x10de\n", "class": "0x030200\n"}
 
 
-def build_tree(root: Path, devices: list[str] | None = None,
-               relabel: dict[str, dict[str, str]] | None = None) -> Path:
+def build_tree(
+    root: Path, devices: list[str] | None = None, relabel: dict[str, dict[str, str]] | None = None
+) -> Path:
     """A real-shape sysfs under `root` from the resolved fixture directories.
 
     Each device's files go to devices/<link target>, its `*.symlink` files become real
@@ -148,9 +149,12 @@ def test_relabelled_e810_gives_numa_node_and_a_healthy_link(tmp_path: Path) -> N
 
 
 def test_aer_totals_are_read_from_the_total_lines(tmp_path: Path) -> None:
-    correctable = (FIXTURES / "node_exporter/bus/pci/devices" / NVME / "aer_dev_correctable")
-    text = correctable.read_text().replace("BadTLP 0", "BadTLP 5").replace(
-        "TOTAL_ERR_COR 0", "TOTAL_ERR_COR 7")
+    correctable = FIXTURES / "node_exporter/bus/pci/devices" / NVME / "aer_dev_correctable"
+    text = (
+        correctable.read_text()
+        .replace("BadTLP 0", "BadTLP 5")
+        .replace("TOTAL_ERR_COR 0", "TOTAL_ERR_COR 7")
+    )
     root = build_tree(tmp_path, relabel={NVME: {**GPU_LABELS, "aer_dev_correctable": text}})
     got = by_key(source_for(root).collect())
     assert got[("pcie_aer_errors_total", (NVME, NVME, "correctable"))] == 7  # TOTAL, not a sum
@@ -207,7 +211,10 @@ def test_missing_bus_directory_is_a_source_error(tmp_path: Path) -> None:
     ],
 )
 def test_kernel_variants_of_the_link_files(
-    tmp_path: Path, current: str, width: str, expect_gen: int | None,
+    tmp_path: Path,
+    current: str,
+    width: str,
+    expect_gen: int | None,
     expect_degraded: int | None,
 ) -> None:
     files = {**GPU_LABELS, "current_link_speed": current, "current_link_width": width}
@@ -260,16 +267,30 @@ def test_unreadable_or_vanished_gpu_never_fails_the_poll(tmp_path: Path) -> None
 
 
 @settings(max_examples=50, deadline=None)
-@given(garbage=st.dictionaries(
-    st.sampled_from(["current_link_speed", "max_link_speed", "current_link_width",
-                     "max_link_width", "aer_dev_correctable", "aer_dev_fatal", "numa_node",
-                     "vendor", "class"]),
-    st.binary(max_size=64),
-))
-def test_collect_on_random_garbage_never_raises(tmp_path_factory: pytest.TempPathFactory,
-                                                garbage: dict[str, bytes]) -> None:
-    root = build_tree(tmp_path_factory.mktemp("sys"), devices=[ROOT_PORT, NVME],
-                      relabel={NVME: GPU_LABELS})
+@given(
+    garbage=st.dictionaries(
+        st.sampled_from(
+            [
+                "current_link_speed",
+                "max_link_speed",
+                "current_link_width",
+                "max_link_width",
+                "aer_dev_correctable",
+                "aer_dev_fatal",
+                "numa_node",
+                "vendor",
+                "class",
+            ]
+        ),
+        st.binary(max_size=64),
+    )
+)
+def test_collect_on_random_garbage_never_raises(
+    tmp_path_factory: pytest.TempPathFactory, garbage: dict[str, bytes]
+) -> None:
+    root = build_tree(
+        tmp_path_factory.mktemp("sys"), devices=[ROOT_PORT, NVME], relabel={NVME: GPU_LABELS}
+    )
     for name, content in garbage.items():
         (device_dir(root, NVME) / name).write_bytes(content)
         (device_dir(root, ROOT_PORT) / name).write_bytes(content[::-1])
@@ -322,12 +343,22 @@ def test_samples_match_the_declared_specs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "gt", "gen"),
     [
-        ("2.5 GT/s PCIe\n", 2.5, 1), ("5.0 GT/s PCIe\n", 5.0, 2), ("8.0 GT/s PCIe\n", 8.0, 3),
-        ("16.0 GT/s PCIe\n", 16.0, 4), ("32.0 GT/s PCIe\n", 32.0, 5),
-        ("64.0 GT/s PCIe\n", 64.0, 6), ("2.5 GT/s\n", 2.5, 1), ("5 GT/s\n", 5.0, 2),
-        ("8 GT/s\n", 8.0, 3), ("16 GT/s\n", 16.0, 4), ("Unknown\n", None, None),
-        ("Unknown speed\n", None, None), ("33 MHz PCI\n", None, None), ("", None, None),
-        ("0 GT/s\n", None, None), ("20.0 GT/s PCIe\n", 20.0, None),
+        ("2.5 GT/s PCIe\n", 2.5, 1),
+        ("5.0 GT/s PCIe\n", 5.0, 2),
+        ("8.0 GT/s PCIe\n", 8.0, 3),
+        ("16.0 GT/s PCIe\n", 16.0, 4),
+        ("32.0 GT/s PCIe\n", 32.0, 5),
+        ("64.0 GT/s PCIe\n", 64.0, 6),
+        ("2.5 GT/s\n", 2.5, 1),
+        ("5 GT/s\n", 5.0, 2),
+        ("8 GT/s\n", 8.0, 3),
+        ("16 GT/s\n", 16.0, 4),
+        ("Unknown\n", None, None),
+        ("Unknown speed\n", None, None),
+        ("33 MHz PCI\n", None, None),
+        ("", None, None),
+        ("0 GT/s\n", None, None),
+        ("20.0 GT/s PCIe\n", 20.0, None),
     ],
 )
 def test_parse_link_speed(text: str, gt: float | None, gen: int | None) -> None:
@@ -337,33 +368,49 @@ def test_parse_link_speed(text: str, gt: float | None, gen: int | None) -> None:
 
 @pytest.mark.parametrize(
     ("text", "width"),
-    [("16\n", 16), ("4\n", 4), ("1\n", 1), ("0\n", None), ("63\n", None), ("x8\n", 8),
-     ("", None), ("sixteen", None), ("-16", None)],
+    [
+        ("16\n", 16),
+        ("4\n", 4),
+        ("1\n", 1),
+        ("0\n", None),
+        ("63\n", None),
+        ("x8\n", 8),
+        ("", None),
+        ("sixteen", None),
+        ("-16", None),
+    ],
 )
 def test_parse_link_width(text: str, width: int | None) -> None:
     assert parse_link_width(text) == width
 
 
 def test_parse_aer_on_the_real_files() -> None:
-    for name, total in [("aer_dev_correctable", "TOTAL_ERR_COR"),
-                        ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL"),
-                        ("aer_dev_fatal", "TOTAL_ERR_FATAL")]:
-        for fixture in [FIXTURES / "node_exporter/bus/pci/devices" / NVME,
-                        FIXTURES / "procfs/bus/pci/devices" / E810]:
+    for name, total in [
+        ("aer_dev_correctable", "TOTAL_ERR_COR"),
+        ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL"),
+        ("aer_dev_fatal", "TOTAL_ERR_FATAL"),
+    ]:
+        for fixture in [
+            FIXTURES / "node_exporter/bus/pci/devices" / NVME,
+            FIXTURES / "procfs/bus/pci/devices" / E810,
+        ]:
             counts = parse_aer((fixture / name).read_text())
             assert counts[total] == 0
             assert len(counts) > 5
     text = "RxErr 3\nBadTLP 1\ndev_cor_errs_bit[12] 2\nTOTAL_ERR_COR 6\n"
-    assert parse_aer(text) == {"RxErr": 3, "BadTLP": 1, "dev_cor_errs_bit[12]": 2,
-                               "TOTAL_ERR_COR": 6}
-    assert parse_aer("TOTAL_ERR_COR 18446744073709551615\n") == {
-        "TOTAL_ERR_COR": 2**64 - 1}
+    assert parse_aer(text) == {
+        "RxErr": 3,
+        "BadTLP": 1,
+        "dev_cor_errs_bit[12]": 2,
+        "TOTAL_ERR_COR": 6,
+    }
+    assert parse_aer("TOTAL_ERR_COR 18446744073709551615\n") == {"TOTAL_ERR_COR": 2**64 - 1}
     assert parse_aer("RxErr\nBadTLP x\n 5\n") == {}
 
 
 @pytest.mark.parametrize(
-    ("text", "node"), [("-1\n", -1), ("0\n", 0), ("1\n", 1), ("-2\n", -1), ("", None),
-                       ("one", None)],
+    ("text", "node"),
+    [("-1\n", -1), ("0\n", 0), ("1\n", 1), ("-2\n", -1), ("", None), ("one", None)],
 )
 def test_parse_numa_node(text: str, node: int | None) -> None:
     assert parse_numa_node(text) == node
@@ -394,8 +441,14 @@ def mangled(draw: st.DrawFn, base: st.SearchStrategy[str]) -> str:
 
 
 @settings(max_examples=300)
-@given(text=st.one_of(st.text(), mangled(_SPEEDS), mangled(_AER),
-                      st.binary().map(lambda b: b.decode("utf-8", "replace"))))
+@given(
+    text=st.one_of(
+        st.text(),
+        mangled(_SPEEDS),
+        mangled(_AER),
+        st.binary().map(lambda b: b.decode("utf-8", "replace")),
+    )
+)
 def test_parsers_never_raise(text: str) -> None:
     speed = parse_link_speed(text)
     assert speed is None or speed > 0

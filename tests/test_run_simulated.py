@@ -11,9 +11,9 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from daemon_process import running_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_process import running_daemon
 from gpuwatchd.sim.scenario import Timeline, load_scenario
 
 MIB = 2**20

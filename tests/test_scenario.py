@@ -11,10 +11,20 @@ def scenario(**overrides) -> Scenario:
         "name": "t",
         "node": {"gpu_count": 4},
         "phases": [
-            {"name": "warm", "duration": "10s", "set": {"pstate": 0}, "ramp": {"utilization_gpu": [0, 100]}},
-            {"name": "fault", "duration": "20s", "changes": [
-                {"gpus": [1], "set": {"pcie_gen": 3, "xid": [79]}},
-            ], "bridges": {"sw0-up": {"gen": 2}}},
+            {
+                "name": "warm",
+                "duration": "10s",
+                "set": {"pstate": 0},
+                "ramp": {"utilization_gpu": [0, 100]},
+            },
+            {
+                "name": "fault",
+                "duration": "20s",
+                "changes": [
+                    {"gpus": [1], "set": {"pcie_gen": 3, "xid": [79]}},
+                ],
+                "bridges": {"sw0-up": {"gen": 2}},
+            },
         ],
     }
     data.update(overrides)

@@ -39,11 +39,13 @@ Key = tuple[str, tuple[str, ...]]
 
 
 def scenario(phases: list[dict[str, Any]] | None = None, **node: Any) -> Scenario:
-    return Scenario.model_validate({
-        "name": "test",
-        "node": {"gpu_count": 8, "pcie_topology": "switched", **node},
-        "phases": phases or [{"name": "p", "duration": "10m"}],
-    })
+    return Scenario.model_validate(
+        {
+            "name": "test",
+            "node": {"gpu_count": 8, "pcie_topology": "switched", **node},
+            "phases": phases or [{"name": "p", "duration": "10m"}],
+        }
+    )
 
 
 def read_back(root: Path, timeline: Timeline, t: float) -> tuple[SysfsWriter, dict[Key, float]]:
@@ -57,8 +59,11 @@ def read_back(root: Path, timeline: Timeline, t: float) -> tuple[SysfsWriter, di
 
 def degraded(got: dict[Key, float]) -> set[tuple[str, str]]:
     """(gpu bus id, device) of every degraded link reading."""
-    return {(labels[0], labels[1]) for (name, labels), v in got.items()
-            if name == "pcie_link_degraded" and v == 1}
+    return {
+        (labels[0], labels[1])
+        for (name, labels), v in got.items()
+        if name == "pcie_link_degraded" and v == 1
+    }
 
 
 def bdf(timeline: Timeline, name: str) -> str:
@@ -75,7 +80,7 @@ def test_healthy_8gpu_tree(tmp_path: Path) -> None:
     gpus = {topo.gpu(i).bdf for i in range(8)}
     # every GPU with its 3 bridges (downstream port, upstream port, root port)
     paths: dict[str, set[str]] = {}
-    for (name, labels) in got:
+    for name, labels in got:
         if name == "pcie_link_generation":
             paths.setdefault(labels[0], set()).add(labels[1])
     assert set(paths) == gpus
@@ -125,8 +130,10 @@ def test_pcie_gen3_under_load_degrades_only_gpu3_and_its_port(tmp_path: Path) ->
     writer, got = read_back(tmp_path, timeline, 100)
     assert not degraded(got)
     writer.write(400)
-    got = {(s.name.removeprefix("gpuwatchd_"), s.labels): s.value
-           for s in PcieSource(PcieConfig(), Context(sysfs=tmp_path)).collect()}
+    got = {
+        (s.name.removeprefix("gpuwatchd_"), s.labels): s.value
+        for s in PcieSource(PcieConfig(), Context(sysfs=tmp_path)).collect()
+    }
     gpu3 = bdf(timeline, "gpu3")
     assert degraded(got) == {(gpu3, gpu3), (gpu3, bdf(timeline, "sw1-dp1"))}
     assert got[("pcie_link_generation", (gpu3, gpu3, "gpu"))] == 3
@@ -135,10 +142,14 @@ def test_pcie_gen3_under_load_degrades_only_gpu3_and_its_port(tmp_path: Path) ->
 
 
 def test_degraded_switch_uplink_shows_on_the_path_of_both_gpus(tmp_path: Path) -> None:
-    timeline = Timeline(scenario([
-        {"name": "ok", "duration": "1m"},
-        {"name": "uplink-gen3", "duration": "5m", "bridges": {"sw1-up": {"gen": 3}}},
-    ]))
+    timeline = Timeline(
+        scenario(
+            [
+                {"name": "ok", "duration": "1m"},
+                {"name": "uplink-gen3", "duration": "5m", "bridges": {"sw1-up": {"gen": 3}}},
+            ]
+        )
+    )
     _, got = read_back(tmp_path, timeline, 120)
     rp1, up1 = bdf(timeline, "rp1"), bdf(timeline, "sw1-up")
     expected = set()
@@ -156,9 +167,11 @@ def test_both_ends_of_a_link_set_the_same_link(tmp_path: Path) -> None:
         timeline = Timeline(scenario([{"name": "p", "duration": "1m", "bridges": bridges}]))
         writer = SysfsWriter(tmp_path / sub, timeline)
         writer.write(30)
-        return {name: (writer.device_dir(name) / "current_link_speed").read_text()
-                + (writer.device_dir(name) / "current_link_width").read_text()
-                for name in timeline.topology.functions}
+        return {
+            name: (writer.device_dir(name) / "current_link_speed").read_text()
+            + (writer.device_dir(name) / "current_link_width").read_text()
+            for name in timeline.topology.functions
+        }
 
     # the rp1 <-> sw1-up link from either end
     assert tree({"rp1": {"gen": 3}}, "a") == tree({"sw1-up": {"gen": 3}}, "b")
@@ -169,10 +182,13 @@ def test_both_ends_of_a_link_set_the_same_link(tmp_path: Path) -> None:
 
 
 def test_direct_topology_root_port_shares_the_gpu_link(tmp_path: Path) -> None:
-    timeline = Timeline(scenario(
-        [{"name": "p", "duration": "1m", "changes": [{"gpus": [1], "set": {"pcie_width": 8}}]}],
-        pcie_topology="direct", gpu_count=4,
-    ))
+    timeline = Timeline(
+        scenario(
+            [{"name": "p", "duration": "1m", "changes": [{"gpus": [1], "set": {"pcie_width": 8}}]}],
+            pcie_topology="direct",
+            gpu_count=4,
+        )
+    )
     _, got = read_back(tmp_path, timeline, 10)
     g1, rp1 = bdf(timeline, "gpu1"), bdf(timeline, "rp1")
     assert timeline.topology.functions["gpu1"].parent == "rp1"
@@ -182,9 +198,11 @@ def test_direct_topology_root_port_shares_the_gpu_link(tmp_path: Path) -> None:
 
 
 def test_lost_gpu_has_no_link(tmp_path: Path) -> None:
-    timeline = Timeline(scenario(
-        [{"name": "p", "duration": "1m", "changes": [{"gpus": [0], "set": {"lost": True}}]}],
-    ))
+    timeline = Timeline(
+        scenario(
+            [{"name": "p", "duration": "1m", "changes": [{"gpus": [0], "set": {"lost": True}}]}],
+        )
+    )
     writer, got = read_back(tmp_path, timeline, 10)
     g0, dp = bdf(timeline, "gpu0"), bdf(timeline, "sw0-dp0")
     assert (writer.device_dir("gpu0") / "current_link_speed").read_text() == "Unknown\n"
@@ -244,8 +262,10 @@ def test_only_changed_files_are_rewritten(tmp_path: Path) -> None:
     assert writer.write(299) == 0
     assert writer.write(400) == 2  # current_link_speed of GPU 3 and of its port
     changed = {p for p in files if p.stat().st_ino != inodes[p]}
-    assert changed == {writer.device_dir("gpu3") / "current_link_speed",
-                       writer.device_dir("sw1-dp1") / "current_link_speed"}
+    assert changed == {
+        writer.device_dir("gpu3") / "current_link_speed",
+        writer.device_dir("sw1-dp1") / "current_link_speed",
+    }
     assert writer.write(401) == 0
     assert not list(tmp_path.rglob(".*.tmp"))
 
@@ -287,26 +307,37 @@ def test_a_concurrent_reader_never_sees_a_partial_file(tmp_path: Path) -> None:
 
 
 def test_aer_text_matches_the_kernel_files() -> None:
-    assert aer_text(AER_CORRECTABLE, "ERR_COR", {}) == \
-        (NVME_FIXTURE / "aer_dev_correctable").read_text()
-    assert aer_text(AER_UNCORRECTABLE, "ERR_NONFATAL", {}) == \
-        (NVME_FIXTURE / "aer_dev_nonfatal").read_text()
-    assert aer_text(AER_UNCORRECTABLE, "ERR_FATAL", {}) == \
-        (NVME_FIXTURE / "aer_dev_fatal").read_text()
+    assert (
+        aer_text(AER_CORRECTABLE, "ERR_COR", {})
+        == (NVME_FIXTURE / "aer_dev_correctable").read_text()
+    )
+    assert (
+        aer_text(AER_UNCORRECTABLE, "ERR_NONFATAL", {})
+        == (NVME_FIXTURE / "aer_dev_nonfatal").read_text()
+    )
+    assert (
+        aer_text(AER_UNCORRECTABLE, "ERR_FATAL", {}) == (NVME_FIXTURE / "aer_dev_fatal").read_text()
+    )
     text = aer_text(AER_CORRECTABLE, "ERR_COR", {"BadTLP": 3})
     assert "BadTLP 3\n" in text and text.endswith("TOTAL_ERR_COR 3\n")
 
 
 @pytest.mark.parametrize(
     ("fixture", "nr_cpus"),
-    [(NVME_FIXTURE, 16),
-     (FIXTURES / "node_exporter/bus/pci/devices/0000:45:00.0", 256),
-     (FIXTURES / "procfs/bus/pci/devices/0000:a2:00.0", 128)],
+    [
+        (NVME_FIXTURE, 16),
+        (FIXTURES / "node_exporter/bus/pci/devices/0000:45:00.0", 256),
+        (FIXTURES / "procfs/bus/pci/devices/0000:a2:00.0", 128),
+    ],
 )
 def test_cpu_formats_match_the_kernel_files(fixture: Path, nr_cpus: int) -> None:
     listed = (fixture / "local_cpulist").read_text().strip()
-    cpus = [c for part in listed.split(",")
-            for a, _, b in [part.partition("-")] for c in range(int(a), int(b or a) + 1)]
+    cpus = [
+        c
+        for part in listed.split(",")
+        for a, _, b in [part.partition("-")]
+        for c in range(int(a), int(b or a) + 1)
+    ]
     assert cpulist(cpus) == listed
     assert cpumask(cpus, nr_cpus) + "\n" == (fixture / "local_cpus").read_text()
 
@@ -322,8 +353,14 @@ def test_numa_cpus() -> None:
 def test_port_kinds_and_link_states() -> None:
     timeline = Timeline(scenario(gpu_count=2))
     kinds = port_kinds(timeline.topology)
-    assert kinds == {"rp0": "root", "sw0-up": "upstream", "sw0-dp0": "downstream",
-                     "gpu0": "endpoint", "sw0-dp1": "downstream", "gpu1": "endpoint"}
+    assert kinds == {
+        "rp0": "root",
+        "sw0-up": "upstream",
+        "sw0-dp0": "downstream",
+        "gpu0": "endpoint",
+        "sw0-dp1": "downstream",
+        "gpu1": "endpoint",
+    }
     gpus, bridges = timeline.state(0)
     gpus = [dict(gpus[0], pcie_gen=5), dict(gpus[1], pcie_gen=2.6)]  # above max; ramped
     states = link_states(timeline.topology, gpus, {**bridges, "rp0": {"gen": 4, "width": 4}})
@@ -346,22 +383,41 @@ class MultiDomainTopology(Topology):
         root = f"pci{domain:04x}:{bus:02x}"
         gen = model.pcie_max_gen
         rp = PciFunction(f"rp{sw}", f"{domain:04x}:{bus:02x}:01.1", None, root, gen, 16, numa)
-        up = PciFunction(f"sw{sw}-up", f"{domain:04x}:{bus + 1:02x}:00.0", rp.name, root, gen,
-                         16, numa)
-        dp = PciFunction(f"sw{sw}-dp{port}", f"{domain:04x}:{bus + 2:02x}:{port * 8:02x}.0",
-                         up.name, root, gen, 16, numa)
-        gpu = PciFunction(f"gpu{i}", f"{domain:04x}:{bus + 3 + port:02x}:00.0", dp.name, root,
-                          model.pcie_max_gen, model.pcie_max_width, numa)
+        up = PciFunction(
+            f"sw{sw}-up", f"{domain:04x}:{bus + 1:02x}:00.0", rp.name, root, gen, 16, numa
+        )
+        dp = PciFunction(
+            f"sw{sw}-dp{port}",
+            f"{domain:04x}:{bus + 2:02x}:{port * 8:02x}.0",
+            up.name,
+            root,
+            gen,
+            16,
+            numa,
+        )
+        gpu = PciFunction(
+            f"gpu{i}",
+            f"{domain:04x}:{bus + 3 + port:02x}:00.0",
+            dp.name,
+            root,
+            model.pcie_max_gen,
+            model.pcie_max_width,
+            numa,
+        )
         for fn in (rp, up, dp, gpu):
             self._add(fn)
         self.gpu_names.append(gpu.name)
 
 
 def test_64_gpus_read_back(tmp_path: Path) -> None:
-    timeline = Timeline(scenario(
-        [{"name": "p", "duration": "1m", "changes": [{"gpus": [40], "set": {"pcie_gen": 2}}]}],
-        gpu_count=64, numa_nodes=8, cpus=256,
-    ))
+    timeline = Timeline(
+        scenario(
+            [{"name": "p", "duration": "1m", "changes": [{"gpus": [40], "set": {"pcie_gen": 2}}]}],
+            gpu_count=64,
+            numa_nodes=8,
+            cpus=256,
+        )
+    )
     timeline.topology = MultiDomainTopology(timeline.scenario.node)
     _, got = read_back(tmp_path, timeline, 10)
     g40 = bdf(timeline, "gpu40")
@@ -375,6 +431,7 @@ def test_invalid_simulated_addresses_are_refused(tmp_path: Path) -> None:
     timeline = Timeline(scenario(gpu_count=1))
     fn = timeline.topology.functions["gpu0"]
     timeline.topology.functions["gpu0"] = PciFunction(
-        fn.name, "0000:113:00.0", fn.parent, fn.domain_root, fn.max_gen, fn.max_width, 0)
+        fn.name, "0000:113:00.0", fn.parent, fn.domain_root, fn.max_gen, fn.max_width, 0
+    )
     with pytest.raises(ValueError, match=r"gpu0 has address 0000:113:00.0"):
         SysfsWriter(tmp_path, timeline)

@@ -19,8 +19,14 @@ from gpuwatchd.config import ConfigError, Duration, parse_duration
 from gpuwatchd.sim.models import BUILTIN_MODELS, GpuModel
 
 CLOCK_EVENT_REASONS = (
-    "gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
-    "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
     "display_clock_setting",
 )
 
@@ -66,8 +72,7 @@ class GpuValues(Strict):
 
 
 RAMPABLE = {
-    name for name, f in GpuValues.model_fields.items()
-    if f.annotation in (float | None, int | None)
+    name for name, f in GpuValues.model_fields.items() if f.annotation in (float | None, int | None)
 }
 
 
@@ -138,7 +143,8 @@ class Node(Strict):
     def _known_model(self) -> Node:
         if isinstance(self.gpu_model, str) and self.gpu_model not in BUILTIN_MODELS:
             raise ValueError(
-                f"gpu_model: unknown model {self.gpu_model!r} (built in: {', '.join(BUILTIN_MODELS)})"
+                f"gpu_model: unknown model {self.gpu_model!r} "
+                f"(built in: {', '.join(BUILTIN_MODELS)})"
             )
         return self
 
@@ -168,11 +174,26 @@ class Scenario(Strict):
 # Everything a GPU starts with unless the node's `initial` or a phase says otherwise:
 # an idle, healthy datacenter GPU.
 IDLE_DEFAULTS = dict(
-    utilization_gpu=0.0, utilization_memory=0.0, memory_used_mib=0.0, temperature_c=32.0,
-    pstate=8, clock_event_reasons=["gpu_idle"], pcie_tx_mb_s=0.0, pcie_rx_mb_s=0.0,
-    pcie_replay_count=0.0, ecc_corrected_total=0.0, ecc_uncorrected_total=0.0,
-    aer_correctable_total=0.0, aer_nonfatal_total=0.0, aer_fatal_total=0.0,
-    persistence_mode=True, nvlink_down=[], processes=[], lost=False, hung=False, xid=[],
+    utilization_gpu=0.0,
+    utilization_memory=0.0,
+    memory_used_mib=0.0,
+    temperature_c=32.0,
+    pstate=8,
+    clock_event_reasons=["gpu_idle"],
+    pcie_tx_mb_s=0.0,
+    pcie_rx_mb_s=0.0,
+    pcie_replay_count=0.0,
+    ecc_corrected_total=0.0,
+    ecc_uncorrected_total=0.0,
+    aer_correctable_total=0.0,
+    aer_nonfatal_total=0.0,
+    aer_fatal_total=0.0,
+    persistence_mode=True,
+    nvlink_down=[],
+    processes=[],
+    lost=False,
+    hung=False,
+    xid=[],
 )
 
 
@@ -222,12 +243,22 @@ class Topology:
         rp = PciFunction(f"rp{sw}", f"{d}:{root_bus:02x}:01.1", None, root, gen, 16, numa)
         up = PciFunction(f"sw{sw}-up", f"{d}:{root_bus + 1:02x}:00.0", rp.name, root, gen, 16, numa)
         dp = PciFunction(
-            f"sw{sw}-dp{port}", f"{d}:{root_bus + 2:02x}:{port * 8:02x}.0", up.name, root,
-            gen, 16, numa,
+            f"sw{sw}-dp{port}",
+            f"{d}:{root_bus + 2:02x}:{port * 8:02x}.0",
+            up.name,
+            root,
+            gen,
+            16,
+            numa,
         )
         gpu = PciFunction(
-            f"gpu{i}", f"{d}:{root_bus + 3 + port:02x}:00.0", dp.name, root,
-            model.pcie_max_gen, model.pcie_max_width, numa,
+            f"gpu{i}",
+            f"{d}:{root_bus + 3 + port:02x}:00.0",
+            dp.name,
+            root,
+            model.pcie_max_gen,
+            model.pcie_max_width,
+            numa,
         )
         for fn in (rp, up, dp, gpu):
             self._add(fn)
@@ -240,8 +271,13 @@ class Topology:
         gen = model.pcie_max_gen
         rp = PciFunction(f"rp{i}", f"{d}:{root_bus:02x}:01.1", None, root, gen, 16, numa)
         gpu = PciFunction(
-            f"gpu{i}", f"{d}:{root_bus + 1:02x}:00.0", rp.name, root,
-            model.pcie_max_gen, model.pcie_max_width, numa,
+            f"gpu{i}",
+            f"{d}:{root_bus + 1:02x}:00.0",
+            rp.name,
+            root,
+            model.pcie_max_gen,
+            model.pcie_max_width,
+            numa,
         )
         self._add(rp)
         self._add(gpu)
@@ -290,7 +326,7 @@ class Timeline:
 
     def phases(self) -> list[tuple[float, Phase]]:
         """(start, phase) in timeline order."""
-        return list(zip(self._starts, self.scenario.phases))
+        return list(zip(self._starts, self.scenario.phases, strict=True))
 
     def _local(self, t: float) -> float:
         if self.loop and self.duration > 0:
@@ -319,7 +355,7 @@ class Timeline:
         bridges = {
             fn.name: {"gen": fn.max_gen, "width": fn.max_width} for fn in self.topology.bridges()
         }
-        for phase, start in zip(self.scenario.phases, self._starts):
+        for phase, start in zip(self.scenario.phases, self._starts, strict=True):
             if start > t:
                 break
             progress = min(1.0, (t - start) / phase.duration)
@@ -346,7 +382,7 @@ class Timeline:
         last_cycle = int(t1 // period) if period else 0
         for cycle in range(first_cycle, last_cycle + 1):
             offset = cycle * period if period else 0.0
-            for phase, start in zip(self.scenario.phases, self._starts):
+            for phase, start in zip(self.scenario.phases, self._starts, strict=True):
                 for change in phase.all_changes():
                     for xid in change.set.xid or []:
                         at = offset + start
@@ -395,7 +431,17 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
 
 
 __all__ = [
-    "CLOCK_EVENT_REASONS", "Expectation", "GpuValues", "Node", "Phase", "PciFunction",
-    "Scenario", "Timeline", "Topology", "XidEvent", "builtin_scenarios", "load_scenario",
+    "CLOCK_EVENT_REASONS",
+    "Expectation",
+    "GpuValues",
+    "Node",
+    "Phase",
+    "PciFunction",
+    "Scenario",
+    "Timeline",
+    "Topology",
+    "XidEvent",
+    "builtin_scenarios",
+    "load_scenario",
     "parse_duration",
 ]

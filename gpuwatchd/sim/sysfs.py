@@ -70,20 +70,46 @@ SWITCH_ID_GEN5 = (0x1000, 0xC030)
 
 # pci_speed_string() in drivers/pci/probe.c, by generation
 SPEED_STRINGS = {
-    1: "2.5 GT/s PCIe", 2: "5.0 GT/s PCIe", 3: "8.0 GT/s PCIe", 4: "16.0 GT/s PCIe",
-    5: "32.0 GT/s PCIe", 6: "64.0 GT/s PCIe",
+    1: "2.5 GT/s PCIe",
+    2: "5.0 GT/s PCIe",
+    3: "8.0 GT/s PCIe",
+    4: "16.0 GT/s PCIe",
+    5: "32.0 GT/s PCIe",
+    6: "64.0 GT/s PCIe",
 }
 UNKNOWN_SPEED = "Unknown"
 
 # aer_correctable_error_string / aer_uncorrectable_error_string in drivers/pci/pcie/aer.c,
 # in the order the kernel prints them (as in the node_exporter fixtures)
 AER_CORRECTABLE = (
-    "RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF",
+    "RxErr",
+    "BadTLP",
+    "BadDLLP",
+    "Rollover",
+    "Timeout",
+    "NonFatalErr",
+    "CorrIntErr",
+    "HeaderOF",
 )
 AER_UNCORRECTABLE = (
-    "Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF",
-    "MalfTLP", "ECRC", "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP", "AtomicOpBlocked",
-    "TLPBlockedErr", "PoisonTLPBlocked",
+    "Undefined",
+    "DLP",
+    "SDES",
+    "TLP",
+    "FCP",
+    "CmpltTO",
+    "CmpltAbrt",
+    "UnxCmplt",
+    "RxOF",
+    "MalfTLP",
+    "ECRC",
+    "UnsupReq",
+    "ACSViol",
+    "UncorrIntErr",
+    "BlockedTLP",
+    "AtomicOpBlocked",
+    "TLPBlockedErr",
+    "PoisonTLPBlocked",
 )
 # (file, breakdown names, the line a simulated count goes to, TOTAL_ suffix, GPU value key)
 AER_FILES = (
@@ -361,7 +387,10 @@ class SysfsWriter:
         kind = self._kinds[fn.name]
         if kind == ENDPOINT:
             vendor, device, pci_class, driver = (
-                NVIDIA_VENDOR, self._model.pci_device_id, self._model.pci_class, "nvidia"
+                NVIDIA_VENDOR,
+                self._model.pci_device_id,
+                self._model.pci_class,
+                "nvidia",
             )
         elif kind == ROOT_PORT:
             (vendor, device), pci_class, driver = ROOT_PORT_ID, BRIDGE_CLASS, "pcieport"
@@ -401,6 +430,14 @@ class SysfsWriter:
 
 
 __all__ = [
-    "SPEED_STRINGS", "LinkModel", "SysfsWriter", "aer_text", "cpulist", "cpumask", "link_states",
-    "numa_cpus", "port_kinds", "speed_string",
+    "SPEED_STRINGS",
+    "LinkModel",
+    "SysfsWriter",
+    "aer_text",
+    "cpulist",
+    "cpumask",
+    "link_states",
+    "numa_cpus",
+    "port_kinds",
+    "speed_string",
 ]

@@ -175,26 +175,47 @@ _LINK_LABELS = ("gpu_bus_id", "device", "role")
 class PcieSource(Source):
     name = "pcie"
     metrics = (
-        gauge("pcie_link_generation", "Current PCIe link generation (1-6) of the function.",
-              _LINK_LABELS),
-        gauge("pcie_link_generation_max", "Maximum PCIe link generation the function supports.",
-              _LINK_LABELS),
-        gauge("pcie_link_speed_transfers_per_second",
-              "Current PCIe link speed, transfers per second per lane.", _LINK_LABELS),
-        gauge("pcie_link_speed_max_transfers_per_second",
-              "Maximum PCIe link speed the function supports, transfers per second per lane.",
-              _LINK_LABELS),
+        gauge(
+            "pcie_link_generation",
+            "Current PCIe link generation (1-6) of the function.",
+            _LINK_LABELS,
+        ),
+        gauge(
+            "pcie_link_generation_max",
+            "Maximum PCIe link generation the function supports.",
+            _LINK_LABELS,
+        ),
+        gauge(
+            "pcie_link_speed_transfers_per_second",
+            "Current PCIe link speed, transfers per second per lane.",
+            _LINK_LABELS,
+        ),
+        gauge(
+            "pcie_link_speed_max_transfers_per_second",
+            "Maximum PCIe link speed the function supports, transfers per second per lane.",
+            _LINK_LABELS,
+        ),
         gauge("pcie_link_width", "Current PCIe link width, lanes.", _LINK_LABELS),
-        gauge("pcie_link_width_max", "Maximum PCIe link width the function supports, lanes.",
-              _LINK_LABELS),
-        gauge("pcie_link_degraded",
-              "1 if the function's link runs below its maximum generation or width.",
-              _LINK_LABELS),
-        counter("pcie_aer_errors_total",
-                "PCIe AER errors the function reported (kernel aer_dev_* TOTAL_ERR_*).",
-                ("gpu_bus_id", "device", "severity")),
-        gauge("pcie_gpu_numa_node", "NUMA node of the GPU's PCIe attachment, -1 for none.",
-              ("gpu_bus_id",)),
+        gauge(
+            "pcie_link_width_max",
+            "Maximum PCIe link width the function supports, lanes.",
+            _LINK_LABELS,
+        ),
+        gauge(
+            "pcie_link_degraded",
+            "1 if the function's link runs below its maximum generation or width.",
+            _LINK_LABELS,
+        ),
+        counter(
+            "pcie_aer_errors_total",
+            "PCIe AER errors the function reported (kernel aer_dev_* TOTAL_ERR_*).",
+            ("gpu_bus_id", "device", "severity"),
+        ),
+        gauge(
+            "pcie_gpu_numa_node",
+            "NUMA node of the GPU's PCIe attachment, -1 for none.",
+            ("gpu_bus_id",),
+        ),
     )
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
@@ -235,9 +256,7 @@ class PcieSource(Source):
             numa_text = _read(os.path.join(gpu.path, "numa_node"))
             numa = None if numa_text is None else parse_numa_node(numa_text)
             if numa is not None:
-                samples.append(Sample(
-                    "gpuwatchd_pcie_gpu_numa_node", (gpu.bdf,), float(numa)
-                ))
+                samples.append(Sample("gpuwatchd_pcie_gpu_numa_node", (gpu.bdf,), float(numa)))
         return samples
 
     def _refresh(self, entries: list[str]) -> None:
@@ -269,10 +288,14 @@ class PcieSource(Source):
         values = (
             ("gpuwatchd_pcie_link_generation", reading.generation),
             ("gpuwatchd_pcie_link_generation_max", reading.generation_max),
-            ("gpuwatchd_pcie_link_speed_transfers_per_second",
-             None if reading.speed is None else reading.speed * 1e9),
-            ("gpuwatchd_pcie_link_speed_max_transfers_per_second",
-             None if reading.speed_max is None else reading.speed_max * 1e9),
+            (
+                "gpuwatchd_pcie_link_speed_transfers_per_second",
+                None if reading.speed is None else reading.speed * 1e9,
+            ),
+            (
+                "gpuwatchd_pcie_link_speed_max_transfers_per_second",
+                None if reading.speed_max is None else reading.speed_max * 1e9,
+            ),
             ("gpuwatchd_pcie_link_width", reading.width),
             ("gpuwatchd_pcie_link_width_max", reading.width_max),
         )
@@ -283,9 +306,11 @@ class PcieSource(Source):
         if degraded is not None:
             samples.append(Sample("gpuwatchd_pcie_link_degraded", labels, float(degraded)))
         for severity, count in reading.aer.items():
-            samples.append(Sample(
-                "gpuwatchd_pcie_aer_errors_total", (gpu_bus_id, fn.bdf, severity), float(count)
-            ))
+            samples.append(
+                Sample(
+                    "gpuwatchd_pcie_aer_errors_total", (gpu_bus_id, fn.bdf, severity), float(count)
+                )
+            )
 
 
 def walk_to_root(resolved: str) -> tuple[PciFunction, ...]:
@@ -300,7 +325,16 @@ def walk_to_root(resolved: str) -> tuple[PciFunction, ...]:
 
 
 __all__ = [
-    "BDF", "LinkReading", "PciFunction", "PcieSource", "link_generation", "parse_aer",
-    "parse_hex", "parse_link_speed", "parse_link_width", "parse_numa_node", "read_link",
+    "BDF",
+    "LinkReading",
+    "PciFunction",
+    "PcieSource",
+    "link_generation",
+    "parse_aer",
+    "parse_hex",
+    "parse_link_speed",
+    "parse_link_width",
+    "parse_numa_node",
+    "read_link",
     "walk_to_root",
 ]
