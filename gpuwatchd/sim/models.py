@@ -19,6 +19,7 @@ class GpuModel(BaseModel):
     pcie_max_width: int = 16
     nvlinks: int = 0
     datacenter: bool = True
+    dcgm_profiling: bool = True  # DCGM profiling metrics (1001-1012); not on GeForce or pre-Volta
     # NVML functions this product answers with NVML_ERROR_NOT_SUPPORTED
     unsupported: tuple[str, ...] = ()
 

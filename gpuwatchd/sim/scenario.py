@@ -65,6 +65,17 @@ class GpuValues(Strict):
     aer_fatal_total: float | None = Field(None, ge=0)
     persistence_mode: bool | None = None
     nvlink_down: list[int] | None = None  # link indices that are inactive
+    # DCGM profiling activity, ratios 0-1 (fields 1001-1008) and NVLink traffic (1011/1012)
+    gr_engine_active: float | None = Field(None, ge=0, le=1)
+    sm_active: float | None = Field(None, ge=0, le=1)
+    sm_occupancy: float | None = Field(None, ge=0, le=1)
+    tensor_active: float | None = Field(None, ge=0, le=1)
+    dram_active: float | None = Field(None, ge=0, le=1)
+    fp64_active: float | None = Field(None, ge=0, le=1)
+    fp32_active: float | None = Field(None, ge=0, le=1)
+    fp16_active: float | None = Field(None, ge=0, le=1)
+    nvlink_tx_mb_s: float | None = Field(None, ge=0)  # MB/s, 10^6 bytes
+    nvlink_rx_mb_s: float | None = Field(None, ge=0)
     processes: list[GpuProcess] | None = None
     lost: bool | None = None  # fell off the bus: NVML answers GPU_IS_LOST
     hung: bool | None = None  # NVML calls on this GPU block
@@ -80,6 +91,14 @@ class LinkValues(Strict):
     gen: int | None = Field(None, ge=1, le=6)
     width: int | None = Field(None, ge=1, le=32)
 
+
+class HostValues(Strict):
+    """Node-wide values a phase can set (GPU values live in GpuValues)."""
+
+    dcgm_hostengine_up: bool | None = None  # nv-hostengine running (false: stopped/restarting)
+
+
+HOST_DEFAULTS: dict[str, Any] = dict(dcgm_hostengine_up=True)
 
 GpuSelector = Literal["all"] | list[int]
 
@@ -110,6 +129,7 @@ class Phase(Strict):
     ramp: dict[str, tuple[float, float]] | None = None
     changes: list[Change] = []
     bridges: dict[str, LinkValues] = {}  # bridge name (see Topology) -> link state
+    host: HostValues = HostValues()
 
     @model_validator(mode="after")
     def _rampable(self) -> Phase:
@@ -132,6 +152,7 @@ class Node(Strict):
     pcie_topology: Literal["switched", "direct"] = "switched"
     numa_nodes: int = Field(2, ge=1)
     cpus: int = Field(128, ge=1)
+    dcgm: Literal["none", "3", "4"] = "4"  # DCGM installed (major version), or not at all
     initial: GpuValues = GpuValues()
 
     def model(self) -> GpuModel:
@@ -307,6 +328,14 @@ class XidEvent:
     xid: int
 
 
+@dataclass
+class _CompiledPhase:
+    duration: float
+    changes: list[tuple[list[int], dict[str, Any], dict[str, tuple[float, float]]]]
+    bridges: dict[str, dict[str, int]]
+    host: dict[str, Any]
+
+
 class Timeline:
     """Values of every GPU and bridge at virtual time t (seconds since scenario start)."""
 
@@ -320,13 +349,35 @@ class Timeline:
             self._starts.append(t)
             t += phase.duration
         self.duration = t
-        base = {**IDLE_DEFAULTS, **scenario.node.initial.model_dump(exclude_none=True)}
-        self._base = base
+        model = scenario.node.model()
+        self._base = {
+            **IDLE_DEFAULTS,
+            "pcie_gen": model.pcie_max_gen,
+            "pcie_width": model.pcie_max_width,
+            "power_w": model.power_limit_w * 0.15,
+            "sm_clock_mhz": 210.0,
+            "mem_clock_mhz": float(model.max_mem_clock_mhz),
+            **scenario.node.initial.model_dump(exclude_none=True),
+        }
+        self._base_bridges = {
+            fn.name: {"gen": fn.max_gen, "width": fn.max_width} for fn in self.topology.bridges()
+        }
+        self._compiled = [(start, self._compile(phase)) for start, phase in self.phases()]
         self._cache: tuple[float, list[dict[str, Any]], dict[str, dict[str, int]]] | None = None
 
     def phases(self) -> list[tuple[float, Phase]]:
         """(start, phase) in timeline order."""
         return list(zip(self._starts, self.scenario.phases, strict=True))
+
+    def _compile(self, phase: Phase) -> _CompiledPhase:
+        changes = []
+        for change in phase.all_changes():
+            fixed = change.set.model_dump(exclude_none=True)
+            fixed.pop("xid", None)  # events, not state
+            changes.append((list(self._gpus(change)), fixed, dict(change.ramp)))
+        bridges = {name: link.model_dump(exclude_none=True) for name, link in phase.bridges.items()}
+        host = phase.host.model_dump(exclude_none=True)
+        return _CompiledPhase(phase.duration, changes, bridges, host)
 
     def _local(self, t: float) -> float:
         if self.loop and self.duration > 0:
@@ -340,37 +391,39 @@ class Timeline:
         return [i for i in change.gpus if 0 <= i < count]
 
     def state(self, t: float) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
-        """(per-GPU value dicts, bridge name -> {gen, width}) at time t."""
+        """(per-GPU value dicts, bridge name -> {gen, width}) at time t.
+
+        The result is cached for the last t and must not be modified by callers.
+        """
         t = self._local(t)
         if self._cache is not None and self._cache[0] == t:
             return self._cache[1], self._cache[2]
-        model = self.scenario.node.model()
         gpus = [dict(self._base) for _ in range(self.scenario.node.gpu_count)]
-        for values in gpus:
-            values.setdefault("pcie_gen", model.pcie_max_gen)
-            values.setdefault("pcie_width", model.pcie_max_width)
-            values.setdefault("power_w", model.power_limit_w * 0.15)
-            values.setdefault("sm_clock_mhz", 210.0)
-            values.setdefault("mem_clock_mhz", float(model.max_mem_clock_mhz))
-        bridges = {
-            fn.name: {"gen": fn.max_gen, "width": fn.max_width} for fn in self.topology.bridges()
-        }
-        for phase, start in zip(self.scenario.phases, self._starts, strict=True):
+        bridges = {name: dict(link) for name, link in self._base_bridges.items()}
+        for start, phase in self._compiled:
             if start > t:
                 break
             progress = min(1.0, (t - start) / phase.duration)
-            for change in phase.all_changes():
-                fixed = change.set.model_dump(exclude_none=True)
-                fixed.pop("xid", None)  # events, not state
-                for i in self._gpus(change):
+            for indices, fixed, ramp in phase.changes:
+                for i in indices:
                     gpus[i].update(fixed)
-                    for key, (a, b) in change.ramp.items():
+                    for key, (a, b) in ramp.items():
                         gpus[i][key] = a + (b - a) * progress
             for name, link in phase.bridges.items():
                 if name in bridges:
-                    bridges[name].update(link.model_dump(exclude_none=True))
+                    bridges[name].update(link)
         self._cache = (t, gpus, bridges)
         return gpus, bridges
+
+    def host_state(self, t: float) -> dict[str, Any]:
+        """Node-wide values (HostValues) at time t."""
+        t = self._local(t)
+        host = dict(HOST_DEFAULTS)
+        for start, phase in self._compiled:
+            if start > t:
+                break
+            host.update(phase.host)
+        return host
 
     def xid_events(self, t0: float, t1: float) -> list[XidEvent]:
         """Xid events raised in (t0, t1], in absolute (unlooped) seconds."""
