@@ -67,6 +67,7 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
         pcie_max_gen=4,
         nvlinks=0,
         datacenter=False,
+        dcgm_profiling=False,
         unsupported=(
             "nvmlDeviceGetNvLinkState",
             "nvmlDeviceGetEccMode",
