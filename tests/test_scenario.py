@@ -90,3 +90,71 @@ def test_errors_name_the_file_and_the_key(tmp_path: Path):
 def test_unknown_scenario_names_the_builtins():
     with pytest.raises(ConfigError, match="healthy-8gpu"):
         load_scenario("no-such-scenario")
+
+
+def test_host_values_merge_key_by_key_and_ramp_by_path():
+    s = Scenario.model_validate(
+        {
+            "name": "host",
+            "node": {"host": {"processes": [{"pid": 4242}]}},
+            "phases": [
+                {
+                    "name": "a",
+                    "duration": 10,
+                    "host": {
+                        "disks": {"nvme0n1": {"util_percent": 10, "await_ms": 1}},
+                        "processes": {4242: {"main_thread_cpu_percent": 40, "workers": 8}},
+                    },
+                },
+                {
+                    "name": "b",
+                    "duration": 10,
+                    "host": {
+                        "disks": {"nvme0n1": {"util_percent": 99}},
+                        "processes": {4242: {"workers": 0}},
+                    },
+                    "host_ramp": {"processes.4242.main_thread_cpu_percent": [40, 100]},
+                },
+            ],
+        }
+    )
+    timeline = Timeline(s)
+    host = timeline.host_state(15)
+    assert host["disks"]["nvme0n1"] == {"util_percent": 99, "await_ms": 1}
+    assert host["processes"][4242] == {"main_thread_cpu_percent": 70, "workers": 0}
+    assert host["dcgm_hostengine_up"] is True and host["cpu_busy_percent"] == 2.0
+    assert timeline.host_state(5)["processes"][4242]["workers"] == 8
+
+
+def test_host_ramp_paths_are_checked():
+    with pytest.raises(ValueError, match="host_ramp.disks.nvme0n1.colour"):
+        Scenario.model_validate(
+            {
+                "name": "x",
+                "phases": [
+                    {"name": "p", "duration": 1, "host_ramp": {"disks.nvme0n1.colour": [0, 1]}}
+                ],
+            }
+        )
+    Scenario.model_validate(
+        {
+            "name": "x",
+            "phases": [
+                {
+                    "name": "p",
+                    "duration": 1,
+                    "host_ramp": {"cpu_busy_percent": [0, 1], "core_busy_percent.3": [0, 100]},
+                }
+            ],
+        }
+    )
+
+
+def test_integrator_turns_rates_into_rising_counters():
+    from gpuwatchd.sim.counters import Integrator
+
+    counters = Integrator()
+    assert counters.advance(0, {"irq": 100.0}) == {"irq": 0.0}
+    assert counters.advance(2, {"irq": 10.0, "new": 1.0}) == {"irq": 200.0, "new": 0.0}
+    assert counters.advance(3, {}) == {"irq": 210.0, "new": 1.0}
+    assert counters.advance(1, {"irq": 5.0}) == {"irq": 210.0, "new": 1.0}  # never backwards

@@ -7,6 +7,7 @@ sysfs) render that state in the real bindings' and the kernel's formats.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -16,6 +17,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpuwatchd.config import ConfigError, Duration, parse_duration
+from gpuwatchd.sim.host import (
+    HOST_DEFAULTS,
+    HostHardware,
+    HostValues,
+    check_host_ramp,
+    deep_merge,
+    set_path,
+)
 from gpuwatchd.sim.models import BUILTIN_MODELS, GpuModel
 
 CLOCK_EVENT_REASONS = (
@@ -92,14 +101,6 @@ class LinkValues(Strict):
     width: int | None = Field(None, ge=1, le=32)
 
 
-class HostValues(Strict):
-    """Node-wide values a phase can set (GPU values live in GpuValues)."""
-
-    dcgm_hostengine_up: bool | None = None  # nv-hostengine running (false: stopped/restarting)
-
-
-HOST_DEFAULTS: dict[str, Any] = dict(dcgm_hostengine_up=True)
-
 GpuSelector = Literal["all"] | list[int]
 
 
@@ -130,10 +131,12 @@ class Phase(Strict):
     changes: list[Change] = []
     bridges: dict[str, LinkValues] = {}  # bridge name (see Topology) -> link state
     host: HostValues = HostValues()
+    host_ramp: dict[str, tuple[float, float]] = {}  # dotted host path: [from, to]
 
     @model_validator(mode="after")
     def _rampable(self) -> Phase:
         _check_ramp(self.ramp)
+        check_host_ramp(self.host_ramp)
         return self
 
     def all_changes(self) -> list[Change]:
@@ -153,7 +156,9 @@ class Node(Strict):
     numa_nodes: int = Field(2, ge=1)
     cpus: int = Field(128, ge=1)
     dcgm: Literal["none", "3", "4"] = "4"  # DCGM installed (major version), or not at all
+    host: HostHardware = HostHardware()
     initial: GpuValues = GpuValues()
+    initial_host: HostValues = HostValues()
 
     def model(self) -> GpuModel:
         if isinstance(self.gpu_model, GpuModel):
@@ -334,6 +339,7 @@ class _CompiledPhase:
     changes: list[tuple[list[int], dict[str, Any], dict[str, tuple[float, float]]]]
     bridges: dict[str, dict[str, int]]
     host: dict[str, Any]
+    host_ramp: dict[str, tuple[float, float]]
 
 
 class Timeline:
@@ -362,7 +368,10 @@ class Timeline:
         self._base_bridges = {
             fn.name: {"gen": fn.max_gen, "width": fn.max_width} for fn in self.topology.bridges()
         }
+        self._base_host = copy.deepcopy(HOST_DEFAULTS)
+        deep_merge(self._base_host, scenario.node.initial_host.model_dump(exclude_none=True))
         self._compiled = [(start, self._compile(phase)) for start, phase in self.phases()]
+        self._host_cache: tuple[float, dict[str, Any]] | None = None
         self._cache: tuple[float, list[dict[str, Any]], dict[str, dict[str, int]]] | None = None
 
     def phases(self) -> list[tuple[float, Phase]]:
@@ -377,7 +386,7 @@ class Timeline:
             changes.append((list(self._gpus(change)), fixed, dict(change.ramp)))
         bridges = {name: link.model_dump(exclude_none=True) for name, link in phase.bridges.items()}
         host = phase.host.model_dump(exclude_none=True)
-        return _CompiledPhase(phase.duration, changes, bridges, host)
+        return _CompiledPhase(phase.duration, changes, bridges, host, dict(phase.host_ramp))
 
     def _local(self, t: float) -> float:
         if self.loop and self.duration > 0:
@@ -416,13 +425,22 @@ class Timeline:
         return gpus, bridges
 
     def host_state(self, t: float) -> dict[str, Any]:
-        """Node-wide values (HostValues) at time t."""
+        """Node-wide values (HostValues as nested dicts) at time t.
+
+        Cached for the last t; callers must not modify the result.
+        """
         t = self._local(t)
-        host = dict(HOST_DEFAULTS)
+        if self._host_cache is not None and self._host_cache[0] == t:
+            return self._host_cache[1]
+        host = copy.deepcopy(self._base_host)
         for start, phase in self._compiled:
             if start > t:
                 break
-            host.update(phase.host)
+            deep_merge(host, phase.host)
+            progress = min(1.0, (t - start) / phase.duration)
+            for path, (a, b) in phase.host_ramp.items():
+                set_path(host, path, a + (b - a) * progress)
+        self._host_cache = (t, host)
         return host
 
     def xid_events(self, t0: float, t1: float) -> list[XidEvent]:

@@ -1,0 +1,181 @@
+"""The host side of a scenario: CPUs, memory, PSI, IRQs, disks, IB ports, processes.
+
+Node-level facts (what hardware exists) live on `HostHardware`; what changes over time
+lives in `HostValues`, set per phase and merged key by key: a phase that sets
+`disks: {nvme0n1: {util_percent: 99}}` changes that one value of that one disk and
+leaves everything else as it was. `host_ramp` ramps numeric values by dotted path
+(`disks.nvme0n1.util_percent`, `processes.4242.main_thread_cpu_percent`).
+
+Rates are given per second; the writers integrate them into the kernel's cumulative
+counters (jiffies, sectors, interrupt counts, IB words) over the clock's time.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Disk(Strict):
+    name: str  # nvme0n1, sda
+    queues: int = Field(8, ge=1)  # nvme IRQ queues (nvme0q1..N)
+
+
+class Nic(Strict):
+    name: str  # the netdev or the HCA, e.g. mlx5_0 or eth0
+    driver: Literal["mlx5", "ice", "virtio"] = "mlx5"
+    queues: int = Field(8, ge=1)
+    bus_id: str | None = None  # PCI address shown in the IRQ name (mlx5_comp3@pci:...)
+
+
+class IbPort(Strict):
+    device: str  # mlx5_0
+    port: int = 1
+    rate_gbps: float = 400  # the port's best rate (what it should link at)
+    link_layer: Literal["InfiniBand", "Ethernet"] = "InfiniBand"
+
+
+class HostProcess(Strict):
+    """Facts about a process that do not change during the scenario."""
+
+    pid: int
+    name: str = "python"
+    cgroup: str = "/system.slice/train.service"  # cgroup v2 path
+    container: bool = False  # cgroup path under a container runtime (docker/kubepods)
+    cpus_allowed: str | None = None  # "0-31"; None: every CPU
+    cudart: str | None = None  # CUDA runtime it mapped, "12.1" -> libcudart.so.12.1
+    uid: int = 1000
+
+
+class HostHardware(Strict):
+    disks: list[Disk] = [Disk(name="nvme0n1"), Disk(name="nvme1n1")]
+    nics: list[Nic] = []
+    ib_ports: list[IbPort] = []
+    processes: list[HostProcess] = []
+    memory_total_mib: float = Field(1_048_576, gt=0)  # 1 TiB
+
+
+class InterruptValues(Strict):
+    rate: float | None = Field(None, ge=0)  # interrupts per second, summed over its CPUs
+    cpus: list[int] | None = None  # CPUs it lands on (its affinity); default: CPU 0
+
+
+class DiskValues(Strict):
+    read_iops: float | None = Field(None, ge=0)
+    write_iops: float | None = Field(None, ge=0)
+    read_mb_s: float | None = Field(None, ge=0)  # 10^6 bytes per second
+    write_mb_s: float | None = Field(None, ge=0)
+    util_percent: float | None = Field(None, ge=0, le=100)  # share of time busy (io_ticks)
+    await_ms: float | None = Field(None, ge=0)  # average time per request, queue included
+
+
+class IbPortValues(Strict):
+    state: Literal["DOWN", "INIT", "ARMED", "ACTIVE", "ACTIVE_DEFER"] | None = None
+    phys_state: Literal["Sleep", "Polling", "Disabled", "LinkUp", "LinkErrorRecovery"] | None = None
+    rate_gbps: float | None = Field(None, ge=0)  # current rate
+    rx_mb_s: float | None = Field(None, ge=0)
+    tx_mb_s: float | None = Field(None, ge=0)
+    xmit_wait_ratio: float | None = Field(None, ge=0, le=1)  # share of time waiting to send
+    symbol_error_total: float | None = Field(None, ge=0)
+    link_downed_total: float | None = Field(None, ge=0)
+    link_error_recovery_total: float | None = Field(None, ge=0)
+    port_rcv_errors_total: float | None = Field(None, ge=0)
+
+
+class ProcessValues(Strict):
+    main_thread_cpu_percent: float | None = Field(None, ge=0, le=100)  # of one core
+    threads: int | None = Field(None, ge=1)
+    other_threads_cpu_percent: float | None = Field(None, ge=0)  # summed over other threads
+    workers: int | None = Field(None, ge=0)  # child processes (DataLoader workers)
+    worker_cpu_percent: float | None = Field(None, ge=0, le=100)  # each worker, of one core
+    cpu_quota_cpus: float | None = Field(None, gt=0)  # cgroup cpu.max as CPUs; None: max
+    throttled_ratio: float | None = Field(None, ge=0, le=1)  # share of periods throttled
+    running: bool | None = None  # false: the process has exited
+
+
+class HostValues(Strict):
+    """Node-wide values a phase can set (GPU values live in GpuValues)."""
+
+    cpu_busy_percent: float | None = Field(None, ge=0, le=100)  # every core unless overridden
+    core_busy_percent: dict[int, float] | None = None  # per-core overrides
+    iowait_percent: float | None = Field(None, ge=0, le=100)
+    steal_percent: float | None = Field(None, ge=0, le=100)
+    psi_cpu_some: float | None = Field(None, ge=0, le=100)  # percent of time (avg10)
+    psi_io_some: float | None = Field(None, ge=0, le=100)
+    psi_io_full: float | None = Field(None, ge=0, le=100)
+    psi_memory_some: float | None = Field(None, ge=0, le=100)
+    psi_memory_full: float | None = Field(None, ge=0, le=100)
+    mem_available_mib: float | None = Field(None, ge=0)
+    interrupts: dict[str, InterruptValues] | None = None  # IRQ action name -> rate
+    disks: dict[str, DiskValues] | None = None
+    ib_ports: dict[str, IbPortValues] | None = None  # "mlx5_0/1"
+    processes: dict[int, ProcessValues] | None = None
+    dcgm_hostengine_up: bool | None = None  # nv-hostengine running (false: stopped/restarting)
+
+
+HOST_DEFAULTS: dict[str, Any] = dict(
+    cpu_busy_percent=2.0,
+    core_busy_percent={},
+    iowait_percent=0.0,
+    steal_percent=0.0,
+    psi_cpu_some=0.0,
+    psi_io_some=0.0,
+    psi_io_full=0.0,
+    psi_memory_some=0.0,
+    psi_memory_full=0.0,
+    mem_available_mib=None,
+    interrupts={},
+    disks={},
+    ib_ports={},
+    processes={},
+    dcgm_hostengine_up=True,
+)
+
+
+def deep_merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+    """Merge `update` into `into`: nested mappings key by key, anything else replaced."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            deep_merge(into[key], value)
+        else:
+            into[key] = copy.deepcopy(value)
+
+
+def set_path(values: dict[str, Any], path: str, value: float) -> None:
+    """Set a dotted path (`disks.nvme0n1.util_percent`), creating mappings on the way.
+
+    Integer-looking keys (pids, core numbers) are stored as ints, as YAML gives them.
+    """
+    *parents, leaf = (int(p) if p.isdigit() else p for p in path.split("."))
+    for key in parents:
+        values = values.setdefault(key, {})  # type: ignore[arg-type]
+    values[leaf] = value  # type: ignore[index]
+
+
+def check_host_ramp(ramp: dict[str, tuple[float, float]] | None) -> None:
+    """A host ramp path must end at a numeric field of HostValues or one of its parts."""
+    numeric = (float | None, int | None)
+    for path in ramp or {}:
+        parts = path.split(".")
+        model: type[BaseModel] = HostValues
+        field = model.model_fields.get(parts[0])
+        nested = {
+            "interrupts": InterruptValues,
+            "disks": DiskValues,
+            "ib_ports": IbPortValues,
+            "processes": ProcessValues,
+        }
+        if field is not None and parts[0] in nested and len(parts) == 3:
+            field = nested[parts[0]].model_fields.get(parts[2])
+        elif parts[0] == "core_busy_percent" and len(parts) == 2 and parts[1].isdigit():
+            continue
+        elif len(parts) != 1:
+            field = None
+        if field is None or field.annotation not in numeric:
+            raise ValueError(f"host_ramp.{path}: not a numeric host value")
