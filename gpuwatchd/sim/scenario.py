@@ -48,6 +48,7 @@ class GpuProcess(Strict):
     pid: int
     name: str = "python"
     gpu_memory_mib: float = 0
+    kind: Literal["compute", "graphics"] = "compute"  # which NVML process list it is in
 
 
 class GpuValues(Strict):
