@@ -158,24 +158,26 @@ def set_path(values: dict[str, Any], path: str, value: float) -> None:
     values[leaf] = value  # type: ignore[index]
 
 
+_NESTED: dict[str, type[BaseModel]] = {
+    "interrupts": InterruptValues,
+    "disks": DiskValues,
+    "ib_ports": IbPortValues,
+    "processes": ProcessValues,
+}
+
+
 def check_host_ramp(ramp: dict[str, tuple[float, float]] | None) -> None:
     """A host ramp path must end at a numeric field of HostValues or one of its parts."""
     numeric = (float | None, int | None)
     for path in ramp or {}:
         parts = path.split(".")
-        model: type[BaseModel] = HostValues
-        field = model.model_fields.get(parts[0])
-        nested = {
-            "interrupts": InterruptValues,
-            "disks": DiskValues,
-            "ib_ports": IbPortValues,
-            "processes": ProcessValues,
-        }
-        if field is not None and parts[0] in nested and len(parts) == 3:
-            field = nested[parts[0]].model_fields.get(parts[2])
-        elif parts[0] == "core_busy_percent" and len(parts) == 2 and parts[1].isdigit():
+        if parts[0] == "core_busy_percent" and len(parts) == 2 and parts[1].isdigit():
             continue
-        elif len(parts) != 1:
+        if len(parts) == 3 and parts[0] in _NESTED:
+            field = _NESTED[parts[0]].model_fields.get(parts[2])
+        elif len(parts) == 1:
+            field = HostValues.model_fields.get(parts[0])
+        else:
             field = None
         if field is None or field.annotation not in numeric:
             raise ValueError(f"host_ramp.{path}: not a numeric host value")

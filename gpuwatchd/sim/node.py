@@ -31,7 +31,13 @@ class SimNode:
         self.tick()
 
     def context(self) -> Context:
-        return Context(procfs=self.root / "proc", sysfs=self.root / "sys", pynvml=self.pynvml)
+        return Context(
+            procfs=self.root / "proc",
+            sysfs=self.root / "sys",
+            pynvml=self.pynvml,
+            # the node's clocks: wall time for timestamps, elapsed (monotonic) for rates
+            extras={"now": self.clock.now, "clock": self.clock.elapsed},
+        )
 
     def tick(self) -> None:
         """Bring the written trees up to the clock's time."""

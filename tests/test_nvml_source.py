@@ -1,0 +1,477 @@
+"""The NVML source against the fake libnvidia-ml (under the real pynvml), and without one."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from gpuwatchd.config import NvmlConfig
+from gpuwatchd.metrics import Sample
+from gpuwatchd.scheduler import Poller
+from gpuwatchd.sim.clock import SimClock
+from gpuwatchd.sim.fake_nvml import gpu_uuid, make_pynvml
+from gpuwatchd.sim.scenario import CLOCK_EVENT_REASONS, Scenario, Timeline, load_scenario
+from gpuwatchd.sources import REGISTRY, load_builtin_sources
+from gpuwatchd.sources.base import Context, SourceError
+from gpuwatchd.sources.nvml import CLOCK_REASONS, NvmlSource, cuda_version_string, sysfs_bus_id
+from gpuwatchd.store import Store
+
+MIB = 2**20
+WAIT = 10.0  # bound on every real-time wait in these tests
+P = "gpuwatchd_"
+
+
+def scenario(phases: list[dict[str, Any]], **node: Any) -> Scenario:
+    node = {"gpu_count": 2, "pcie_topology": "direct", **node}
+    return Scenario.model_validate({"name": "t", "node": node, "phases": phases})
+
+
+class Sim:
+    """A fake node at virtual time, and an NVML source reading it."""
+
+    def __init__(self, scn: Scenario | str, at: float = 0.0, **options: Any) -> None:
+        self.timeline = Timeline(load_scenario(scn) if isinstance(scn, str) else scn)
+        self.clock = SimClock(virtual=True, start_wall=1_700_000_000.0)
+        self.clock.advance(at)
+        self.nv = make_pynvml(self.timeline, self.clock, **options)
+        self.fake = self.nv._gpuwatchd_fake
+        context = Context(pynvml=self.nv, extras={"now": self.clock.now})
+        self.source = NvmlSource(NvmlConfig(), context)
+
+    def collect(self) -> Metrics:
+        return Metrics(self.source.collect())
+
+
+class Metrics:
+    """Samples by name, then by labels (gpu, uuid, extra...)."""
+
+    def __init__(self, samples: list[Sample]) -> None:
+        self.samples = samples
+        self.by_name: dict[str, dict[tuple[str, ...], float]] = defaultdict(dict)
+        for name, labels, value in samples:
+            assert labels not in self.by_name[name], f"duplicate series {name}{labels}"
+            self.by_name[name][labels] = value
+
+    def gpu(self, name: str, gpu: int) -> dict[tuple[str, ...], float]:
+        """Series of `name` for one GPU, keyed by their labels after gpu and uuid."""
+        series = self.by_name[P + name].items()
+        return {labels[2:]: v for labels, v in series if labels[0] == str(gpu)}
+
+    def value(self, name: str, gpu: int, *extra: str) -> float:
+        return self.gpu(name, gpu)[extra]
+
+    def gpus_with(self, name: str) -> set[int]:
+        return {int(labels[0]) for labels in self.by_name.get(P + name, {})}
+
+    def series_of(self, gpu: int) -> set[str]:
+        return {name for name, _ in self.samples_of(gpu)}
+
+    def samples_of(self, gpu: int) -> list[tuple[str, tuple[str, ...]]]:
+        return [(n, labels) for n, labels, _ in self.samples if labels[:1] == (str(gpu),)]
+
+
+PER_GPU_FAMILIES = {
+    "gpu_info", "gpu_lost", "gpu_utilization_ratio", "gpu_memory_utilization_ratio",
+    "gpu_memory_used_bytes", "gpu_memory_total_bytes", "gpu_power_watts", "gpu_power_limit_watts",
+    "gpu_temperature_celsius", "gpu_sm_clock_hertz", "gpu_sm_clock_max_hertz",
+    "gpu_memory_clock_hertz", "gpu_memory_clock_max_hertz", "gpu_performance_state",
+    "gpu_clock_event_reason_active", "gpu_pcie_link_generation", "gpu_pcie_link_generation_max",
+    "gpu_pcie_link_width", "gpu_pcie_link_width_max", "gpu_pcie_tx_bytes_per_second",
+    "gpu_pcie_rx_bytes_per_second", "gpu_pcie_replay_errors_total", "gpu_ecc_errors_total",
+    "gpu_persistence_mode", "gpu_ecc_mode", "gpu_nvlink_active", "gpu_compute_processes",
+    "gpu_process_memory_used_bytes",
+}
+
+
+def test_registered_and_samples_match_the_declared_specs():
+    assert load_builtin_sources()["nvml"] is NvmlSource and REGISTRY["nvml"] is NvmlSource
+    specs = {spec.name: spec for spec in NvmlSource.metrics}
+    assert len(specs) == len(NvmlSource.metrics)
+    for spec in specs.values():
+        assert spec.name.startswith(P)
+        assert spec.name.endswith("_total") == (spec.type == "counter")
+        if spec.name.startswith(P + "gpu_"):
+            assert spec.labels[:2] == ("gpu", "uuid"), spec.name
+    sim = Sim(xid_scenario(initial={"processes": [{"pid": 1, "gpu_memory_mib": 1}]}))
+    sim.collect()
+    sim.clock.advance(12)
+    got = sim.collect()
+    for name, labels, value in got.samples:
+        assert name in specs, name
+        assert len(labels) == len(specs[name].labels), name
+        assert isinstance(value, float), name
+    assert {n.removeprefix(P) for n in got.by_name} >= PER_GPU_FAMILIES | {
+        "gpu_xid_errors_total", "gpu_last_xid_timestamp_seconds", "cuda_driver_version",
+        "nvml_devices"}
+
+
+def test_healthy_node_every_family_with_its_units():
+    sim = Sim("healthy-8gpu", at=600.0)
+    got = sim.collect()
+    values = sim.timeline.state(600.0)[0]
+    assert got.by_name[P + "nvml_devices"] == {(): 8.0}
+    assert got.by_name[P + "cuda_driver_version"] == {(): pytest.approx(12.4)}
+    for i in range(8):
+        v = values[i]
+        uuid = gpu_uuid("sim-hgx-a100", i)
+        assert got.series_of(i) == {P + f for f in PER_GPU_FAMILIES}
+        assert {labels[1] for _, labels in got.samples_of(i)} == {uuid}
+        bdf = sim.timeline.topology.gpu(i).bdf
+        assert got.gpu("gpu_info", i) == {
+            ("NVIDIA A100-SXM4-80GB", bdf, "550.90.07", "12.4"): 1.0}
+        assert got.value("gpu_lost", i) == 0
+        assert got.value("gpu_utilization_ratio", i) == pytest.approx(v["utilization_gpu"] / 100)
+        assert got.value("gpu_memory_utilization_ratio", i) == pytest.approx(0.42)
+        assert got.value("gpu_memory_used_bytes", i) == v["memory_used_mib"] * MIB
+        assert got.value("gpu_memory_total_bytes", i) == 81920 * MIB
+        assert got.value("gpu_power_watts", i) == pytest.approx(v["power_w"])
+        assert got.value("gpu_power_limit_watts", i) == 400
+        assert got.value("gpu_temperature_celsius", i) == round(v["temperature_c"])
+        assert got.value("gpu_sm_clock_hertz", i) == 1410e6
+        assert got.value("gpu_sm_clock_max_hertz", i) == 1410e6
+        assert got.value("gpu_memory_clock_hertz", i) == 1593e6
+        assert got.value("gpu_memory_clock_max_hertz", i) == 1593e6
+        assert got.value("gpu_performance_state", i) == 0
+        reasons = got.gpu("gpu_clock_event_reason_active", i)
+        assert {r for (r,) in reasons} == set(CLOCK_REASONS)
+        assert all(value == 0 for value in reasons.values())
+        assert got.value("gpu_pcie_link_generation", i) == 4
+        assert got.value("gpu_pcie_link_generation_max", i) == 4
+        assert got.value("gpu_pcie_link_width", i) == 16
+        assert got.value("gpu_pcie_link_width_max", i) == 16
+        # KB/s (1024 B) from NVML: within one KB of the scenario's MB/s
+        assert got.value("gpu_pcie_tx_bytes_per_second", i) == pytest.approx(1800e6, abs=1024)
+        assert got.value("gpu_pcie_rx_bytes_per_second", i) == pytest.approx(9500e6, abs=1024)
+        assert got.value("gpu_pcie_replay_errors_total", i) == 0
+        assert got.gpu("gpu_ecc_errors_total", i) == {("corrected",): 0, ("uncorrected",): 0}
+        assert got.value("gpu_persistence_mode", i) == 1
+        assert got.value("gpu_ecc_mode", i) == 1
+        assert got.gpu("gpu_nvlink_active", i) == {(str(link),): 1.0 for link in range(12)}
+        assert got.value("gpu_compute_processes", i) == 1
+        assert got.gpu("gpu_process_memory_used_bytes", i) == {("4242",): 71680 * MIB}
+
+
+def test_idle_node():
+    got = Sim("idle-8gpu", at=60.0).collect()
+    for i in range(8):
+        assert got.value("gpu_utilization_ratio", i) == 0
+        assert got.value("gpu_performance_state", i) == 8
+        assert got.value("gpu_pcie_link_generation", i) == 1
+        assert got.value("gpu_pcie_link_generation_max", i) == 4
+        assert got.value("gpu_power_watts", i) == 61
+        assert got.value("gpu_sm_clock_hertz", i) == 210e6
+        assert got.value("gpu_clock_event_reason_active", i, "gpu_idle") == 1
+        assert got.value("gpu_clock_event_reason_active", i, "sw_power_cap") == 0
+        assert got.value("gpu_compute_processes", i) == 0
+        assert got.gpu("gpu_process_memory_used_bytes", i) == {}
+
+
+def test_pcie_gen3_under_load_at_400s():
+    sim = Sim("pcie-gen3-under-load", at=400.0)
+    got = sim.collect()
+    assert got.value("gpu_pcie_link_generation", 3) == 3
+    assert got.value("gpu_pcie_link_generation_max", 3) == 4
+    assert got.value("gpu_utilization_ratio", 3) == pytest.approx(0.48)
+    assert got.value("gpu_power_watts", 3) == 210
+    assert got.value("gpu_pcie_rx_bytes_per_second", 3) == pytest.approx(7600e6, abs=1024)
+    for i in (0, 1, 2, 4, 5, 6, 7):
+        assert got.value("gpu_pcie_link_generation", i) == 4
+        assert got.value("gpu_utilization_ratio", i) == pytest.approx(0.95)
+    sim.clock.advance(-300.0)  # before the retrain (virtual time can be set freely)
+    assert sim.collect().value("gpu_pcie_link_generation", 3) == 4
+
+
+def test_clock_event_reasons_and_counters_follow_the_scenario():
+    scn = scenario([
+        {"name": "ok", "duration": 10},
+        {"name": "bad", "duration": 100, "set": {
+            "clock_event_reasons": ["sw_power_cap", "hw_slowdown"], "nvlink_down": [2],
+            "persistence_mode": False,
+            "processes": [{"pid": 7, "gpu_memory_mib": 100}, {"pid": 8, "gpu_memory_mib": 50}]},
+         "ramp": {"pcie_replay_count": [0, 1000], "ecc_corrected_total": [0, 100]}},
+    ])
+    sim = Sim(scn, at=60.0)
+    got = sim.collect()
+    reasons = got.gpu("gpu_clock_event_reason_active", 1)
+    assert {r for (r,), v in reasons.items() if v} == {"sw_power_cap", "hw_slowdown"}
+    assert got.value("gpu_pcie_replay_errors_total", 1) == 500
+    assert got.value("gpu_ecc_errors_total", 1, "corrected") == 50
+    assert got.value("gpu_nvlink_active", 1, "2") == 0
+    assert got.value("gpu_nvlink_active", 1, "3") == 1
+    assert got.value("gpu_persistence_mode", 1) == 0
+    assert got.value("gpu_compute_processes", 1) == 2
+    assert got.gpu("gpu_process_memory_used_bytes", 1) == {("7",): 100 * MIB, ("8",): 50 * MIB}
+
+
+@pytest.mark.parametrize("model, absent, present", [
+    ("rtx-4090", {"gpu_nvlink_active", "gpu_ecc_mode", "gpu_ecc_errors_total"},
+     {"gpu_pcie_replay_errors_total"}),
+    ("l40s", {"gpu_nvlink_active"}, {"gpu_ecc_mode", "gpu_ecc_errors_total"}),
+])
+def test_unsupported_functions_drop_series_and_are_not_asked_again(model, absent, present):
+    sim = Sim(scenario([{"name": "p", "duration": 100}], gpu_model=model))
+    for _ in range(5):
+        got = sim.collect()
+        sim.clock.advance(1)
+        for gpu in (0, 1):
+            families = {n.removeprefix(P) for n in got.series_of(gpu)}
+            assert not families & absent
+            assert present <= families
+            assert "gpu_power_watts" in families
+    for gpu in (0, 1):
+        assert sim.fake.gpu_calls[("nvmlDeviceGetNvLinkState", gpu)] == 1
+        assert sim.fake.gpu_calls[("nvmlDeviceGetPowerUsage", gpu)] == 5
+        assert sim.fake.gpu_calls[("nvmlDeviceGetFieldValues", gpu)] == 5
+        if "gpu_ecc_mode" in absent:
+            assert sim.fake.gpu_calls[("nvmlDeviceGetEccMode", gpu)] == 1
+
+
+def test_static_values_are_read_once():
+    sim = Sim("healthy-8gpu")
+    for _ in range(3):
+        sim.collect()
+    assert sim.fake.gpu_calls[("nvmlDeviceGetMaxPcieLinkGeneration", 0)] == 1
+    assert sim.fake.gpu_calls[("nvmlDeviceGetUUID", 0)] == 1
+    assert sim.fake.gpu_calls[("nvmlDeviceGetHandleByIndex_v2", 0)] == 1
+    assert sim.fake.gpu_calls[("nvmlDeviceGetCurrPcieLinkGeneration", 0)] == 3
+
+
+def test_calls_per_gpu_per_steady_poll():
+    """The cost of a poll, in NVML calls: one per value, one field-values call, the links."""
+    sim = Sim("healthy-8gpu", at=60.0)
+    sim.collect()
+    before = sum(n for (_, gpu), n in sim.fake.gpu_calls.items() if gpu == 0)
+    sim.collect()
+    per_poll = sum(n for (_, gpu), n in sim.fake.gpu_calls.items() if gpu == 0) - before
+    # 15 value reads + 2 for processes + 1 field values + 12 NVLinks
+    assert per_poll == 30
+
+
+def test_function_not_found_falls_back_to_the_older_function():
+    sim = Sim("idle-8gpu", missing_functions={
+        "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetTemperature"})
+    for _ in range(3):
+        got = sim.collect()
+        assert got.value("gpu_clock_event_reason_active", 0, "gpu_idle") == 1
+        assert got.value("gpu_temperature_celsius", 0) == 31
+    assert sim.fake.gpu_calls[("nvmlDeviceGetCurrentClocksThrottleReasons", 0)] == 3
+    assert sim.fake.gpu_calls[("nvmlDeviceGetTemperatureV", 0)] == 3
+
+
+def test_function_missing_with_no_fallback_drops_the_series():
+    sim = Sim("idle-8gpu", missing_functions={"nvmlDeviceGetPerformanceState"})
+    counted = []
+    real = sim.nv.nvmlDeviceGetPerformanceState
+    sim.nv.nvmlDeviceGetPerformanceState = lambda h: (counted.append(1), real(h))[1]
+    for _ in range(3):
+        got = sim.collect()
+        assert got.gpu("gpu_performance_state", 0) == {}
+        assert got.value("gpu_power_watts", 0) == 61
+    assert len(counted) == 8  # once per GPU, then remembered
+
+
+def test_other_errors_drop_the_series_for_one_poll_only():
+    sim = Sim("healthy-8gpu", at=60.0)
+    nv = sim.nv
+    sim.fake.fail("nvmlDeviceGetPowerUsage", nv.NVML_ERROR_UNKNOWN, gpu=2, times=1)
+    sim.fake.fail_field(nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER, nv.NVML_ERROR_UNKNOWN, gpu=2)
+    got = sim.collect()
+    assert got.gpus_with("gpu_power_watts") == {0, 1, 3, 4, 5, 6, 7}
+    assert got.gpus_with("gpu_pcie_replay_errors_total") == {0, 1, 3, 4, 5, 6, 7}
+    assert got.gpu("gpu_ecc_errors_total", 2) == {("corrected",): 0, ("uncorrected",): 0}
+    sim.fake.clear_failures()
+    got = sim.collect()
+    assert got.gpus_with("gpu_power_watts") == set(range(8))
+    assert got.gpus_with("gpu_pcie_replay_errors_total") == set(range(8))
+
+
+def lost_scenario() -> Scenario:
+    return scenario([
+        {"name": "ok", "duration": 10},
+        {"name": "lost", "duration": 10, "changes": [{"gpus": [1], "set": {"lost": True}}]},
+    ], gpu_count=3)
+
+
+def test_lost_gpu_reports_only_gpu_lost():
+    sim = Sim(lost_scenario())
+    assert sim.collect().value("gpu_lost", 1) == 0
+    sim.clock.advance(15)
+    for _ in range(2):
+        got = sim.collect()
+        uuid = gpu_uuid("sim-node", 1)
+        assert got.samples_of(1) == [(P + "gpu_lost", ("1", uuid))]
+        assert got.value("gpu_lost", 1) == 1
+        for other in (0, 2):
+            assert got.value("gpu_lost", other) == 0
+            no_processes = PER_GPU_FAMILIES - {"gpu_process_memory_used_bytes"}
+            assert got.series_of(other) == {P + f for f in no_processes}
+
+
+def test_gpu_lost_before_it_was_ever_seen():
+    sim = Sim(lost_scenario(), at=15.0)
+    got = sim.collect()
+    assert got.by_name[P + "gpu_lost"][("1", "")] == 1  # no handle, so no UUID either
+    assert got.samples_of(1) == [(P + "gpu_lost", ("1", ""))]
+    assert got.value("gpu_power_watts", 0) > 0
+
+
+def test_no_driver_on_this_machine_real_pynvml():
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        pass
+    else:
+        pytest.skip("this machine has libnvidia-ml")
+    source = NvmlSource(NvmlConfig(), Context())  # the installed nvidia-ml-py
+    for _ in range(2):  # retried on every poll, same message
+        with pytest.raises(SourceError) as raised:
+            source.collect()
+        assert str(raised.value) == (
+            "NVML unavailable: libnvidia-ml.so.1 not found (NVML_ERROR_LIBRARY_NOT_FOUND); "
+            "is the NVIDIA driver installed on this node?")
+    source.close()
+
+
+def test_driver_not_loaded_then_loaded():
+    sim = Sim("healthy-8gpu", driver_loaded=False)
+    with pytest.raises(SourceError) as raised:
+        sim.collect()
+    assert str(raised.value) == (
+        "NVML unavailable: NVIDIA driver not loaded (NVML_ERROR_DRIVER_NOT_LOADED); "
+        "is this a GPU node?")
+    assert "\n" not in str(raised.value)
+    sim.fake.driver_loaded = True  # modprobe nvidia
+    got = sim.collect()
+    assert got.by_name[P + "nvml_devices"] == {(): 8.0}
+    assert sim.fake.calls["nvmlInitWithFlags"] == 2
+
+
+def test_other_init_failures_are_one_line():
+    sim = Sim("healthy-8gpu")
+    sim.fake.fail("nvmlInitWithFlags", sim.nv.NVML_ERROR_NO_PERMISSION, times=1)
+    with pytest.raises(SourceError, match=r"permission denied \(NVML_ERROR_NO_PERMISSION\)"):
+        sim.collect()
+    sim.fake.fail("nvmlDeviceGetCount_v2", sim.nv.NVML_ERROR_UNKNOWN, times=1)
+    with pytest.raises(SourceError, match=r"nvmlDeviceGetCount failed: Unknown Error"):
+        sim.collect()
+    assert sim.fake._refcount == 0  # the failed start shut NVML down again
+    assert sim.collect().by_name[P + "nvml_devices"] == {(): 8.0}
+
+
+def test_hung_call_marks_the_source_down_then_it_recovers():
+    sim = Sim(scenario([{"name": "p", "duration": 100}]))
+    store = Store()
+    poller = Poller(sim.source, store, now=sim.clock.now)
+    poller.poll()
+    assert poller.health.up
+    sim.fake.hang(1)
+    sim.fake.blocked.clear()
+    worker = threading.Thread(target=poller.poll, daemon=True)
+    worker.start()
+    assert sim.fake.blocked.wait(WAIT)  # the poll is inside a blocked NVML call
+    poller.check_hung(sim.clock.now() + poller.timeout / 2)
+    assert poller.health.up  # not yet past the timeout
+    poller.check_hung(sim.clock.now() + poller.timeout + 0.1)
+    assert not poller.health.up
+    assert poller.health.last_error == f"poll has not returned after {poller.timeout:g}s"
+    assert worker.is_alive()
+    sim.fake.release()
+    worker.join(WAIT)
+    assert not worker.is_alive()
+    assert poller.health.up and poller.health.last_error is None
+    assert store.get(P + "gpu_lost", ("1", gpu_uuid("sim-node", 1))) == 0
+
+
+def test_scenario_hang_recovers_when_the_phase_ends():
+    scn = scenario([
+        {"name": "ok", "duration": 10},
+        {"name": "hung", "duration": 10, "changes": [{"gpus": [0], "set": {"hung": True}}]},
+        {"name": "back", "duration": 10, "changes": [{"gpus": [0], "set": {"hung": False}}]},
+    ])
+    sim = Sim(scn)
+    poller = Poller(sim.source, Store(), now=sim.clock.now)
+    poller.poll()
+    sim.clock.advance(12)
+    worker = threading.Thread(target=poller.poll, daemon=True)
+    worker.start()
+    assert sim.fake.blocked.wait(WAIT)
+    poller.check_hung(sim.clock.now() + poller.timeout + 1)
+    assert not poller.health.up
+    sim.clock.advance(10)
+    worker.join(WAIT)
+    assert not worker.is_alive() and poller.health.up
+
+
+def xid_scenario(**node: Any) -> Scenario:
+    return scenario([
+        {"name": "ok", "duration": 10},
+        {"name": "xid", "duration": 10, "changes": [{"gpus": [1], "set": {"xid": [79]}}]},
+        {"name": "more", "duration": 10, "changes": [{"gpus": [1], "set": {"xid": [79, 48]}}]},
+    ], **node)
+
+
+def test_xid_counter_increments():
+    sim = Sim(xid_scenario())
+    got = sim.collect()
+    assert got.gpu("gpu_xid_errors_total", 1) == {}
+    assert got.gpu("gpu_last_xid_timestamp_seconds", 1) == {}
+    sim.clock.advance(12)
+    got = sim.collect()
+    assert got.gpu("gpu_xid_errors_total", 1) == {("79",): 1}
+    assert got.value("gpu_last_xid_timestamp_seconds", 1) == 1_700_000_012.0
+    assert got.gpu("gpu_xid_errors_total", 0) == {}
+    sim.clock.advance(1)
+    assert sim.collect().gpu("gpu_xid_errors_total", 1) == {("79",): 1}  # counted once
+    sim.clock.advance(10)
+    got = sim.collect()
+    assert got.gpu("gpu_xid_errors_total", 1) == {("79",): 2, ("48",): 1}
+    assert got.value("gpu_last_xid_timestamp_seconds", 1) == 1_700_000_023.0
+    sim.fake.inject_xid(0, 13)
+    assert sim.collect().gpu("gpu_xid_errors_total", 0) == {("13",): 1}
+
+
+def test_event_registration_is_retried():
+    sim = Sim(xid_scenario())
+    sim.fake.fail("nvmlDeviceRegisterEvents", sim.nv.NVML_ERROR_UNKNOWN, gpu=1, times=1)
+    sim.collect()
+    sim.fake.inject_xid(1, 31)  # not registered yet: the driver drops it
+    assert sim.collect().gpu("gpu_xid_errors_total", 1) == {}  # registered during this poll
+    sim.fake.inject_xid(1, 31)
+    assert sim.collect().gpu("gpu_xid_errors_total", 1) == {("31",): 1}
+    assert sim.fake.gpu_calls[("nvmlDeviceRegisterEvents", 1)] == 2
+    assert sim.fake.gpu_calls[("nvmlDeviceRegisterEvents", 0)] == 1
+
+
+def test_nvml_shut_down_under_the_source_starts_again():
+    sim = Sim("healthy-8gpu")
+    sim.collect()
+    sim.fake.fail("nvmlDeviceGetPowerUsage", sim.nv.NVML_ERROR_UNINITIALIZED, times=1)
+    with pytest.raises(SourceError, match="NVML was shut down"):
+        sim.collect()
+    assert sim.collect().gpus_with("gpu_power_watts") == set(range(8))
+    assert sim.fake.calls["nvmlInitWithFlags"] == 2
+
+
+def test_close_frees_the_event_set_and_shuts_down():
+    sim = Sim("healthy-8gpu")
+    sim.source.close()  # nothing to do before the first poll
+    assert sim.fake.calls["nvmlShutdown"] == 0
+    sim.collect()
+    sim.source.close()
+    assert sim.fake.calls["nvmlEventSetFree"] == 1
+    assert sim.fake.calls["nvmlShutdown"] == 1
+    assert sim.fake._refcount == 0
+    assert sim.collect().by_name[P + "nvml_devices"] == {(): 8.0}  # starts again
+
+
+def test_helpers():
+    assert cuda_version_string(12040) == "12.4"
+    assert cuda_version_string(11080) == "11.8"
+    assert cuda_version_string(13000) == "13.0"
+    assert sysfs_bus_id("00000000:4E:00.0") == "0000:4e:00.0"
+    assert sysfs_bus_id("00000001:0A:00.0") == "0001:0a:00.0"
+    assert set(CLOCK_EVENT_REASONS) <= set(CLOCK_REASONS)
