@@ -17,13 +17,10 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry
-from prometheus_client import generate_latest as render_text
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
-from prometheus_client.openmetrics.exposition import generate_latest as render_openmetrics
 
 from gpuwatchd import __version__
+from gpuwatchd.exposition import Renderer, Rows
 from gpuwatchd.metrics import MetricSpec, gauge
 from gpuwatchd.scheduler import Poller
 from gpuwatchd.store import Store
@@ -50,22 +47,6 @@ SELF_METRICS = (
 )
 
 
-def _family(spec: MetricSpec) -> GaugeMetricFamily | CounterMetricFamily:
-    if spec.type == "counter":
-        return CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
-    return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
-
-
-class _Snapshot:
-    """A prometheus_client collector over one moment of the store and the pollers."""
-
-    def __init__(self, exporter: Exporter) -> None:
-        self._exporter = exporter
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self._exporter.families()
-
-
 @dataclass(frozen=True)
 class Exposition:
     text: bytes
@@ -85,14 +66,14 @@ class Exporter:
         self.pollers = pollers
         self.now = now
         self.specs = {spec.name: spec for spec in (*SELF_METRICS, *specs)}
-        self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(_Snapshot(self))
+        self._renderer = Renderer()
         self._current = Exposition(b"", b"", float("nan"))
         self._lock = threading.Lock()
 
-    def families(self) -> Iterator[Metric]:
+    def families(self) -> Iterator[tuple[MetricSpec, Rows]]:
+        """Every family with samples, in spec order, samples sorted by label values."""
         now = self.now()
-        rows: dict[str, list[tuple[tuple[str, ...], float]]] = defaultdict(list)
+        rows: dict[str, Rows] = defaultdict(list)
         for (name, labels), value in self.store.latest(now):
             rows[name].append((labels, value))
         rows[SELF_METRICS[0].name].append(((__version__,), 1.0))
@@ -107,16 +88,12 @@ class Exporter:
                 )
         for name, spec in self.specs.items():
             samples = rows.get(name)
-            if not samples:
-                continue
-            family = _family(spec)
-            for labels, value in sorted(samples):
-                family.add_metric(labels, value)
-            yield family
+            if samples:
+                samples.sort()
+                yield spec, samples
 
     def render(self) -> Exposition:
-        text = render_text(self._registry)
-        openmetrics = render_openmetrics(self._registry)
+        text, openmetrics = self._renderer.render(self.families())
         exposition = Exposition(text, openmetrics, self.now())
         with self._lock:
             self._current = exposition
@@ -149,6 +126,9 @@ LANDING = """<!doctype html>
 class _Handler(BaseHTTPRequestHandler):
     exporter: Exporter  # set on the subclass made per server
     protocol_version = "HTTP/1.1"
+    # headers and body go out as two writes: without this, Nagle's algorithm holds the
+    # body back until the client's delayed ACK (40 ms per keep-alive scrape)
+    disable_nagle_algorithm = True
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         path = self.path.split("?", 1)[0]
