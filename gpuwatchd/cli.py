@@ -117,6 +117,14 @@ def simulate(
         sys.stdout.write(result.exposition.decode())
 
 
+@main.command("metrics")
+def list_metrics() -> None:
+    """Print the metric reference (Markdown), as in docs/metrics.md."""
+    from gpuwatchd.reference import metric_reference
+
+    click.echo(metric_reference(), nl=False)
+
+
 @main.command("scenarios")
 def list_scenarios() -> None:
     """List the built-in scenarios."""
