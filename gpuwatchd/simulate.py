@@ -72,7 +72,7 @@ class Simulation:
             if on_step is not None:
                 on_step(clock.elapsed())
             next_t = clock.elapsed() + step
-            while phase_ends and phase_ends[0][0] < next_t:
+            while phase_ends and phase_ends[0][0] <= next_t:
                 result.snapshots.append(self.snapshot(phase_ends.pop(0)[1]))
             clock.advance(step)
         result.simulated_seconds = min(clock.elapsed(), end)
