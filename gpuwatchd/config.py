@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 from pydantic_core import ErrorDetails
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(ms|s|m|h))+$")
@@ -62,9 +69,39 @@ class PcieConfig(SourceConfig):
     interval: Duration = 10.0
 
 
+class InterruptsConfig(SourceConfig):
+    """gpuwatchd.sources.interrupts: /proc/interrupts rates by class and CPU."""
+
+    cpu_floor: float = Field(100.0, ge=0)  # interrupts/s of one class on one CPU to show it
+    storm_threshold: float = Field(10_000.0, gt=0)  # interrupts/s of one row: a storm
+    max_cpu_series: int = Field(256, ge=0)  # at most this many {cpu,class} series
+    include: tuple[str, ...] = ()  # regexes (searched) on action names; none: every row
+    exclude: tuple[str, ...] = ()
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _compiles(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"not a valid regular expression {pattern!r}: {e}") from e
+        return patterns
+
+
+class CpuConfig(SourceConfig):
+    """gpuwatchd.sources.cpu: /proc/stat, /proc/pressure/*, /proc/meminfo."""
+
+    per_core: bool = True  # gpuwatchd_cpu_busy_ratio{cpu} for every core
+    saturated_threshold: float = Field(0.9, gt=0, le=1)  # a core busier than this is saturated
+    pressure: bool = True  # read /proc/pressure/* (PSI)
+
+
 class SourcesConfig(Strict):
     nvml: NvmlConfig = NvmlConfig()
     pcie: PcieConfig = PcieConfig()
+    interrupts: InterruptsConfig = InterruptsConfig()
+    cpu: CpuConfig = CpuConfig()
 
     def enabled(self) -> dict[str, SourceConfig]:
         return {

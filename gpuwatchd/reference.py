@@ -26,7 +26,7 @@ def _table(title: str, specs: tuple[MetricSpec, ...]) -> list[str]:
 
 def metric_reference() -> str:
     lines = [HEADER]
-    for name, source in sorted(load_builtin_sources().items()):
+    for name, source in load_builtin_sources().items():
         lines += _table(f"`{name}` source", source.metrics)
     lines += _table("The daemon itself", SELF_METRICS)
     return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ def test_no_file_gives_all_defaults():
     config = load_config(None)
     assert config == Config()
     assert config.listen_address() == ("0.0.0.0", 9766)
-    assert set(config.sources.enabled()) == {"nvml", "pcie"}
+    assert set(config.sources.enabled()) == {"nvml", "pcie", "interrupts", "cpu"}
 
 
 def test_file_values_and_durations(tmp_path):
@@ -34,7 +34,7 @@ sources:
     assert config.listen_address() == ("::1", 9100)
     assert config.history == 300
     assert config.sources.nvml.interval == 0.5
-    assert set(config.sources.enabled()) == {"nvml"}
+    assert set(config.sources.enabled()) == {"nvml", "interrupts", "cpu"}
 
 
 def test_errors_name_file_key_path_and_expectation(tmp_path):

@@ -42,4 +42,4 @@ def test_hung_nvml_call_marks_source_down_and_scrapes_still_answer(tmp_path: Pat
         assert any(s.get("nvml") == 1 for s in seen)  # it was up before the hang
         for _ in range(10):  # while the call stays blocked, every scrape still answers
             up = source_up(url)
-            assert up == {"nvml": 0, "pcie": 1}
+            assert up == {"nvml": 0, "pcie": 1, "interrupts": 1, "cpu": 1}

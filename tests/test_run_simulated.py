@@ -116,7 +116,7 @@ def test_pcie_tree_and_self_metrics(daemon):
         assert len(mine) == 4 and all(s.value == 4 for s in mine)
     assert all(s.value == 0 for s in got["gpuwatchd_pcie_link_degraded"])
     up = {s.labels["source"]: s.value for s in got["gpuwatchd_source_up"]}
-    assert up == {"nvml": 1, "pcie": 1}
+    assert up == {"nvml": 1, "pcie": 1, "interrupts": 1, "cpu": 1}
     assert got["gpuwatchd_build_info"][0].value == 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -10,7 +11,12 @@ from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml import make_pynvml
 from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sim.sysfs import SysfsWriter
+from gpuwatchd.sim.writers.cpu import CpuWriter
+from gpuwatchd.sim.writers.interrupts import InterruptsWriter
 from gpuwatchd.sources.base import Context
+
+# The trees are rewritten every tick: keep them in memory where the machine allows.
+_TMPFS = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
 class SimNode:
@@ -25,9 +31,11 @@ class SimNode:
         self.scenario = scenario
         self.timeline = Timeline(scenario, loop=loop)
         self.clock = SimClock(virtual=virtual)
-        self.root = Path(tempfile.mkdtemp(prefix=f"gpuwatchd-sim-{scenario.name}-"))
+        self.root = Path(tempfile.mkdtemp(prefix=f"gpuwatchd-sim-{scenario.name}-", dir=_TMPFS))
         self.pynvml = make_pynvml(self.timeline, self.clock)
         self._sysfs = SysfsWriter(self.root / "sys", self.timeline)
+        self._interrupts = InterruptsWriter(self.root / "proc", self.timeline)
+        self._cpu = CpuWriter(self.root / "proc", self.timeline, interrupts=self._interrupts)
         self.tick()
 
     def context(self) -> Context:
@@ -41,7 +49,10 @@ class SimNode:
 
     def tick(self) -> None:
         """Bring the written trees up to the clock's time."""
-        self._sysfs.write(self.clock.elapsed())
+        t = self.clock.elapsed()
+        self._sysfs.write(t)
+        self._interrupts.write(t)  # first: /proc/stat's intr line sums its counts
+        self._cpu.write(t)
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

@@ -1,8 +1,16 @@
-"""Source registry: name -> class, one module per source (as node_exporter does)."""
+"""Source registry: name -> class, one module per source (as node_exporter does).
+
+Each module registers its class with `@register`; `BUILTIN` names the modules the
+daemon ships, in the order their sources are polled and documented.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 from gpuwatchd.sources.base import Context, Source, SourceError
+
+BUILTIN = ("nvml", "pcie", "interrupts", "cpu")
 
 REGISTRY: dict[str, type[Source]] = {}
 
@@ -13,9 +21,10 @@ def register(cls: type[Source]) -> type[Source]:
 
 
 def load_builtin_sources() -> dict[str, type[Source]]:
-    from gpuwatchd.sources import nvml, pcie  # noqa: F401 - imported to register
+    """The built-in sources by name (importing a module registers its source)."""
+    for module in BUILTIN:
+        importlib.import_module(f"gpuwatchd.sources.{module}")
+    return {name: REGISTRY[name] for name in BUILTIN}
 
-    return REGISTRY
 
-
-__all__ = ["Context", "REGISTRY", "Source", "SourceError", "load_builtin_sources", "register"]
+__all__ = ["BUILTIN", "Context", "REGISTRY", "Source", "SourceError", "load_builtin_sources"]

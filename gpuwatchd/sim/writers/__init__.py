@@ -1,0 +1,1 @@
+"""The simulator's procfs and sysfs writers: a scenario rendered in the kernel's real formats."""

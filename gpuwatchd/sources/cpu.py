@@ -1,0 +1,342 @@
+"""CPU and memory of the node: /proc/stat, /proc/pressure/*, /proc/meminfo.
+
+/proc/stat (fs/proc/stat.c): `cpu  user nice system idle iowait irq softirq steal guest
+guest_nice` for the node, then one `cpuN` line per online CPU, in USER_HZ ticks. Older
+kernels print fewer columns (missing ones are 0); guest time is already inside user and
+nice, so it is not added again. Per poll, from the increase of every column since the
+previous poll (no clock needed: the ticks are the time base):
+
+* busy ratio of a core = (total - idle - iowait) / total, total = user + nice + system +
+  idle + iowait + irq + softirq + steal. Steal counts as busy: the vCPU wanted to run,
+  so a core at 50 % user + 50 % steal is as saturated as one at 100 % user.
+* node iowait and steal ratios from the `cpu` line; the busiest core's ratio; how many
+  cores are over `saturated_threshold` (0.9) -- "one core at 100 %, the rest idle".
+
+A column that went backwards counts as 0 (idle and iowait are known to step back a
+little on NO_HZ kernels); a core that appears or disappears (CPU hot-plug) gives no
+ratio until its second poll.
+
+/proc/pressure/{cpu,io,memory,irq} (PSI, kernel/sched/psi.c): `some avg10=0.18
+avg60=0.34 avg300=0.10 total=159886802` and a `full` line. avgN / 100 becomes
+`gpuwatchd_pressure_ratio{resource,kind,window}`, total (microseconds) becomes
+`gpuwatchd_pressure_stalled_seconds_total{resource,kind}`. No PSI (kernel < 4.20, or
+booted without `psi=1`: the directory is missing or reading gives EOPNOTSUPP) means no
+pressure series, and is not an error; it is logged once.
+
+/proc/meminfo: `MemAvailable` (kernel >= 3.14) and `MemTotal`, in bytes.
+
+Parsers skip lines they cannot read; a file with nothing usable (no `cpu` line, no
+`MemTotal`, no PSI line) raises ParseError, which fails the poll with a SourceError
+naming the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+from gpuwatchd.config import CpuConfig, SourceConfig
+from gpuwatchd.metrics import Sample, counter, gauge
+from gpuwatchd.sources import register
+from gpuwatchd.sources.base import Context, Source, SourceError
+
+log = logging.getLogger(__name__)
+
+STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+IDLE, IOWAIT, STEAL = 3, 4, 7
+PRESSURE_RESOURCES = ("cpu", "io", "memory", "irq")
+PSI_WINDOWS = (("avg10", "10s"), ("avg60", "60s"), ("avg300", "300s"))
+_MAX_DIGITS = 20  # a u64 has 20 digits; longer is garbage
+
+
+class ParseError(ValueError):
+    """A file with nothing usable in it; the message says what was missing."""
+
+
+# -- parsers ------------------------------------------------------------------------------
+
+
+def _uint(token: str) -> int | None:
+    if token.isascii() and token.isdigit() and len(token) <= _MAX_DIGITS:
+        return int(token)
+    return None
+
+
+@dataclass(frozen=True)
+class StatReading:
+    total: tuple[int, ...]  # the `cpu` line: user .. steal
+    cpus: dict[int, tuple[int, ...]]  # per online CPU
+
+
+def _times(fields: list[str]) -> tuple[int, ...] | None:
+    values = fields[: len(STAT_FIELDS)]
+    if len(values) < 4:  # user nice system idle: every kernel has them
+        return None
+    joined = "".join(values)
+    if not (joined.isascii() and joined.isdigit()) or max(map(len, values)) > _MAX_DIGITS:
+        return None
+    times = tuple(map(int, values))
+    return times + (0,) * (len(STAT_FIELDS) - len(times))
+
+
+def parse_stat(text: str) -> StatReading:
+    """The `cpu` and `cpuN` lines of /proc/stat; the other lines are ignored."""
+    total: tuple[int, ...] | None = None
+    cpus: dict[int, tuple[int, ...]] = {}
+    for line in text.splitlines():
+        if not line.startswith("cpu"):
+            continue
+        fields = line.split()
+        if not fields:
+            continue
+        label = fields[0]
+        times = _times(fields[1:])
+        if times is None:
+            continue
+        if label == "cpu":
+            total = times
+        elif label[3:].isascii() and label[3:].isdigit() and len(label) <= 10:
+            cpus[int(label[3:])] = times
+    if total is None:
+        raise ParseError("no `cpu` line")
+    return StatReading(total, cpus)
+
+
+@dataclass(frozen=True)
+class Pressure:
+    avg10: float  # percent
+    avg60: float
+    avg300: float
+    total: int  # microseconds stalled
+
+
+def parse_pressure(text: str) -> dict[str, Pressure]:
+    """`some` / `full` lines of a PSI file; a malformed line is skipped."""
+    result: dict[str, Pressure] = {}
+    for line in text.splitlines():
+        kind, _, rest = line.strip().partition(" ")
+        if kind not in ("some", "full"):
+            continue
+        values: dict[str, str] = {}
+        for item in rest.split():
+            key, eq, value = item.partition("=")
+            if eq:
+                values[key] = value
+        try:
+            avgs = [float(values[key]) for key, _ in PSI_WINDOWS]
+            total = _uint(values["total"])
+        except (KeyError, ValueError):
+            continue
+        if total is None or not all(math.isfinite(a) and 0 <= a <= 100 for a in avgs):
+            continue
+        result[kind] = Pressure(avgs[0], avgs[1], avgs[2], total)
+    if not result:
+        raise ParseError("no `some` or `full` line")
+    return result
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    """Every `Name:   value kB` line of /proc/meminfo, in bytes (unitless counts as is)."""
+    result: dict[str, int] = {}
+    for line in text.splitlines():
+        name, colon, rest = line.partition(":")
+        fields = rest.split()
+        if not colon or not fields or not name or " " in name:
+            continue
+        value = _uint(fields[0])
+        if value is None:
+            continue
+        if len(fields) == 2 and fields[1] == "kB":
+            value *= 1024
+        elif len(fields) != 1:
+            continue
+        result[name] = value
+    if "MemTotal" not in result:
+        raise ParseError("no MemTotal line")
+    return result
+
+
+def busy_ratio(now: tuple[int, ...], before: tuple[int, ...]) -> tuple[float, float, float] | None:
+    """(busy, iowait, steal) ratios between two readings of one cpu line; None if no
+    time passed. A column that went backwards counts as 0."""
+    deltas = [max(0, a - b) for a, b in zip(now, before, strict=True)]
+    total = sum(deltas)
+    if total <= 0:
+        return None
+    busy = total - deltas[IDLE] - deltas[IOWAIT]
+    return busy / total, deltas[IOWAIT] / total, deltas[STEAL] / total
+
+
+# -- the source -----------------------------------------------------------------------------
+
+
+def _read(path: str) -> str:
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
+@register
+class CpuSource(Source):
+    name = "cpu"
+    metrics = (
+        gauge(
+            "cpu_busy_ratio",
+            "Share of the last interval the core was busy (not idle, not iowait; steal "
+            "counts as busy).",
+            ("cpu",),
+        ),
+        gauge("cpu_busy_ratio_avg", "Share of the last interval the node's CPUs were busy."),
+        gauge("cpu_busy_ratio_max", "Busy ratio of the busiest core over the last interval."),
+        gauge(
+            "cpu_cores_saturated",
+            "Cores busier than the saturation threshold (default 0.9) over the last interval.",
+        ),
+        gauge("cpu_cores", "Online CPUs (cpuN lines in /proc/stat)."),
+        gauge("cpu_iowait_ratio", "Share of the node's CPU time in iowait over the last interval."),
+        gauge("cpu_steal_ratio", "Share of the node's CPU time stolen by the hypervisor."),
+        gauge(
+            "pressure_ratio",
+            "PSI: share of time some or all tasks stalled on the resource, averaged over the "
+            "window (avg10/avg60/avg300 / 100).",
+            ("resource", "kind", "window"),
+        ),
+        counter(
+            "pressure_stalled_seconds_total",
+            "PSI: total time some or all tasks stalled on the resource.",
+            ("resource", "kind"),
+        ),
+        gauge("memory_available_bytes", "MemAvailable: memory available for new work."),
+        gauge("memory_total_bytes", "MemTotal: usable physical memory."),
+    )
+
+    def __init__(self, config: SourceConfig, context: Context) -> None:
+        super().__init__(config, context)
+        self.cfg = config if isinstance(config, CpuConfig) else CpuConfig(**config.model_dump())
+        procfs = os.fspath(context.procfs)
+        self.stat_path = os.path.join(procfs, "stat")
+        self.meminfo_path = os.path.join(procfs, "meminfo")
+        self.pressure_dir = os.path.join(procfs, "pressure")
+        self._prev: StatReading | None = None
+        self._psi_missing_logged = False
+
+    def _read_required(self, path: str) -> str:
+        try:
+            return _read(path)
+        except FileNotFoundError as e:
+            raise SourceError(
+                f"{path} does not exist: is procfs mounted at {self.context.procfs}? "
+                "(set `procfs:` in the config to where it is)"
+            ) from e
+        except OSError as e:
+            raise SourceError(f"cannot read {path}: {e.strerror or e}") from e
+
+    def collect(self) -> list[Sample]:
+        text = self._read_required(self.stat_path)
+        try:
+            stat = parse_stat(text)
+        except ParseError as e:
+            raise SourceError(f"{self.stat_path}: not a /proc/stat file: {e}") from e
+        text = self._read_required(self.meminfo_path)
+        try:
+            meminfo = parse_meminfo(text)
+        except ParseError as e:
+            raise SourceError(f"{self.meminfo_path}: not a /proc/meminfo file: {e}") from e
+        samples = [Sample("gpuwatchd_cpu_cores", (), float(len(stat.cpus)))]
+        samples += self._stat_samples(stat)
+        samples.append(Sample("gpuwatchd_memory_total_bytes", (), float(meminfo["MemTotal"])))
+        if "MemAvailable" in meminfo:
+            samples.append(
+                Sample("gpuwatchd_memory_available_bytes", (), float(meminfo["MemAvailable"]))
+            )
+        if self.cfg.pressure:
+            samples += self._pressure_samples()
+        return samples
+
+    def _stat_samples(self, stat: StatReading) -> list[Sample]:
+        prev, self._prev = self._prev, stat
+        if prev is None:
+            return []
+        samples: list[Sample] = []
+        node = busy_ratio(stat.total, prev.total)
+        if node is not None:
+            busy, iowait, steal = node
+            samples.append(Sample("gpuwatchd_cpu_busy_ratio_avg", (), busy))
+            samples.append(Sample("gpuwatchd_cpu_iowait_ratio", (), iowait))
+            samples.append(Sample("gpuwatchd_cpu_steal_ratio", (), steal))
+        per_core = self.cfg.per_core
+        threshold = self.cfg.saturated_threshold
+        busiest: float | None = None
+        saturated = 0
+        before = prev.cpus
+        for cpu, times in stat.cpus.items():
+            old = before.get(cpu)
+            if old is None:
+                continue
+            ratios = busy_ratio(times, old)
+            if ratios is None:
+                continue
+            busy = ratios[0]
+            if per_core:
+                samples.append(Sample("gpuwatchd_cpu_busy_ratio", (str(cpu),), busy))
+            if busiest is None or busy > busiest:
+                busiest = busy
+            if busy > threshold:
+                saturated += 1
+        if busiest is not None:
+            samples.append(Sample("gpuwatchd_cpu_busy_ratio_max", (), busiest))
+            samples.append(Sample("gpuwatchd_cpu_cores_saturated", (), float(saturated)))
+        return samples
+
+    def _pressure_samples(self) -> list[Sample]:
+        samples: list[Sample] = []
+        for resource in PRESSURE_RESOURCES:
+            path = os.path.join(self.pressure_dir, resource)
+            try:
+                text = _read(path)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EOPNOTSUPP, errno.ENOTSUP):
+                    if resource == "cpu" and not self._psi_missing_logged:
+                        self._psi_missing_logged = True
+                        log.info(
+                            "source cpu: no PSI at %s (%s): pressure series absent",
+                            path,
+                            e.strerror or e,
+                        )
+                    continue
+                raise SourceError(f"cannot read {path}: {e.strerror or e}") from e
+            try:
+                lines = parse_pressure(text)
+            except ParseError as e:
+                raise SourceError(f"{path}: not a PSI file: {e}") from e
+            for kind, psi in lines.items():
+                for (_, window), value in zip(
+                    PSI_WINDOWS, (psi.avg10, psi.avg60, psi.avg300), strict=True
+                ):
+                    samples.append(
+                        Sample("gpuwatchd_pressure_ratio", (resource, kind, window), value / 100)
+                    )
+                samples.append(
+                    Sample(
+                        "gpuwatchd_pressure_stalled_seconds_total",
+                        (resource, kind),
+                        psi.total / 1e6,
+                    )
+                )
+        return samples
+
+
+__all__ = [
+    "PRESSURE_RESOURCES",
+    "CpuConfig",
+    "CpuSource",
+    "ParseError",
+    "Pressure",
+    "StatReading",
+    "busy_ratio",
+    "parse_meminfo",
+    "parse_pressure",
+    "parse_stat",
+]
