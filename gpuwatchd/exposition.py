@@ -49,7 +49,8 @@ class Renderer:
         return "{" + ",".join(f'{n}="{escape_label_value(v)}"' for n, v in pairs) + "}"
 
     def render(self, families: Iterable[tuple[MetricSpec, Rows]]) -> tuple[bytes, bytes]:
-        old, labels = self._labels, {}
+        old = self._labels
+        labels: dict[_LabelKey, str] = {}
         text: list[str] = []
         openmetrics: list[str] = []
         for spec, rows in families:
