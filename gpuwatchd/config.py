@@ -11,12 +11,12 @@ from typing import Annotated, Any
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
 )
 from pydantic_core import ErrorDetails
 
@@ -69,24 +69,25 @@ class PcieConfig(SourceConfig):
     interval: Duration = 10.0
 
 
+def _check_regex(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"expected a regular expression, {pattern!r} is not one ({e})") from e
+    return pattern
+
+
+Regex = Annotated[str, AfterValidator(_check_regex)]
+
+
 class InterruptsConfig(SourceConfig):
     """gpuwatchd.sources.interrupts: /proc/interrupts rates by class and CPU."""
 
     cpu_floor: float = Field(100.0, ge=0)  # interrupts/s of one class on one CPU to show it
     storm_threshold: float = Field(10_000.0, gt=0)  # interrupts/s of one row: a storm
     max_cpu_series: int = Field(256, ge=0)  # at most this many {cpu,class} series
-    include: tuple[str, ...] = ()  # regexes (searched) on action names; none: every row
-    exclude: tuple[str, ...] = ()
-
-    @field_validator("include", "exclude")
-    @classmethod
-    def _compiles(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
-        for pattern in patterns:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"not a valid regular expression {pattern!r}: {e}") from e
-        return patterns
+    include: tuple[Regex, ...] = ()  # regexes (searched) on action names; none: every row
+    exclude: tuple[Regex, ...] = ()
 
 
 class CpuConfig(SourceConfig):
@@ -97,11 +98,31 @@ class CpuConfig(SourceConfig):
     pressure: bool = True  # read /proc/pressure/* (PSI)
 
 
+class DisksConfig(SourceConfig):
+    """gpuwatchd.sources.disks: /proc/diskstats as iostat -x shows it, per whole device."""
+
+    include: Regex = ""  # searched in the device name; empty: every device
+    exclude: Regex = r"^(?:z?ram|loop|dm-|sr|fd|nbd)[0-9]+$"  # empty: none
+    max_devices: int = Field(64, ge=1)  # a bound on series: devices past it (by name) are left out
+
+
+class InfinibandConfig(SourceConfig):
+    """gpuwatchd.sources.infiniband: /sys/class/infiniband port state, rate and counters."""
+
+    include: Regex = ""  # searched in the device name; empty: every device
+    exclude: Regex = ""
+    # "<device>/<port>" fnmatch pattern -> the port's expected (best) rate in Gb/s
+    expected_rates: dict[str, Annotated[float, Field(gt=0)]] = {}
+    xmit_wait_bytes_per_tick: float = Field(8.0, gt=0)  # port_xmit_wait tick -> bytes (ibdiagnet)
+
+
 class SourcesConfig(Strict):
     nvml: NvmlConfig = NvmlConfig()
     pcie: PcieConfig = PcieConfig()
     interrupts: InterruptsConfig = InterruptsConfig()
     cpu: CpuConfig = CpuConfig()
+    disks: DisksConfig = DisksConfig()
+    infiniband: InfinibandConfig = InfinibandConfig()
 
     def enabled(self) -> dict[str, SourceConfig]:
         return {

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.config import Config, ConfigError, load_config, parse_duration
+from gpuwatchd.sources import BUILTIN
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -15,7 +16,7 @@ def test_no_file_gives_all_defaults():
     config = load_config(None)
     assert config == Config()
     assert config.listen_address() == ("0.0.0.0", 9766)
-    assert set(config.sources.enabled()) == {"nvml", "pcie", "interrupts", "cpu"}
+    assert set(config.sources.enabled()) == set(BUILTIN)
 
 
 def test_file_values_and_durations(tmp_path):
@@ -34,7 +35,7 @@ sources:
     assert config.listen_address() == ("::1", 9100)
     assert config.history == 300
     assert config.sources.nvml.interval == 0.5
-    assert set(config.sources.enabled()) == {"nvml", "interrupts", "cpu"}
+    assert set(config.sources.enabled()) == set(BUILTIN) - {"pcie"}
 
 
 def test_errors_name_file_key_path_and_expectation(tmp_path):
@@ -102,3 +103,18 @@ def test_parse_duration(value, seconds):
 def test_parse_duration_rejects(value):
     with pytest.raises(ValueError):
         parse_duration(value)
+
+
+def test_source_options_are_validated_with_their_key_path(tmp_path):
+    path = write(
+        tmp_path,
+        "sources:\n  disks: {exclude: '(loop'}\n  infiniband: {expected_rates: {mlx5_0/1: -1}}\n",
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    message = str(e.value)
+    assert f"{path}: sources.disks.exclude: expected a regular expression" in message
+    assert (
+        f"{path}: sources.infiniband.expected_rates.mlx5_0/1: Input should be greater than 0"
+        in message
+    )

@@ -523,7 +523,7 @@ def test_config_defaults_and_validation() -> None:
     config = InterruptsConfig()
     assert (config.interval, config.cpu_floor, config.storm_threshold) == (5.0, 100.0, 10_000.0)
     assert InterruptsConfig.model_validate({"include": ["mlx5_.*"]}).include == ("mlx5_.*",)
-    with pytest.raises(ValidationError, match=r"include[\s\S]*not a valid regular expression"):
+    with pytest.raises(ValidationError, match=r"include[\s\S]*expected a regular expression"):
         InterruptsConfig.model_validate({"include": ["mlx5_(("]})
     with pytest.raises(ValidationError, match="extra"):
         InterruptsConfig.model_validate({"colour": "red"})

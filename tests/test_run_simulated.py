@@ -15,6 +15,7 @@ from daemon_process import running_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatchd.sim.scenario import Timeline, load_scenario
+from gpuwatchd.sources import BUILTIN
 
 MIB = 2**20
 GPU_FAMILIES = {
@@ -116,7 +117,7 @@ def test_pcie_tree_and_self_metrics(daemon):
         assert len(mine) == 4 and all(s.value == 4 for s in mine)
     assert all(s.value == 0 for s in got["gpuwatchd_pcie_link_degraded"])
     up = {s.labels["source"]: s.value for s in got["gpuwatchd_source_up"]}
-    assert up == {"nvml": 1, "pcie": 1, "interrupts": 1, "cpu": 1}
+    assert up == dict.fromkeys(BUILTIN, 1)
     assert got["gpuwatchd_build_info"][0].value == 1
 
 

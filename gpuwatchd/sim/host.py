@@ -73,6 +73,7 @@ class DiskValues(Strict):
     write_mb_s: float | None = Field(None, ge=0)
     util_percent: float | None = Field(None, ge=0, le=100)  # share of time busy (io_ticks)
     await_ms: float | None = Field(None, ge=0)  # average time per request, queue included
+    present: bool | None = None  # false: hot-unplugged (no diskstats line, no /sys/block entry)
 
 
 class IbPortValues(Strict):

@@ -6,14 +6,23 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Protocol
 
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml import make_pynvml
 from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sim.sysfs import SysfsWriter
 from gpuwatchd.sim.writers.cpu import CpuWriter
+from gpuwatchd.sim.writers.disks import DiskstatsWriter
+from gpuwatchd.sim.writers.infiniband import InfinibandWriter
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter
 from gpuwatchd.sources.base import Context
+
+class Writer(Protocol):
+    """Renders the timeline at time t into files, the way the kernel would show it."""
+
+    def write(self, t: float) -> object: ...
+
 
 # The trees are rewritten every tick: keep them in memory where the machine allows.
 _TMPFS = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
@@ -33,9 +42,16 @@ class SimNode:
         self.clock = SimClock(virtual=virtual)
         self.root = Path(tempfile.mkdtemp(prefix=f"gpuwatchd-sim-{scenario.name}-", dir=_TMPFS))
         self.pynvml = make_pynvml(self.timeline, self.clock)
-        self._sysfs = SysfsWriter(self.root / "sys", self.timeline)
-        self._interrupts = InterruptsWriter(self.root / "proc", self.timeline)
-        self._cpu = CpuWriter(self.root / "proc", self.timeline, interrupts=self._interrupts)
+        proc, sys = self.root / "proc", self.root / "sys"
+        interrupts = InterruptsWriter(proc, self.timeline)
+        # in tick order: /proc/stat's intr line sums what the interrupts writer wrote
+        self._writers: list[Writer] = [
+            SysfsWriter(sys, self.timeline),
+            interrupts,
+            CpuWriter(proc, self.timeline, interrupts=interrupts),
+            DiskstatsWriter(proc, self.timeline, sysfs=sys),
+            InfinibandWriter(sys, self.timeline),
+        ]
         self.tick()
 
     def context(self) -> Context:
@@ -50,9 +66,8 @@ class SimNode:
     def tick(self) -> None:
         """Bring the written trees up to the clock's time."""
         t = self.clock.elapsed()
-        self._sysfs.write(t)
-        self._interrupts.write(t)  # first: /proc/stat's intr line sums its counts
-        self._cpu.write(t)
+        for writer in self._writers:
+            writer.write(t)
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
