@@ -18,6 +18,7 @@ from gpuwatchd.sim.writers.infiniband import InfinibandWriter
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter
 from gpuwatchd.sources.base import Context
 
+
 class Writer(Protocol):
     """Renders the timeline at time t into files, the way the kernel would show it."""
 
