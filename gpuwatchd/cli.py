@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +133,37 @@ def list_scenarios() -> None:
     """List the built-in scenarios."""
     for name in builtin_scenarios():
         click.echo(f"{name}: {' '.join(load_scenario(name).description.split())}")
+
+
+@main.group()
+def dcgm() -> None:
+    """Talk to a running daemon's DCGM source."""
+
+
+@dcgm.command("pause")
+@click.argument("seconds", type=click.FloatRange(min=0))
+@click.option(
+    "--url", default="http://127.0.0.1:9766", show_default=True, help="the running daemon"
+)
+def dcgm_pause(seconds: float, url: str) -> None:
+    """Pause DCGM profiling for SECONDS so a profiler (Nsight) can take the counters.
+
+    Profiling resumes by itself when the time is up (at most
+    sources.dcgm.max_profiling_pause); 0 resumes it now. The pause applies to the whole
+    host engine, other DCGM clients (dcgm-exporter) included.
+    """
+    address = f"{url.rstrip('/')}/api/dcgm/pause?seconds={seconds:g}"
+    request = urllib.request.Request(address, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            result = json.load(response)
+    except urllib.error.HTTPError as e:
+        raise click.ClickException(f"{url}: {e.code}: {e.read().decode().strip()}") from e
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise click.ClickException(f"cannot reach gpuwatchd at {url}: {reason}") from e
+    if result["paused"]:
+        when = "now" if result["applied"] else "at the next DCGM poll"
+        click.echo(f"DCGM profiling paused for {result['seconds']:g}s ({when})")
+    else:
+        click.echo("DCGM profiling resumed")

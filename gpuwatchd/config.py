@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    model_validator,
 )
 from pydantic_core import ErrorDetails
 
@@ -116,9 +117,69 @@ class InfinibandConfig(SourceConfig):
     xmit_wait_bytes_per_tick: float = Field(8.0, gt=0)  # port_xmit_wait tick -> bytes (ibdiagnet)
 
 
+DCGM_DEFAULT_FIELDS: tuple[int, ...] = (
+    *range(1001, 1013),  # profiling: engine/SM/pipe/DRAM activity, PCIe and NVLink bytes/s
+    *(155, 156),  # power, energy
+    *(202, 230),  # PCIe replays, last Xid
+    *range(240, 246),  # clock violation (throttle) time
+    *(409, 419, 429, 439),  # NVLink CRC flit/data, replay, recovery errors
+    *(393, 394, 395),  # remapped rows, remap failure
+)
+
+
+def _check_hostengine(value: Any) -> Any:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(
+            'expected "localhost", "host:port", "unix:///path/to/socket" or "embedded"'
+        )
+    if value.startswith("unix://") and not value.removeprefix("unix://").startswith("/"):
+        raise ValueError('a unix socket address is an absolute path: "unix:///run/dcgm.sock"')
+    return value.strip()
+
+
+def _check_fields(value: Any) -> Any:
+    if isinstance(value, list):
+        seen: list[int] = []
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= 65535:
+                raise ValueError(f"expected DCGM field ids (1-65535), got {item!r}")
+            if item not in seen:
+                seen.append(item)
+        return seen
+    return value
+
+
+class DcgmConfig(SourceConfig):
+    """gpuwatchd.sources.dcgm: DCGM profiling and device fields (docs/dcgm.md)."""
+
+    interval: Duration = 5.0
+    timeout: Duration = 5.0
+    bindings_path: Path | None = None  # None: where DCGM 4, then DCGM 3, install them
+    hostengine: Annotated[str, BeforeValidator(_check_hostengine)] = "localhost"
+    connect_timeout: Duration = 2.0  # one connection attempt (DCGM's own default is 5 s)
+    fields: Annotated[list[int], BeforeValidator(_check_fields)] = Field(
+        default_factory=lambda: list(DCGM_DEFAULT_FIELDS)
+    )
+    exporter_compat: bool = False  # also emit dcgm-exporter's metric names and labels
+    compat_hostname_label: Literal["Hostname", "hostname"] = "Hostname"
+    reconnect_backoff_max: Duration = 300.0
+    profiling_retry: Duration = 60.0  # retry a refused profiling watch this often
+    max_profiling_pause: Duration = 3600.0
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> DcgmConfig:
+        if self.connect_timeout >= self.timeout:
+            raise ValueError(
+                f"connect_timeout ({self.connect_timeout:g}s) must be shorter than "
+                f"timeout ({self.timeout:g}s)"
+            )
+        return self
+
+
 class SourcesConfig(Strict):
     nvml: NvmlConfig = NvmlConfig()
     pcie: PcieConfig = PcieConfig()
+    dcgm: DcgmConfig = DcgmConfig()
     interrupts: InterruptsConfig = InterruptsConfig()
     cpu: CpuConfig = CpuConfig()
     disks: DisksConfig = DisksConfig()

@@ -8,7 +8,9 @@ source therefore can never slow a scrape down.
 from __future__ import annotations
 
 import html
+import json
 import logging
+import math
 import socket
 import threading
 from collections import defaultdict
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs
 
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 
@@ -144,6 +147,35 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.OK, "text/html; charset=utf-8", self._landing())
         else:
             self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"not found\n")
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(min(length, 65536))  # a body is not used; keep the connection sane
+        path, _, query = self.path.partition("?")
+        if path == "/api/dcgm/pause":
+            self._dcgm_pause(parse_qs(query))
+        else:
+            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"not found\n")
+
+    def _dcgm_pause(self, params: dict[str, list[str]]) -> None:
+        """POST /api/dcgm/pause?seconds=N: pause DCGM profiling for N s (0: resume now)."""
+        source = next((p.source for p in self.exporter.pollers if p.name == "dcgm"), None)
+        pause = getattr(source, "pause_profiling", None)
+        if pause is None:
+            body = b"the dcgm source is not enabled\n"
+            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", body)
+            return
+        try:
+            seconds = float(params["seconds"][0])
+        except (KeyError, IndexError, ValueError):
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds < 0:
+            body = b"expected ?seconds=N, N >= 0 (0 resumes profiling now)\n"
+            self._send(HTTPStatus.BAD_REQUEST, "text/plain; charset=utf-8", body)
+            return
+        result = pause(seconds)
+        self._send(HTTPStatus.OK, "application/json", (json.dumps(result) + "\n").encode())
 
     def _healthz(self) -> None:
         """Healthy while the render loop is alive; sources being down is not unhealthy."""

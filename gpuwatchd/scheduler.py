@@ -54,6 +54,9 @@ class Poller:
         try:
             samples: list[Sample] = self.source.collect()
         except Exception as e:  # a broken source must never take the daemon down
+            why = getattr(e, "samples", None)  # a SourceError that says why, as series
+            if isinstance(why, list):
+                self._store.update(self.name, started, why)
             self._failed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
         else:
             self._store.update(self.name, started, samples)

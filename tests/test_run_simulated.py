@@ -65,7 +65,7 @@ def complete_scrape(url: str) -> dict[str, list]:
     while True:
         got = scrape(url)
         if all(len({s.labels["gpu"] for s in got.get(f, [])}) == 8 for f in GPU_FAMILIES) and (
-            "gpuwatchd_pcie_link_generation" in got
+            {"gpuwatchd_pcie_link_generation", "gpuwatchd_gpu_sm_active_ratio"} <= set(got)
         ):
             return got
         assert time.monotonic() < deadline, f"incomplete after 30s: {sorted(got)}"

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Protocol
 
 from gpuwatchd.sim.clock import SimClock
+from gpuwatchd.sim.dcgm import SimDcgm
 from gpuwatchd.sim.fake_nvml import make_pynvml
 from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sim.sysfs import SysfsWriter
@@ -43,6 +44,7 @@ class SimNode:
         self.clock = SimClock(virtual=virtual)
         self.root = Path(tempfile.mkdtemp(prefix=f"gpuwatchd-sim-{scenario.name}-", dir=_TMPFS))
         self.pynvml = make_pynvml(self.timeline, self.clock)
+        self.dcgm = SimDcgm(self.timeline, self.clock, self.root)  # bindings under root/usr
         proc, sys = self.root / "proc", self.root / "sys"
         interrupts = InterruptsWriter(proc, self.timeline)
         # in tick order: /proc/stat's intr line sums what the interrupts writer wrote
@@ -61,7 +63,11 @@ class SimNode:
             sysfs=self.root / "sys",
             pynvml=self.pynvml,
             # the node's clocks: wall time for timestamps, elapsed (monotonic) for rates
-            extras={"now": self.clock.now, "clock": self.clock.elapsed},
+            extras={
+                "now": self.clock.now,
+                "clock": self.clock.elapsed,
+                **self.dcgm.context_extras(),  # rootfs, dcgm_hostengine, hostname
+            },
         )
 
     def tick(self) -> None:
@@ -71,4 +77,5 @@ class SimNode:
             writer.write(t)
 
     def close(self) -> None:
+        self.dcgm.close()
         shutil.rmtree(self.root, ignore_errors=True)

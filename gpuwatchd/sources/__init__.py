@@ -10,7 +10,7 @@ import importlib
 
 from gpuwatchd.sources.base import Context, Source, SourceError
 
-BUILTIN = ("nvml", "pcie", "interrupts", "cpu", "disks", "infiniband")
+BUILTIN = ("nvml", "dcgm", "pcie", "interrupts", "cpu", "disks", "infiniband")
 
 REGISTRY: dict[str, type[Source]] = {}
 
