@@ -176,6 +176,17 @@ class DcgmConfig(SourceConfig):
         return self
 
 
+class ProcessesConfig(SourceConfig):
+    """gpuwatchd.sources.processes: the processes on each GPU (NVML), /proc and cgroups."""
+
+    interval: Duration = 5.0
+    # polls between two scans of /proc (desktop processes that hold no GPU, children of
+    # other threads, cudart not found yet, workers on kernels without task/*/children)
+    scan_every: int = Field(12, ge=1)
+    desktop: bool = True  # scan /proc for desktop processes (else only NVML's lists)
+    max_threads: int = Field(1024, ge=1)  # threads read per process per poll
+
+
 class SourcesConfig(Strict):
     nvml: NvmlConfig = NvmlConfig()
     pcie: PcieConfig = PcieConfig()
@@ -184,6 +195,7 @@ class SourcesConfig(Strict):
     cpu: CpuConfig = CpuConfig()
     disks: DisksConfig = DisksConfig()
     infiniband: InfinibandConfig = InfinibandConfig()
+    processes: ProcessesConfig = ProcessesConfig()
 
     def enabled(self) -> dict[str, SourceConfig]:
         return {

@@ -254,6 +254,28 @@ def test_processes_use_the_two_call_protocol():
     assert idle_fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 1
 
 
+def test_graphics_processes_are_listed_apart_from_compute():
+    scn = scenario([{"name": "p", "duration": 100, "set": {"processes": [
+        {"pid": 1789, "name": "Xorg", "gpu_memory_mib": 212, "kind": "graphics"},
+        {"pid": 4242, "name": "python", "gpu_memory_mib": 20000},
+        {"pid": 2210, "name": "gnome-shell", "gpu_memory_mib": 85, "kind": "graphics"},
+    ]}}])
+    nv, fake, _, _ = start(scn, at=10.0)
+    handle = nv.nvmlDeviceGetHandleByIndex(0)
+    compute = nv.nvmlDeviceGetComputeRunningProcesses(handle)
+    graphics = nv.nvmlDeviceGetGraphicsRunningProcesses(handle)
+    assert [(p.pid, p.usedGpuMemory) for p in compute] == [(4242, 20000 * MIB)]
+    assert [(p.pid, p.usedGpuMemory) for p in graphics] == [(1789, 212 * MIB), (2210, 85 * MIB)]
+    assert fake.calls["nvmlDeviceGetGraphicsRunningProcesses_v3"] == 2  # size, then fill
+    assert [p.pid for p in nv.nvmlDeviceGetGraphicsRunningProcesses_v2(handle)] == [1789, 2210]
+    assert [p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses_v2(handle)] == [4242]
+    assert all(p.gpuInstanceId == 0xFFFFFFFF for p in graphics)
+
+    idle, idle_fake, _, _ = start("healthy-8gpu", at=60.0)  # compute only: no graphics
+    assert idle.nvmlDeviceGetGraphicsRunningProcesses(idle.nvmlDeviceGetHandleByIndex(0)) == []
+    assert idle_fake.calls["nvmlDeviceGetGraphicsRunningProcesses_v3"] == 1
+
+
 def test_field_values():
     scn = scenario([{"name": "p", "duration": 100, "set": {
         "pcie_replay_count": 17, "ecc_corrected_total": 5, "ecc_uncorrected_total": 2}}])

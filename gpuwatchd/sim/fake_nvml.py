@@ -653,11 +653,10 @@ class FakeNvmlLib:
         out._obj.value = 0 if index in down else 1
         return SUCCESS
 
-    @_symbol("device")
-    def _nvmlDeviceGetComputeRunningProcesses_v3(
-        self, gpu: int, handle: Any, count: Any, infos: Any
-    ) -> int:
-        processes = self._gpu_values(gpu)["processes"]
+    def _running_processes(self, gpu: int, kind: str, count: Any, infos: Any) -> int:
+        """The two-call protocol of nvmlDeviceGet{Compute,Graphics}RunningProcesses:
+        with too small a buffer (or none), the count and INSUFFICIENT_SIZE."""
+        processes = [p for p in self._gpu_values(gpu)["processes"] if _kind(p) == kind]
         capacity = count._obj.value
         count._obj.value = len(processes)
         if len(processes) > capacity or (processes and infos is None):
@@ -669,10 +668,28 @@ class FakeNvmlLib:
         return SUCCESS
 
     @_symbol("device")
+    def _nvmlDeviceGetComputeRunningProcesses_v3(
+        self, gpu: int, handle: Any, count: Any, infos: Any
+    ) -> int:
+        return self._running_processes(gpu, "compute", count, infos)
+
+    @_symbol("device")
     def _nvmlDeviceGetComputeRunningProcesses_v2(
         self, gpu: int, handle: Any, count: Any, infos: Any
     ) -> int:
-        return self._nvmlDeviceGetComputeRunningProcesses_v3(gpu, handle, count, infos)
+        return self._running_processes(gpu, "compute", count, infos)
+
+    @_symbol("device")
+    def _nvmlDeviceGetGraphicsRunningProcesses_v3(
+        self, gpu: int, handle: Any, count: Any, infos: Any
+    ) -> int:
+        return self._running_processes(gpu, "graphics", count, infos)
+
+    @_symbol("device")
+    def _nvmlDeviceGetGraphicsRunningProcesses_v2(
+        self, gpu: int, handle: Any, count: Any, infos: Any
+    ) -> int:
+        return self._running_processes(gpu, "graphics", count, infos)
 
     # -- field values ---------------------------------------------------------------------
 
@@ -813,6 +830,13 @@ def _copy_string(buf: Any, size: Any, text: str) -> int:
 
 def _field(process: Any, key: str) -> Any:
     return process[key] if isinstance(process, dict) else getattr(process, key)
+
+
+def _kind(process: Any) -> str:
+    """Which NVML list a scenario process is in: "compute" (the default) or "graphics"."""
+    if isinstance(process, dict):
+        return str(process.get("kind", "compute"))
+    return str(getattr(process, "kind", "compute"))
 
 
 __all__ = [

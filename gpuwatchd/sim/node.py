@@ -17,6 +17,7 @@ from gpuwatchd.sim.writers.cpu import CpuWriter
 from gpuwatchd.sim.writers.disks import DiskstatsWriter
 from gpuwatchd.sim.writers.infiniband import InfinibandWriter
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter
+from gpuwatchd.sim.writers.processes import ProcessesWriter
 from gpuwatchd.sources.base import Context
 
 
@@ -54,6 +55,7 @@ class SimNode:
             CpuWriter(proc, self.timeline, interrupts=interrupts),
             DiskstatsWriter(proc, self.timeline, sysfs=sys),
             InfinibandWriter(sys, self.timeline),
+            ProcessesWriter(proc, sys, self.timeline),
         ]
         self.tick()
 

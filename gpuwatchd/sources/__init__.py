@@ -10,7 +10,7 @@ import importlib
 
 from gpuwatchd.sources.base import Context, Source, SourceError
 
-BUILTIN = ("nvml", "dcgm", "pcie", "interrupts", "cpu", "disks", "infiniband")
+BUILTIN = ("nvml", "dcgm", "pcie", "interrupts", "cpu", "disks", "infiniband", "processes")
 
 REGISTRY: dict[str, type[Source]] = {}
 

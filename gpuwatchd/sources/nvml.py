@@ -238,6 +238,30 @@ _INIT_HINTS = {
 }
 
 
+def load_binding(context: Context) -> Any:
+    """The NVML binding: `context.pynvml` (the simulator's) or the installed pynvml."""
+    if context.pynvml is not None:
+        return context.pynvml
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError:
+        raise SourceError(
+            "NVML unavailable: the nvidia-ml-py package (module pynvml) is not installed"
+        ) from None
+
+
+def error_codes(nv: Any) -> dict[int, str]:
+    """NVML_ERROR_* value -> its name, from the binding."""
+    return {getattr(nv, n): n for n in dir(nv) if n.startswith("NVML_ERROR_")}
+
+
+def init_failure(error: Any, codes: dict[int, str]) -> str:
+    """The one-line reason nvmlInit failed, with a hint for the common causes."""
+    code = codes.get(error.value, f"code {error.value}")
+    what, hint = _INIT_HINTS.get(code, (f"nvmlInit failed: {error}", ""))
+    return f"NVML unavailable: {what} ({code})" + (f"; {hint}" if hint else "")
+
+
 def cuda_version_string(version: int) -> str:
     """12040 (as nvmlSystemGetCudaDriverVersion returns it) -> "12.4"."""
     return f"{version // 1000}.{version % 1000 // 10}"
@@ -284,23 +308,13 @@ class NvmlSource(Source):
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def _binding(self) -> Any:
-        if self.context.pynvml is not None:
-            return self.context.pynvml
-        try:
-            return importlib.import_module("pynvml")
-        except ImportError:
-            raise SourceError(
-                "NVML unavailable: the nvidia-ml-py package (module pynvml) is not installed"
-            ) from None
-
     def _start(self) -> None:
-        nv = self._binding()
-        self._codes = {getattr(nv, n): n for n in dir(nv) if n.startswith("NVML_ERROR_")}
+        nv = load_binding(self.context)
+        self._codes = error_codes(nv)
         try:
             nv.nvmlInit()
         except nv.NVMLError as e:
-            raise SourceError(self._init_failure(e)) from None
+            raise SourceError(init_failure(e, self._codes)) from None
         try:
             count = nv.nvmlDeviceGetCount()
         except nv.NVMLError as e:
@@ -354,11 +368,6 @@ class NvmlSource(Source):
 
     def _describe(self, error: Any) -> str:
         return f"{error} ({self._codes.get(error.value, f'code {error.value}')})"
-
-    def _init_failure(self, error: Any) -> str:
-        code = self._codes.get(error.value, f"code {error.value}")
-        what, hint = _INIT_HINTS.get(code, (f"nvmlInit failed: {error}", ""))
-        return f"NVML unavailable: {what} ({code})" + (f"; {hint}" if hint else "")
 
     def _failed(self, gpu: _Gpu, key: str, function: str, error: Any) -> None:
         """Handle an NVMLError from one call on one GPU (raises _GpuLost)."""
