@@ -53,3 +53,16 @@ def test_stale_source_is_left_out_of_latest():
     assert len(list(store.latest(13.0))) == 1
     assert list(store.latest(13.5)) == []
     assert store.is_stale("never-polled", 0.0)
+
+
+def test_history_compacts_and_still_answers_windows():
+    from gpuwatchd.store import History
+
+    history = History()
+    for t in range(10_000):
+        history.append(float(t), t * 2.0, horizon=t - 99.5, max_points=10_000)
+    assert len(history) == 100
+    assert len(history._times) <= 200  # expired points were dropped, not kept forever
+    assert history.since(9_997) == [(9997.0, 19994.0), (9998.0, 19996.0), (9999.0, 19998.0)]
+    assert history.since(0)[0] == (9900.0, 19800.0)
+    assert history.since(20_000) == []
