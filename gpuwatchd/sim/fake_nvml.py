@@ -109,8 +109,12 @@ def make_pynvml(
     """
     module = load_private_pynvml()
     fake = FakeNvmlLib(
-        module, timeline, clock, driver_loaded=driver_loaded,
-        missing_functions=missing_functions, hang_cap=hang_cap,
+        module,
+        timeline,
+        clock,
+        driver_loaded=driver_loaded,
+        missing_functions=missing_functions,
+        hang_cap=hang_cap,
     )
     # nvmlLib: what _LoadNvmlLibrary's CDLL("libnvidia-ml.so.1") would have set
     vars(module).update(nvmlLib=fake, _gpuwatchd_fake=fake)
@@ -703,13 +707,17 @@ class FakeNvmlLib:
         ecc = "nvmlDeviceGetTotalEccErrors"
         return {
             nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER: (
-                "nvmlDeviceGetPcieReplayCounter", scenario("pcie_replay_count")),
+                "nvmlDeviceGetPcieReplayCounter",
+                scenario("pcie_replay_count"),
+            ),
             nv.NVML_FI_DEV_ECC_SBE_AGG_TOTAL: (ecc, scenario("ecc_corrected_total")),
             nv.NVML_FI_DEV_ECC_DBE_AGG_TOTAL: (ecc, scenario("ecc_uncorrected_total")),
             nv.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: (ecc, scenario("ecc_corrected_total")),
             nv.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: (ecc, scenario("ecc_uncorrected_total")),
             nv.NVML_FI_DEV_NVLINK_LINK_COUNT: (
-                "nvmlDeviceGetNvLinkState", lambda gpu: self.model.nvlinks),
+                "nvmlDeviceGetNvLinkState",
+                lambda gpu: self.model.nvlinks,
+            ),
         }
 
     @_symbol("device")
@@ -840,6 +848,10 @@ def _kind(process: Any) -> str:
 
 
 __all__ = [
-    "CLOCK_EVENT_REASON_CONSTANTS", "FakeNvmlLib", "gpu_uuid", "load_private_pynvml",
-    "make_pynvml", "nvml_bus_id",
+    "CLOCK_EVENT_REASON_CONSTANTS",
+    "FakeNvmlLib",
+    "gpu_uuid",
+    "load_private_pynvml",
+    "make_pynvml",
+    "nvml_bus_id",
 ]

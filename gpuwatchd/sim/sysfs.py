@@ -60,6 +60,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gpuwatchd.sim.files import Files
 from gpuwatchd.sim.scenario import PciFunction, Timeline, Topology
 
 NVIDIA_VENDOR = 0x10DE
@@ -300,7 +301,6 @@ class SysfsWriter:
         self.root = Path(root)
         self.timeline = timeline
         self.topology = timeline.topology
-        self.writes = 0  # files written so far (changed content only)
         node = timeline.scenario.node
         self._model = node.model()
         self._nr_cpus = node.cpus
@@ -325,8 +325,13 @@ class SysfsWriter:
             name: tuple(os.path.join(d, f) for f in DYNAMIC_FILES) for name, d in self._dirs.items()
         }
         self._aer_texts: dict[tuple[int, int], str] = {}
-        self._cache: dict[str, str] = {}
+        self.files = Files()
         self._laid_out = False
+
+    @property
+    def writes(self) -> int:
+        """Files written so far (changed content only)."""
+        return self.files.writes
 
     def device_dir(self, name: str) -> Path:
         """The (resolved) directory of a function, by topology name ("gpu3", "sw1-up")."""
@@ -340,7 +345,7 @@ class SysfsWriter:
         gpus, bridges = self.timeline.state(t)
         links = self._links_model.states(gpus, bridges)
         gpu_values = dict(zip(self.topology.gpu_names, gpus, strict=True))
-        put = self._put
+        put = self.files.put
         for name, (speed, width_file, *aer_files) in self._dynamic.items():
             gen, width = links[name]
             put(speed, speed_string(gen) + "\n")
@@ -366,7 +371,7 @@ class SysfsWriter:
             d = self._dirs[name]
             d.mkdir(parents=True, exist_ok=True)
             for file, content in self._static(fn).items():
-                self._put(os.path.join(d, file), content)
+                self.files.put(os.path.join(d, file), content)
         links_dir = self.root / "bus" / "pci" / "devices"
         links_dir.mkdir(parents=True, exist_ok=True)
         for bdf, target in self._links.items():
@@ -416,17 +421,6 @@ class SysfsWriter:
                 f"bc{pci_class >> 16:02X}sc{(pci_class >> 8) & 0xFF:02X}i{pci_class & 0xFF:02X}\n"
             ),
         }
-
-    def _put(self, path: str, content: str) -> None:
-        if self._cache.get(path) == content:
-            return
-        head, tail = os.path.split(path)
-        tmp = os.path.join(head, f".{tail}.tmp")
-        with open(tmp, "w") as f:
-            f.write(content)
-        os.replace(tmp, path)
-        self._cache[path] = content
-        self.writes += 1
 
 
 __all__ = [

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatchd.sim.counters import Integrator
+from gpuwatchd.sim.files import Files
 from gpuwatchd.sim.scenario import Timeline
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter, nr_irqs
 
@@ -182,7 +183,6 @@ class CpuWriter:
         node = timeline.scenario.node
         self.ncpus = node.cpus
         self.memory_total_kb = int(node.host.memory_total_mib * 1024)
-        self.writes = 0
         self._jiffies = Integrator()
         self._counters = Integrator()  # ctxt, processes, softirqs, PSI totals
         self._avgs: dict[tuple[str, str], tuple[float, float, float]] = {}  # avg60, avg300, value
@@ -196,9 +196,14 @@ class CpuWriter:
         self._groups: dict[int, list[int]] = {0: list(range(self.ncpus))}
         self._group_rates: dict[int, tuple[float, ...]] = {}
         self._next_group = 1
-        self._cache: dict[str, str] = {}
+        self.files = Files()
         self._nr_irqs = nr_irqs(self.ncpus)
         self._labels = [f"cpu{c}" for c in range(self.ncpus)]
+
+    @property
+    def writes(self) -> int:
+        """Files written so far (changed content only)."""
+        return self.files.writes
 
     def write(self, t: float) -> int:
         """Bring the files to the node's state at time t; returns how many changed."""
@@ -216,7 +221,9 @@ class CpuWriter:
         jiffies = self._jiffies.totals
         counters = self._counters.advance(t, self._counter_rates)
         os.makedirs(self.root / "pressure", exist_ok=True)
-        self._put("stat", self._stat(jiffies, counters, host, self._busy_cpus))
+        self.files.put(
+            os.path.join(self.root, "stat"), self._stat(jiffies, counters, host, self._busy_cpus)
+        )
         for resource, kinds in PSI_FILES:
             lines = []
             for kind, key in kinds:
@@ -224,12 +231,14 @@ class CpuWriter:
                 avg60, avg300 = self._smooth(resource, kind, value, dt)
                 total = int(counters.get(("psi", resource, kind), 0.0))
                 lines.append(psi_line(kind, value, avg60, avg300, total))
-            self._put(f"pressure/{resource}", "".join(lines))
+            self.files.put(os.path.join(self.root, f"pressure/{resource}"), "".join(lines))
         available = host.get("mem_available_mib")
         available_kb = (
             self.memory_total_kb * 9 // 10 if available is None else int(available * 1024)
         )
-        self._put("meminfo", meminfo_text(self.memory_total_kb, available_kb))
+        self.files.put(
+            os.path.join(self.root, "meminfo"), meminfo_text(self.memory_total_kb, available_kb)
+        )
         return self.writes - before
 
     def _jiffy_rates(self) -> Mapping[Hashable, float]:
@@ -331,18 +340,6 @@ class CpuWriter:
         lines.append(f"procs_blocked {round(iowait / 100 * n)}\n")
         lines.append(f"softirq {sum(softirqs)} " + " ".join(map(str, softirqs)) + "\n")
         return "".join(lines)
-
-    def _put(self, name: str, content: str) -> None:
-        if self._cache.get(name) == content:
-            return
-        path = os.path.join(self.root, name)
-        head, tail = os.path.split(path)
-        tmp = os.path.join(head, f".{tail}.tmp")
-        with open(tmp, "w") as f:
-            f.write(content)
-        os.replace(tmp, path)
-        self._cache[name] = content
-        self.writes += 1
 
 
 __all__ = ["CpuWriter", "core_split", "meminfo_text", "psi_fixed", "psi_line"]

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatchd.sim.counters import Integrator
+from gpuwatchd.sim.files import Files
 from gpuwatchd.sim.scenario import Timeline
 
 SECTOR_BYTES = 512
@@ -148,14 +149,18 @@ class DiskstatsWriter:
         self.path = os.fspath(self.root / "diskstats")
         self.disks = [disk.name for disk in timeline.scenario.node.host.disks]
         self.numbers = device_numbers(self.disks)
-        self.writes = 0
+        self.files = Files()
         self._ulong_mask = (1 << ulong_bits) - 1
         self._offset = int(offset)
         self._integrator = Integrator()
         self._base: dict[str, tuple[float, ...]] = {}  # totals when a disk (re)appeared
         self._present: dict[str, bool] = {}
-        self._content: str | None = None
         self._loop = f"{LOOP_MAJOR:4d} {0:7d} loop0" + " 0" * _FIELDS + "\n"
+
+    @property
+    def writes(self) -> int:
+        """Files written so far (changed content only)."""
+        return self.files.writes
 
     def write(self, t: float) -> int:
         """Bring the files to the node's state at time t; returns how many files changed."""
@@ -190,14 +195,7 @@ class DiskstatsWriter:
         if self.sysfs is not None:
             changed += self._sysfs(present)
         self._present = present
-        if content != self._content:
-            os.makedirs(self.root, exist_ok=True)
-            tmp = os.path.join(self.root, ".diskstats.tmp")
-            with open(tmp, "w") as f:
-                f.write(content)
-            os.replace(tmp, self.path)
-            self._content = content
-            self.writes += 1
+        if self.files.put(self.path, content):
             changed += 1
         return changed
 
@@ -242,19 +240,12 @@ class DiskstatsWriter:
                     (d / part / "dev", f"{pmajor}:{pminor}\n"),
                     (d / part / "partition", "1\n"),
                 ):
-                    _atomic_write(path, content)
-                    changed += 1
+                    changed += self.files.put(os.fspath(path), content)
             elif not present[disk] and was is True:
                 shutil.rmtree(d, ignore_errors=True)
+                self.files.forget(os.fspath(d))
                 changed += 1
         return changed
-
-
-def _atomic_write(path: Path, content: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(content)
-    os.replace(tmp, path)
 
 
 __all__ = ["DiskstatsWriter", "device_numbers", "disk_rates", "partition_name"]

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatchd.sim.counters import Integrator
+from gpuwatchd.sim.files import Files
 from gpuwatchd.sim.scenario import Timeline
 from gpuwatchd.sources.infiniband import DEFAULT_XMIT_WAIT_BYTES_PER_TICK, ERROR_COUNTERS
 
@@ -153,10 +154,9 @@ class InfinibandWriter:
         self.root = Path(root)
         self.timeline = timeline
         self.ports = list(timeline.scenario.node.host.ib_ports)
-        self.writes = 0
         self._bytes_per_tick = xmit_wait_bytes_per_tick
         self._integrator = Integrator()
-        self._cache: dict[str, str] = {}
+        self.files = Files()
         self._dirs = {
             f"{p.device}/{p.port}": os.path.join(
                 os.fspath(self.root), "class", "infiniband", p.device, "ports", str(p.port)
@@ -164,6 +164,11 @@ class InfinibandWriter:
             for p in self.ports
         }
         self._laid_out = False
+
+    @property
+    def writes(self) -> int:
+        """Files written so far (changed content only)."""
+        return self.files.writes
 
     def port_dir(self, key: str) -> str:
         """The directory of a port, by "<device>/<port>"."""
@@ -193,7 +198,7 @@ class InfinibandWriter:
                 rates[(key, "tx")] = tx
                 rates[(key, "wait")] = wait * gbps * 1e9 / 8 / self._bytes_per_tick
         totals = self._integrator.advance(t, rates)
-        put = self._put
+        put = self.files.put
         for port in self.ports:
             key = f"{port.device}/{port.port}"
             d = self._dirs[key]
@@ -231,7 +236,7 @@ class InfinibandWriter:
             devices[port.device] = max(devices.get(port.device, 0.0), port.rate_gbps)
             d = self._dirs[f"{port.device}/{port.port}"]
             os.makedirs(os.path.join(d, "counters"), exist_ok=True)
-            self._put(os.path.join(d, "link_layer"), f"{port.link_layer}\n")
+            self.files.put(os.path.join(d, "link_layer"), f"{port.link_layer}\n")
         for device, best in devices.items():
             d = os.path.join(os.fspath(self.root), "class", "infiniband", device)
             for name, content in (
@@ -240,19 +245,8 @@ class InfinibandWriter:
                 ("board_id", "MT_0000000838\n"),
                 ("node_type", "1: CA\n"),
             ):
-                self._put(os.path.join(d, name), content)
+                self.files.put(os.path.join(d, name), content)
         self._laid_out = True
-
-    def _put(self, path: str, content: str) -> None:
-        if self._cache.get(path) == content:
-            return
-        head, tail = os.path.split(path)
-        tmp = os.path.join(head, f".{tail}.tmp")
-        with open(tmp, "w") as f:
-            f.write(content)
-        os.replace(tmp, path)
-        self._cache[path] = content
-        self.writes += 1
 
 
 __all__ = ["InfinibandWriter", "hca_type", "rate_string", "rate_text"]

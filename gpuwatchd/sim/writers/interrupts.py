@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from gpuwatchd.sim.counters import Integrator
+from gpuwatchd.sim.files import Files
 from gpuwatchd.sim.scenario import Timeline
 from gpuwatchd.sim.sysfs import numa_cpus
 
@@ -141,9 +142,8 @@ class InterruptsWriter:
         node = timeline.scenario.node
         self.ncpus = node.cpus
         self.path = os.fspath(self.root / "interrupts")
-        self.writes = 0
+        self.files = Files()
         self._integrator = Integrator()
-        self._content: str | None = None
         self.rows = self._layout()
         last_irq = max((int(r.label) for r in self.rows if r.label.isdigit()), default=0)
         self.nr_irqs = max(nr_irqs(self.ncpus), last_irq + 1)
@@ -163,6 +163,11 @@ class InterruptsWriter:
                 self._matches.setdefault(key, []).append(i)
 
     # -- layout ------------------------------------------------------------------------
+
+    @property
+    def writes(self) -> int:
+        """Files written so far (changed content only)."""
+        return self.files.writes
 
     def _layout(self) -> list[IrqRow]:
         node = self.timeline.scenario.node
@@ -312,17 +317,7 @@ class InterruptsWriter:
             i, cpus = cast("tuple[int, tuple[int, ...]]", key)
             parts[i].append((cpus, int(total)))
         self._parts = parts
-        content = self.render()
-        if content == self._content:
-            return 0
-        os.makedirs(self.root, exist_ok=True)
-        tmp = os.path.join(self.root, ".interrupts.tmp")
-        with open(tmp, "w") as f:
-            f.write(content)
-        os.replace(tmp, self.path)
-        self._content = content
-        self.writes += 1
-        return 1
+        return int(self.files.put(self.path, self.render()))
 
     def counts(self, index: int) -> list[int]:
         """Per-CPU counts of row `index` as of the last write, before the u32 wrap: each

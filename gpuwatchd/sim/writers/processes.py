@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatchd.sim.counters import Integrator
+from gpuwatchd.sim.files import Files
 from gpuwatchd.sim.host import HostProcess
 from gpuwatchd.sim.scenario import Timeline
 from gpuwatchd.sim.sysfs import cpulist, cpumask
@@ -259,17 +260,20 @@ class ProcessesWriter:
         self._nr_cpus = node.cpus
         self._numa_nodes = node.numa_nodes
         self._facts = {p.pid: p for p in node.host.processes}
-        self.writes = 0  # files written so far (changed content only)
         self._integrator = Integrator()
         self._base: dict[Hashable, float] = {}  # counter -> its total at birth
         self._running: dict[int, _Running] = {}
-        self._cache: dict[str, str] = {}
-        self._made: set[str] = set()
+        self.files = Files()
         self._maps: dict[str | None, str] = {}
         self._child_start: dict[int, int] = {}  # worker pid -> its starttime
         self._cpu_lists: dict[str | None, list[int]] = {}
         self._gpu_only: dict[int, HostProcess] = {}  # pids on a GPU without host facts
         self._cgroup_paths: dict[int, str] = {}
+
+    @property
+    def writes(self) -> int:
+        """Files written so far (changed content only)."""
+        return self.files.writes
 
     def pids(self, t: float) -> dict[int, HostProcess]:
         """Every process the node has at time t (running or not), by pid."""
@@ -372,7 +376,7 @@ class ProcessesWriter:
         cpus = self._cpus(fact.cpus_allowed)
         name = fact.name[:15]
         base = f"{self.proc}/{pid}"
-        put = self._put
+        put = self.files.put
         main_state = "R" if float(values["main_thread_cpu_percent"]) >= 50 else "S"
         other_state = "S"
         if threads > 1 and float(values["other_threads_cpu_percent"]) / (threads - 1) >= 50:
@@ -438,7 +442,7 @@ class ProcessesWriter:
         cgroup = f"0::{container_cgroup(fact)}\n"
         maps = self._maps_of(fact.cudart)
         nr_cpus, numa_nodes = self._nr_cpus, self._numa_nodes
-        put = self._put
+        put = self.files.put
         status = status_text(pid, name, main_state, 1, fact.uid, threads, cpus, nr_cpus, numa_nodes)
         put(f"{base}/status", status)
         put(f"{base}/comm", name + "\n")
@@ -482,13 +486,13 @@ class ProcessesWriter:
     def _write_cgroup(self, path: str, quota: float | None, totals: dict[Hashable, float]) -> None:
         directory = self.cgroup_root + path
         cpu_max = "max" if quota is None else str(round(quota * PERIOD_US))
-        self._put(f"{directory}/cpu.max", f"{cpu_max} {PERIOD_US}\n")
+        self.files.put(f"{directory}/cpu.max", f"{cpu_max} {PERIOD_US}\n")
         usage = int(totals.get(("cg", path, "usage"), 0.0))
         user = int(usage * USER_SHARE)
         periods = int(totals.get(("cg", path, "periods"), 0.0))
         throttled = min(periods, int(totals.get(("cg", path, "throttled"), 0.0)))
         throttled_usec = int(totals.get(("cg", path, "throttled_usec"), 0.0))
-        self._put(
+        self.files.put(
             f"{directory}/cpu.stat",
             f"usage_usec {usage}\nuser_usec {user}\nsystem_usec {usage - user}\n"
             f"nr_periods {periods}\nnr_throttled {throttled}\n"
@@ -506,27 +510,7 @@ class ProcessesWriter:
 
     def _rmtree(self, directory: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
-        prefix = directory + "/"
-        for path in [p for p in self._cache if p.startswith(prefix)]:
-            del self._cache[path]
-        self._made = {d for d in self._made if d != directory and not d.startswith(prefix)}
-
-    def _put(self, path: str, content: str) -> None:
-        if self._cache.get(path) == content:
-            return
-        head, _, tail = path.rpartition("/")
-        if head not in self._made:
-            os.makedirs(head, exist_ok=True)
-            self._made.add(head)
-        tmp = f"{head}/.{tail}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, content.encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        self._cache[path] = content
-        self.writes += 1
+        self.files.forget(directory)
 
 
 __all__ = [

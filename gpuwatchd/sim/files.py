@@ -1,0 +1,41 @@
+"""How the simulator's writers put files: whole, and only when they changed.
+
+A reader (a source polling in its own thread) must never see a half-written file, so
+content goes to a temporary file that is renamed over the old one. Rewriting unchanged
+files every tick would cost most of a writer's time, so the last content of each path
+is remembered and only a change is written.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class Files:
+    def __init__(self) -> None:
+        self._content: dict[str, str] = {}
+        self._made: set[str] = set()
+        self.writes = 0  # files written so far (changes, not calls)
+
+    def put(self, path: str, content: str) -> bool:
+        """Write `content` to `path` if it differs from what is there; True if written."""
+        if self._content.get(path) == content:
+            return False
+        head, _, tail = path.rpartition("/")
+        if head not in self._made:
+            os.makedirs(head, exist_ok=True)
+            self._made.add(head)
+        tmp = f"{head}/.{tail}.tmp"
+        with open(tmp, "w") as f:
+            f.write(content)
+        os.replace(tmp, path)
+        self._content[path] = content
+        self.writes += 1
+        return True
+
+    def forget(self, directory: str) -> None:
+        """Forget every path under `directory` (which the caller has just removed)."""
+        prefix = directory.rstrip("/") + "/"
+        for path in [p for p in self._content if p.startswith(prefix)]:
+            del self._content[path]
+        self._made = {d for d in self._made if d != directory and not d.startswith(prefix)}
