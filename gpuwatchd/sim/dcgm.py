@@ -54,6 +54,7 @@ from typing import Any
 
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml import gpu_uuid, nvml_bus_id
+from gpuwatchd.sim.fakelib import install_symbols, symbol
 from gpuwatchd.sim.scenario import Timeline
 
 FAKE_BINDINGS = Path(__file__).resolve().parent / "fake_dcgm"
@@ -859,35 +860,6 @@ def _text(arg: Any) -> str:
     return str(value or "")
 
 
-def _symbol(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark `_dcgmXxx` as the C symbol `dcgmXxx`.
-
-    kind: "noinit" (callable before dcgmInit), "lib" (after dcgmInit) or "handle"
-    (first argument a dcgmHandle_t; the implementation gets the connection instead).
-    """
-
-    def mark(method: Callable[..., Any]) -> Callable[..., Any]:
-        method._dcgm_kind = kind  # type: ignore[attr-defined]
-        return method
-
-    return mark
-
-
-class _Symbol:
-    """What `getattr(lib, name)` returns: callable, with ctypes' restype and argtypes."""
-
-    def __init__(self, lib: FakeDcgmLib, name: str, impl: Callable[..., Any], kind: str):
-        self.__name__ = name
-        self._lib = lib
-        self._impl = impl
-        self._kind = kind
-        self.restype: Any = ctypes.c_int
-        self.argtypes: Any = None
-
-    def __call__(self, *args: Any) -> Any:
-        return self._lib._invoke(self.__name__, self._impl, self._kind, args)
-
-
 class FakeDcgmLib:
     """libdcgm.so's symbols as Python callables with the C signatures (a DCGM client)."""
 
@@ -898,13 +870,7 @@ class FakeDcgmLib:
         self._next_handle = 0x5000
         self._keep: list[Any] = []  # field metadata handed out by pointer
         self._version = VERSIONS["4"]
-        self._symbols: dict[str, _Symbol] = {}
-        for attr, impl in type(self).__dict__.items():
-            kind = getattr(impl, "_dcgm_kind", None)
-            if kind is not None:
-                name = attr[1:]
-                self._symbols[name] = _Symbol(self, name, getattr(self, attr), kind)
-                setattr(self, name, self._symbols[name])
+        self._symbols = install_symbols(self)
 
     def symbols(self) -> list[str]:
         return sorted(self._symbols)
@@ -936,12 +902,12 @@ class FakeDcgmLib:
 
     # -- init and connections ------------------------------------------------------------
 
-    @_symbol("noinit")
+    @symbol("noinit")
     def _dcgmInit(self, handle: Any = None) -> int:
         self._initialized += 1
         return ST_OK
 
-    @_symbol("lib")
+    @symbol("lib")
     def _dcgmShutdown(self) -> int:
         self._initialized = max(0, self._initialized - 1)
         return ST_OK
@@ -967,22 +933,22 @@ class FakeDcgmLib:
             return ST_CONNECTION_NOT_VALID
         return self._new_handle(out, _Connection(engine, generation, persist, embedded=False))
 
-    @_symbol("lib")
+    @symbol("lib")
     def _dcgmConnect(self, address: Any, out: Any) -> int:
         return self._connect(_text(address), None, out)
 
-    @_symbol("lib")
+    @symbol("lib")
     def _dcgmConnect_v2(self, address: Any, params: Any, out: Any) -> int:
         text = _text(address)
         if getattr(params._obj, "addressIsUnixSocket", 0):
             text = "unix://" + text
         return self._connect(text, params, out)
 
-    @_symbol("lib")
+    @symbol("lib")
     def _dcgmConnect_v3(self, address: Any, params: Any, out: Any) -> int:
         return self._connect(_text(address), params, out)
 
-    @_symbol("lib")
+    @symbol("lib")
     def _dcgmStartEmbedded(self, op_mode: Any, out: Any) -> int:
         with _REGISTRY_LOCK:
             engine = _EMBEDDED[0] if _EMBEDDED else None
@@ -991,11 +957,11 @@ class FakeDcgmLib:
         generation = engine._state.generation
         return self._new_handle(out, _Connection(engine, generation, False, embedded=True))
 
-    @_symbol("lib")
+    @symbol("lib")
     def _dcgmStopEmbedded(self, handle: Any) -> int:
         return self._dcgmDisconnect(handle)
 
-    @_symbol("lib")
+    @symbol("lib")
     def _dcgmDisconnect(self, handle: Any) -> int:
         conn = self._connections.pop(_int(handle), None)
         if conn is None:
@@ -1003,11 +969,11 @@ class FakeDcgmLib:
         conn.engine.disconnect(_int(handle), conn.generation, conn.persist)
         return ST_OK
 
-    @_symbol("noinit")
+    @symbol("noinit")
     def _dcgmErrorString(self, result: Any) -> bytes:
         return f"DCGM error {_int(result)}".encode()
 
-    @_symbol("noinit")
+    @symbol("noinit")
     def _dcgmVersionInfo(self, out: Any) -> int:
         out._obj.rawBuildInfoString = (
             f"version:{self._version};arch:x86_64;buildtype:Release;buildid:sim;"
@@ -1015,14 +981,14 @@ class FakeDcgmLib:
         ).encode()
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmHostengineIsHealthy(self, conn: _Connection, state: _State, out: Any) -> int:
         out._obj.overallHealth = 0
         return ST_OK
 
     # -- field metadata (DcgmFieldGetById and friends live in libdcgm too) ---------------------
 
-    @_symbol("noinit")
+    @symbol("noinit")
     def _DcgmFieldsInit(self) -> int:
         return ST_OK
 
@@ -1049,8 +1015,8 @@ class FakeDcgmLib:
         fid = TAGS.get(_text(tag))
         return self._meta(self._symbols["DcgmFieldGetByTag"].restype, FIELDS.get(fid or -1))
 
-    _DcgmFieldGetById._dcgm_kind = "noinit"  # type: ignore[attr-defined]
-    _DcgmFieldGetByTag._dcgm_kind = "noinit"  # type: ignore[attr-defined]
+    symbol("noinit")(_DcgmFieldGetById)
+    symbol("noinit")(_DcgmFieldGetByTag)
 
     # -- discovery ----------------------------------------------------------------------------
 
@@ -1060,17 +1026,17 @@ class FakeDcgmLib:
         count._obj.value = conn.engine.gpu_count
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGetAllDevices(self, conn: _Connection, state: _State, ids: Any, count: Any) -> int:
         return self._device_list(conn, ids, count)
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGetAllSupportedDevices(
         self, conn: _Connection, state: _State, ids: Any, count: Any
     ) -> int:
         return self._device_list(conn, ids, count)
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGetDeviceAttributes(
         self, conn: _Connection, state: _State, gpu_id: Any, out: Any
     ) -> int:
@@ -1097,7 +1063,7 @@ class FakeDcgmLib:
 
     # -- groups ---------------------------------------------------------------------------------
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGroupCreate(
         self, conn: _Connection, state: _State, kind: Any, name: Any, out: Any
     ) -> int:
@@ -1114,7 +1080,7 @@ class FakeDcgmLib:
             raise _Status(ST_NOT_CONFIGURED)
         return group
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGroupDestroy(self, conn: _Connection, state: _State, group_id: Any) -> int:
         self._group(state, group_id)
         del state.groups[_int(group_id)]
@@ -1122,11 +1088,11 @@ class FakeDcgmLib:
         state.watched = None
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGroupAddDevice(self, conn: _Connection, state: _State, group_id: Any, gpu: Any) -> int:
         return self._add_entity(conn, state, group_id, FE_GPU, _int(gpu))
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGroupAddEntity(
         self, conn: _Connection, state: _State, group_id: Any, kind: Any, entity: Any
     ) -> int:
@@ -1144,7 +1110,7 @@ class FakeDcgmLib:
         state.watched = None
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGroupGetInfo(self, conn: _Connection, state: _State, group_id: Any, out: Any) -> int:
         entities = conn.engine.group_entities(state, _int(group_id))
         if entities is None:
@@ -1158,7 +1124,7 @@ class FakeDcgmLib:
             info.entityList[i].entityId = entity
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGroupGetAllIds(self, conn: _Connection, state: _State, ids: Any, count: Any) -> int:
         for i, group_id in enumerate(state.groups):
             ids[i] = group_id
@@ -1167,7 +1133,7 @@ class FakeDcgmLib:
 
     # -- field groups --------------------------------------------------------------------------
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmFieldGroupCreate(
         self, conn: _Connection, state: _State, count: Any, ids: Any, name: Any, out: Any
     ) -> int:
@@ -1177,7 +1143,7 @@ class FakeDcgmLib:
         out._obj.value = conn.engine.field_group_create(state, field_ids, _text(name), owner)
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmFieldGroupDestroy(self, conn: _Connection, state: _State, fg_id: Any) -> int:
         if state.field_groups.pop(_int(fg_id), None) is None:
             return ST_NO_DATA
@@ -1192,7 +1158,7 @@ class FakeDcgmLib:
         for i, fid in enumerate(fg.field_ids):
             info.fieldIds[i] = fid
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmFieldGroupGetInfo(self, conn: _Connection, state: _State, out: Any) -> int:
         info = out._obj
         fg = state.field_groups.get(_int(info.fieldGroupId))
@@ -1201,7 +1167,7 @@ class FakeDcgmLib:
         self._fill_field_group(info, _int(info.fieldGroupId), fg)
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmFieldGroupGetAll(self, conn: _Connection, state: _State, out: Any) -> int:
         info = out._obj
         info.numFieldGroups = len(state.field_groups)
@@ -1211,7 +1177,7 @@ class FakeDcgmLib:
 
     # -- watches and values ----------------------------------------------------------------------
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmWatchFields(
         self,
         conn: _Connection,
@@ -1226,14 +1192,14 @@ class FakeDcgmLib:
         conn.engine.watch(state, _int(group_id), _int(fg_id), interval, self._owner(conn))
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmUnwatchFields(
         self, conn: _Connection, state: _State, group_id: Any, fg_id: Any
     ) -> int:
         conn.engine.unwatch(state, _int(group_id), _int(fg_id), self._owner(conn))
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmUpdateAllFields(self, conn: _Connection, state: _State, wait: Any) -> int:
         return ST_OK  # samples exist from the moment a watch is set
 
@@ -1282,19 +1248,19 @@ class FakeDcgmLib:
                 callback(entity, array, len(entity_rows), address)
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGetLatestValues(
         self, conn: _Connection, state: _State, group_id: Any, fg_id: Any, cb: Any, data: Any
     ) -> int:
         return self._enumerate(cb, data, self._latest(conn, state, group_id, fg_id), False)
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGetLatestValues_v2(
         self, conn: _Connection, state: _State, group_id: Any, fg_id: Any, cb: Any, data: Any
     ) -> int:
         return self._enumerate(cb, data, self._latest(conn, state, group_id, fg_id), True)
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmGetValuesSince_v2(
         self,
         conn: _Connection,
@@ -1310,7 +1276,7 @@ class FakeDcgmLib:
         next_since._obj.value = max([r[6] for r in rows], default=_int(since)) + 1
         return self._enumerate(cb, data, rows, True)
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmEntityGetLatestValues(
         self,
         conn: _Connection,
@@ -1327,7 +1293,7 @@ class FakeDcgmLib:
             self._fill_value(out[i], row)
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmEntitiesGetLatestValues(
         self,
         conn: _Connection,
@@ -1353,7 +1319,7 @@ class FakeDcgmLib:
 
     # -- profiling ------------------------------------------------------------------------------
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmProfGetSupportedMetricGroups(self, conn: _Connection, state: _State, out: Any) -> int:
         engine, msg = conn.engine, out._obj
         gpu = int(msg.gpuId)
@@ -1370,14 +1336,14 @@ class FakeDcgmLib:
                 group.fieldIds[j] = fid
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmProfPause(self, conn: _Connection, state: _State) -> int:
         if conn.engine.gpm():
             return ST_NOT_SUPPORTED
         state.profiling_paused = True
         return ST_OK
 
-    @_symbol("handle")
+    @symbol("handle")
     def _dcgmProfResume(self, conn: _Connection, state: _State) -> int:
         if conn.engine.gpm():
             return ST_NOT_SUPPORTED

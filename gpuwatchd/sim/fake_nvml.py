@@ -36,6 +36,7 @@ from types import ModuleType
 from typing import Any
 
 from gpuwatchd.sim.clock import SimClock
+from gpuwatchd.sim.fakelib import Symbol, install_symbols, symbol
 from gpuwatchd.sim.scenario import Timeline
 
 # Return codes (nvml.h); the same numbers as pynvml's NVML_SUCCESS / NVML_ERROR_*
@@ -148,35 +149,6 @@ def _value(arg: Any) -> int:
     return int(arg.value) if hasattr(arg, "value") else int(arg)
 
 
-def _symbol(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark `_nvmlXxx` as the implementation of the NVML symbol `nvmlXxx`.
-
-    kind: "noinit" (works before nvmlInit), "system", "device" (first argument is a
-    device handle; lost/hung/unsupported apply) or "index" (first argument a GPU index).
-    """
-
-    def mark(method: Callable[..., Any]) -> Callable[..., Any]:
-        method._nvml_kind = kind  # type: ignore[attr-defined]
-        return method
-
-    return mark
-
-
-class _Symbol:
-    """What `getattr(nvmlLib, name)` returns: callable, with ctypes' restype/argtypes."""
-
-    def __init__(self, lib: FakeNvmlLib, name: str, impl: Callable[..., int], kind: str):
-        self.__name__ = name
-        self._lib = lib
-        self._impl = impl
-        self._kind = kind
-        self.restype: Any = ctypes.c_int
-        self.argtypes: Any = None
-
-    def __call__(self, *args: Any) -> Any:
-        return self._lib._invoke(self.__name__, self._impl, self._kind, args)
-
-
 class _EventSet:
     def __init__(self, struct: Any, created_at: float) -> None:
         self.struct = struct
@@ -238,15 +210,11 @@ class FakeNvmlLib:
         Instance attributes, so `getattr(lib, name)` finds them; a symbol in `missing`
         is simply absent, and pynvml turns the AttributeError into FunctionNotFound.
         """
-        for attr, impl in type(self).__dict__.items():
-            kind = getattr(impl, "_nvml_kind", None)
-            name = attr[1:]
-            if kind is not None and name not in self.missing:
-                setattr(self, name, _Symbol(self, name, getattr(self, attr), kind))
+        install_symbols(self, self.missing)
 
     def symbols(self) -> list[str]:
         """Every symbol this fake library exports."""
-        return sorted(name for name, v in vars(self).items() if isinstance(v, _Symbol))
+        return sorted(name for name, v in vars(self).items() if isinstance(v, Symbol))
 
     def _invoke(self, name: str, impl: Callable[..., int], kind: str, args: tuple) -> int:
         self.calls[name] += 1
@@ -367,67 +335,67 @@ class FakeNvmlLib:
 
     # -- init, errors, system ---------------------------------------------------------
 
-    @_symbol("noinit")
+    @symbol("noinit")
     def _nvmlInitWithFlags(self, flags: Any) -> int:
         if not self.driver_loaded:
             return ERROR_DRIVER_NOT_LOADED
         self._refcount += 1
         return SUCCESS
 
-    @_symbol("system")
+    @symbol("system")
     def _nvmlShutdown(self) -> int:
         self._refcount -= 1
         return SUCCESS
 
-    @_symbol("noinit")
+    @symbol("noinit")
     def _nvmlErrorString(self, result: Any) -> bytes:
         text = self.nv.NVMLError._errcode_to_string.get(_value(result), "Unknown Error")
         return str(text).encode()  # restype c_char_p: ctypes hands back bytes
 
-    @_symbol("system")
+    @symbol("system")
     def _nvmlSystemGetDriverVersion(self, buf: Any, size: Any) -> int:
         return _copy_string(buf, size, self.node.driver_version)
 
-    @_symbol("system")
+    @symbol("system")
     def _nvmlSystemGetNVMLVersion(self, buf: Any, size: Any) -> int:
         cuda_major = self.node.cuda_driver_version // 1000
         return _copy_string(buf, size, f"{cuda_major}.{self.node.driver_version}")
 
-    @_symbol("system")
+    @symbol("system")
     def _nvmlSystemGetCudaDriverVersion(self, out: Any) -> int:
         out._obj.value = self.node.cuda_driver_version
         return SUCCESS
 
-    @_symbol("system")
+    @symbol("system")
     def _nvmlSystemGetCudaDriverVersion_v2(self, out: Any) -> int:
         return self._nvmlSystemGetCudaDriverVersion(out)
 
-    @_symbol("system")
+    @symbol("system")
     def _nvmlDeviceGetCount_v2(self, out: Any) -> int:
         out._obj.value = len(self._devices)
         return SUCCESS
 
     # -- identity -------------------------------------------------------------------------
 
-    @_symbol("index")
+    @symbol("index")
     def _nvmlDeviceGetHandleByIndex_v2(self, gpu: int, index: Any, out: Any) -> int:
         out._obj.contents = self._devices[gpu]
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetIndex(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = gpu
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetUUID(self, gpu: int, handle: Any, buf: Any, size: Any) -> int:
         return _copy_string(buf, size, self._uuids[gpu])
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetName(self, gpu: int, handle: Any, buf: Any, size: Any) -> int:
         return _copy_string(buf, size, self.model.name)
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetPciInfo_v3(self, gpu: int, handle: Any, out: Any) -> int:
         info = out._obj
         bus_id, domain, bus, device = nvml_bus_id(self.timeline.topology.gpu(gpu).bdf)
@@ -440,7 +408,7 @@ class FakeNvmlLib:
 
     # -- utilization, memory, power, temperature, clocks ----------------------------------
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetUtilizationRates(self, gpu: int, handle: Any, out: Any) -> int:
         values = self._gpu_values(gpu)
         out._obj.gpu = round(values["utilization_gpu"])
@@ -452,13 +420,13 @@ class FakeNvmlLib:
         used = min(total, round(self._gpu_values(gpu)["memory_used_mib"] * MIB))
         return total, used
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetMemoryInfo(self, gpu: int, handle: Any, out: Any) -> int:
         total, used = self._memory(gpu)
         out._obj.total, out._obj.used, out._obj.free = total, used, total - used
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetMemoryInfo_v2(self, gpu: int, handle: Any, out: Any) -> int:
         memory = out._obj
         if memory.version != self.nv.nvmlMemory_v2:
@@ -468,17 +436,17 @@ class FakeNvmlLib:
         memory.free = total - used
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetPowerUsage(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = round(self._gpu_values(gpu)["power_w"] * 1000)  # mW
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetEnforcedPowerLimit(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = round(self.model.power_limit_w * 1000)
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetPowerManagementLimit(self, gpu: int, handle: Any, out: Any) -> int:
         return self._nvmlDeviceGetEnforcedPowerLimit(gpu, handle, out)
 
@@ -487,7 +455,7 @@ class FakeNvmlLib:
             return None
         return round(self._gpu_values(gpu)["temperature_c"])
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetTemperature(self, gpu: int, handle: Any, sensor: Any, out: Any) -> int:
         value = self._temperature(gpu, _value(sensor))
         if value is None:
@@ -495,7 +463,7 @@ class FakeNvmlLib:
         out._obj.value = value
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetTemperatureV(self, gpu: int, handle: Any, out: Any) -> int:
         reading = out._obj
         if reading.version != self.nv.nvmlTemperature_v1:
@@ -520,7 +488,7 @@ class FakeNvmlLib:
             return None
         return limit if maximum else round(self._gpu_values(gpu)[key])
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetClockInfo(self, gpu: int, handle: Any, clock_type: Any, out: Any) -> int:
         value = self._clock(gpu, _value(clock_type), maximum=False)
         if value is None:
@@ -528,7 +496,7 @@ class FakeNvmlLib:
         out._obj.value = value
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetMaxClockInfo(self, gpu: int, handle: Any, clock_type: Any, out: Any) -> int:
         value = self._clock(gpu, _value(clock_type), maximum=True)
         if value is None:
@@ -536,7 +504,7 @@ class FakeNvmlLib:
         out._obj.value = value
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetPerformanceState(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = int(self._gpu_values(gpu)["pstate"])
         return SUCCESS
@@ -547,22 +515,22 @@ class FakeNvmlLib:
             mask |= self._reason_bits[name]
         return mask
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetCurrentClocksEventReasons(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = self._reasons(gpu)
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetCurrentClocksThrottleReasons(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = self._reasons(gpu)
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetSupportedClocksEventReasons(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = int(self.nv.nvmlClocksEventReasonAll)
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetSupportedClocksThrottleReasons(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = int(self.nv.nvmlClocksEventReasonAll)
         return SUCCESS
@@ -576,32 +544,32 @@ class FakeNvmlLib:
         parent = topology.functions.get(fn.parent) if fn.parent else None
         return min(fn.max_gen, parent.max_gen) if parent else fn.max_gen
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetCurrPcieLinkGeneration(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = int(self._gpu_values(gpu)["pcie_gen"])
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetMaxPcieLinkGeneration(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = self._max_gen(gpu)
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetGpuMaxPcieLinkGeneration(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = self.model.pcie_max_gen
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetCurrPcieLinkWidth(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = int(self._gpu_values(gpu)["pcie_width"])
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetMaxPcieLinkWidth(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = self.timeline.topology.gpu(gpu).max_width
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetPcieThroughput(self, gpu: int, handle: Any, counter: Any, out: Any) -> int:
         which = _value(counter)
         if which == self.nv.NVML_PCIE_UTIL_TX_BYTES:
@@ -613,19 +581,19 @@ class FakeNvmlLib:
         out._obj.value = round(mb_s * 1e6 / 1024)  # KB/s, KB = 1024 bytes
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetPcieReplayCounter(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = int(self._gpu_values(gpu)["pcie_replay_count"])
         return SUCCESS
 
     # -- modes, ECC, NVLink, processes -----------------------------------------------------
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetPersistenceMode(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = 1 if self._gpu_values(gpu)["persistence_mode"] else 0
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetEccMode(self, gpu: int, handle: Any, current: Any, pending: Any) -> int:
         current._obj.value = pending._obj.value = 1 if self.model.datacenter else 0
         return SUCCESS
@@ -637,7 +605,7 @@ class FakeNvmlLib:
             return int(self._gpu_values(gpu)["ecc_uncorrected_total"])
         return None
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetTotalEccErrors(
         self, gpu: int, handle: Any, error_type: Any, counter_type: Any, out: Any
     ) -> int:
@@ -648,7 +616,7 @@ class FakeNvmlLib:
         out._obj.value = value
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetNvLinkState(self, gpu: int, handle: Any, link: Any, out: Any) -> int:
         index = _value(link)
         if not 0 <= index < self.model.nvlinks:
@@ -671,25 +639,25 @@ class FakeNvmlLib:
             info.gpuInstanceId = info.computeInstanceId = NOT_AVAILABLE_UINT
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetComputeRunningProcesses_v3(
         self, gpu: int, handle: Any, count: Any, infos: Any
     ) -> int:
         return self._running_processes(gpu, "compute", count, infos)
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetComputeRunningProcesses_v2(
         self, gpu: int, handle: Any, count: Any, infos: Any
     ) -> int:
         return self._running_processes(gpu, "compute", count, infos)
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetGraphicsRunningProcesses_v3(
         self, gpu: int, handle: Any, count: Any, infos: Any
     ) -> int:
         return self._running_processes(gpu, "graphics", count, infos)
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetGraphicsRunningProcesses_v2(
         self, gpu: int, handle: Any, count: Any, infos: Any
     ) -> int:
@@ -720,7 +688,7 @@ class FakeNvmlLib:
             ),
         }
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetFieldValues(self, gpu: int, handle: Any, count: Any, values: Any) -> int:
         array = values._obj
         n = _value(count)
@@ -754,7 +722,7 @@ class FakeNvmlLib:
         except (AttributeError, ValueError, TypeError):
             return None
 
-    @_symbol("system")
+    @symbol("system")
     def _nvmlEventSetCreate(self, out: Any) -> int:
         struct = self.nv.struct_c_nvmlEventSet_t()
         with self._lock:
@@ -764,7 +732,7 @@ class FakeNvmlLib:
         out._obj.contents = struct
         return SUCCESS
 
-    @_symbol("system")
+    @symbol("system")
     def _nvmlEventSetFree(self, handle: Any) -> int:
         event_set = self._event_set(handle)
         if event_set is None:
@@ -780,12 +748,12 @@ class FakeNvmlLib:
             mask |= nv.nvmlEventTypeSingleBitEccError | nv.nvmlEventTypeDoubleBitEccError
         return int(mask)
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceGetSupportedEventTypes(self, gpu: int, handle: Any, out: Any) -> int:
         out._obj.value = self._supported_events()
         return SUCCESS
 
-    @_symbol("device")
+    @symbol("device")
     def _nvmlDeviceRegisterEvents(self, gpu: int, handle: Any, types: Any, set_handle: Any) -> int:
         event_set = self._event_set(set_handle)
         if event_set is None:
@@ -805,7 +773,7 @@ class FakeNvmlLib:
                 event_set.pending.append((event.gpu, xid_type, event.xid))
         event_set.since = max(event_set.since, now)
 
-    @_symbol("system")
+    @symbol("system")
     def _nvmlEventSetWait_v2(self, handle: Any, out: Any, timeout_ms: Any) -> int:
         event_set = self._event_set(handle)
         if event_set is None:

@@ -262,6 +262,26 @@ def init_failure(error: Any, codes: dict[int, str]) -> str:
     return f"NVML unavailable: {what} ({code})" + (f"; {hint}" if hint else "")
 
 
+def start_nvml(context: Context) -> tuple[Any, dict[int, str], int]:
+    """Initialise NVML through the context's binding: (binding, error names, GPU count).
+
+    Raises SourceError with a one-line reason when NVML cannot be used on this node.
+    """
+    nv = load_binding(context)
+    codes = error_codes(nv)
+    try:
+        nv.nvmlInit()
+    except nv.NVMLError as e:
+        raise SourceError(init_failure(e, codes)) from None
+    try:
+        count = nv.nvmlDeviceGetCount()
+    except nv.NVMLError as e:
+        quietly(nv, nv.nvmlShutdown)
+        name = codes.get(e.value, f"code {e.value}")
+        raise SourceError(f"NVML unavailable: nvmlDeviceGetCount failed: {e} ({name})") from None
+    return nv, codes, count
+
+
 def cuda_version_string(version: int) -> str:
     """12040 (as nvmlSystemGetCudaDriverVersion returns it) -> "12.4"."""
     return f"{version // 1000}.{version % 1000 // 10}"
@@ -309,20 +329,9 @@ class NvmlSource(Source):
     # -- lifecycle --------------------------------------------------------------------
 
     def _start(self) -> None:
-        nv = load_binding(self.context)
-        self._codes = error_codes(nv)
-        try:
-            nv.nvmlInit()
-        except nv.NVMLError as e:
-            raise SourceError(init_failure(e, self._codes)) from None
-        try:
-            count = nv.nvmlDeviceGetCount()
-        except nv.NVMLError as e:
-            _quietly(nv, nv.nvmlShutdown)
-            why = self._describe(e)
-            raise SourceError(f"NVML unavailable: nvmlDeviceGetCount failed: {why}") from None
-        self._driver = _quietly(nv, nv.nvmlSystemGetDriverVersion) or ""
-        cuda = _quietly(nv, nv.nvmlSystemGetCudaDriverVersion)
+        nv, self._codes, count = start_nvml(self.context)
+        self._driver = quietly(nv, nv.nvmlSystemGetDriverVersion) or ""
+        cuda = quietly(nv, nv.nvmlSystemGetCudaDriverVersion)
         self._cuda = cuda_version_string(cuda) if cuda else ""
         self._globals = [Sample(DEVICES.name, (), float(count))]
         if cuda:
@@ -330,7 +339,7 @@ class NvmlSource(Source):
         self._resolve(nv)
         self._gpus = [_Gpu(i) for i in range(count)]
         self._by_address = {}
-        self._event_set = _quietly(nv, nv.nvmlEventSetCreate)
+        self._event_set = quietly(nv, nv.nvmlEventSetCreate)
         if self._event_set is None:
             log.info("nvml: cannot create an event set; Xid errors will not be counted")
         self._nv = nv
@@ -360,9 +369,9 @@ class NvmlSource(Source):
         if nv is None:
             return
         if self._event_set is not None:
-            _quietly(nv, nv.nvmlEventSetFree, self._event_set)
+            quietly(nv, nv.nvmlEventSetFree, self._event_set)
             self._event_set = None
-        _quietly(nv, nv.nvmlShutdown)
+        quietly(nv, nv.nvmlShutdown)
 
     # -- errors -----------------------------------------------------------------------
 
@@ -416,9 +425,9 @@ class NvmlSource(Source):
             gpu.lost = e.value == nv.NVML_ERROR_GPU_IS_LOST
             log.debug("nvml: GPU %d: no handle yet: %s", gpu.index, self._describe(e))
             return
-        name = _quietly(nv, nv.nvmlDeviceGetName, handle) or ""
+        name = quietly(nv, nv.nvmlDeviceGetName, handle) or ""
         pci_info = getattr(nv, "nvmlDeviceGetPciInfo_v3", None) or nv.nvmlDeviceGetPciInfo
-        pci = _quietly(nv, pci_info, handle)
+        pci = quietly(nv, pci_info, handle)
         bus_id = sysfs_bus_id(pci.busId) if pci is not None else ""
         labels = (str(gpu.index), uuid)
         gpu.labels = labels
@@ -602,10 +611,11 @@ class NvmlSource(Source):
 _MISSING = object()
 
 
-def _quietly(nv: ModuleType, function: Callable[..., Any], *args: Any) -> Any:
+def quietly(nv: ModuleType, function: Callable[..., Any], *args: Any) -> Any:
     """`function(*args)`, or None if NVML answers with an error."""
     try:
         return function(*args)
     except nv.NVMLError as e:
         log.debug("nvml: %s failed: %s", getattr(function, "__name__", function), e)
         return None
+

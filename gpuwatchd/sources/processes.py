@@ -81,7 +81,7 @@ from gpuwatchd.config import ProcessesConfig, SourceConfig
 from gpuwatchd.metrics import GPU_LABELS, Sample, counter, gauge
 from gpuwatchd.sources import register
 from gpuwatchd.sources.base import Context, Source, SourceError
-from gpuwatchd.sources.nvml import error_codes, init_failure, load_binding, sysfs_bus_id
+from gpuwatchd.sources.nvml import quietly, start_nvml, sysfs_bus_id
 
 log = logging.getLogger(__name__)
 
@@ -579,17 +579,7 @@ class ProcessesSource(Source):
     # -- NVML ---------------------------------------------------------------------------
 
     def _start(self) -> None:
-        nv = load_binding(self.context)
-        self._codes = error_codes(nv)
-        try:
-            nv.nvmlInit()
-        except nv.NVMLError as e:
-            raise SourceError(init_failure(e, self._codes)) from None
-        try:
-            count = nv.nvmlDeviceGetCount()
-        except nv.NVMLError as e:
-            _quietly(nv, nv.nvmlShutdown)
-            raise SourceError(f"NVML unavailable: nvmlDeviceGetCount failed: {e}") from None
+        nv, self._codes, count = start_nvml(self.context)
         self._functions = {
             kind: [
                 (name, getattr(nv, name, None))
@@ -607,7 +597,7 @@ class ProcessesSource(Source):
     def close(self) -> None:
         nv, self._nv = self._nv, None
         if nv is not None:
-            _quietly(nv, nv.nvmlShutdown)
+            quietly(nv, nv.nvmlShutdown)
 
     def _identify(self, gpu: _Gpu) -> None:
         nv = self._nv
@@ -618,7 +608,7 @@ class ProcessesSource(Source):
             log.debug("processes: GPU %d: no handle yet: %s", gpu.index, e)
             return
         pci_info = getattr(nv, "nvmlDeviceGetPciInfo_v3", None) or nv.nvmlDeviceGetPciInfo
-        pci = _quietly(nv, pci_info, handle)
+        pci = quietly(nv, pci_info, handle)
         gpu.bus_id = sysfs_bus_id(pci.busId) if pci is not None else ""
         gpu.labels = (str(gpu.index), uuid)
         gpu.handle = handle
@@ -1130,14 +1120,6 @@ class ProcessesSource(Source):
         level = logging.DEBUG if kind in self._complained else logging.WARNING
         self._complained.add(kind)
         log.log(level, "processes: %s; facts it feeds are left out", message)
-
-
-def _quietly(nv: Any, function: Callable[..., Any], *args: Any) -> Any:
-    try:
-        return function(*args)
-    except nv.NVMLError as e:
-        log.debug("processes: %s failed: %s", getattr(function, "__name__", function), e)
-        return None
 
 
 __all__ = [
