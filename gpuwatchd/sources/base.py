@@ -44,3 +44,22 @@ class Source(ABC):
 
     def close(self) -> None:  # noqa: B027 - most sources hold nothing
         """Release what the source holds (library handles, threads)."""
+
+
+def not_mounted(path: object, setting: str, root: Path) -> SourceError:
+    """The error for a kernel file or directory that is not there at all."""
+    return SourceError(
+        f"{path} does not exist: is {setting} mounted at {root}? "
+        f"(set `{setting}:` in the config to where it is)"
+    )
+
+
+def read_kernel_file(path: str, setting: str, root: Path, limit: int = 4 << 20) -> str:
+    """A procfs/sysfs file's text, or a SourceError that names the file and the setting."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode("utf-8", "replace")
+    except FileNotFoundError as e:
+        raise not_mounted(path, setting, root) from e
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from e

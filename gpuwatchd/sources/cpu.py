@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from gpuwatchd.config import CpuConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file
 
 log = logging.getLogger(__name__)
 
@@ -223,15 +223,7 @@ class CpuSource(Source):
         self._psi_missing_logged = False
 
     def _read_required(self, path: str) -> str:
-        try:
-            return _read(path)
-        except FileNotFoundError as e:
-            raise SourceError(
-                f"{path} does not exist: is procfs mounted at {self.context.procfs}? "
-                "(set `procfs:` in the config to where it is)"
-            ) from e
-        except OSError as e:
-            raise SourceError(f"cannot read {path}: {e.strerror or e}") from e
+        return read_kernel_file(path, "procfs", self.context.procfs)
 
     def collect(self) -> list[Sample]:
         text = self._read_required(self.stat_path)

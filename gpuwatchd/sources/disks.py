@@ -58,14 +58,13 @@ from typing import NamedTuple
 from gpuwatchd.config import DisksConfig, SourceConfig
 from gpuwatchd.metrics import Sample, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file
 
 log = logging.getLogger(__name__)
 
 SECTOR_BYTES = 512
 U32 = 1 << 32
 U64 = 1 << 64
-
 
 
 class DiskStat(NamedTuple):
@@ -297,16 +296,7 @@ class DisksSource(Source):
 
     def collect(self) -> list[Sample]:
         now = self._clock()
-        try:
-            with open(self.path, "rb") as f:
-                text = f.read(4 << 20).decode("ascii", "replace")
-        except FileNotFoundError as e:
-            raise SourceError(
-                f"{self.path} does not exist: is procfs mounted at {self.context.procfs}? "
-                "(set `procfs:` in the config to where it is)"
-            ) from e
-        except OSError as e:
-            raise SourceError(f"cannot read {self.path}: {e.strerror or e}") from e
+        text = read_kernel_file(self.path, "procfs", self.context.procfs)
         malformed: list[str] = []
         try:
             stats = parse_diskstats(text, malformed)

@@ -65,7 +65,7 @@ from typing import NamedTuple
 from gpuwatchd.config import InfinibandConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted
 
 log = logging.getLogger(__name__)
 
@@ -392,10 +392,7 @@ class InfinibandSource(Source):
             if os.path.isdir(self.class_dir):
                 self._ports.clear()
                 return []  # no RDMA device on this node
-            raise SourceError(
-                f"{self.class_dir} does not exist: is sysfs mounted at {self.context.sysfs}? "
-                "(set `sysfs:` in the config to where it is)"
-            ) from e
+            raise not_mounted(self.class_dir, "sysfs", self.context.sysfs) from e
         except OSError as e:
             raise SourceError(f"cannot list {self.ib_dir}: {e.strerror or e}") from e
 

@@ -73,7 +73,7 @@ from typing import NamedTuple
 from gpuwatchd.config import InterruptsConfig, SourceConfig
 from gpuwatchd.metrics import Sample, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file
 
 log = logging.getLogger(__name__)
 
@@ -430,15 +430,7 @@ class InterruptsSource(Source):
         return result
 
     def collect(self) -> list[Sample]:
-        try:
-            text = _read(self.path)
-        except FileNotFoundError as e:
-            raise SourceError(
-                f"{self.path} does not exist: is procfs mounted at {self.context.procfs}? "
-                "(set `procfs:` in the config to where it is)"
-            ) from e
-        except OSError as e:
-            raise SourceError(f"cannot read {self.path}: {e.strerror or e}") from e
+        text = read_kernel_file(self.path, "procfs", self.context.procfs)
         try:
             table = self._parser.parse(text)
         except ParseError as e:

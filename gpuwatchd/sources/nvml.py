@@ -49,7 +49,8 @@ def _gpu_gauge(name: str, help: str, extra: tuple[str, ...] = ()) -> MetricSpec:
 
 
 INFO = gauge(
-    "gpu_info", "GPU identity; always 1.",
+    "gpu_info",
+    "GPU identity; always 1.",
     GPU_LABELS + ("model", "pci_bus_id", "driver_version", "cuda_driver_version"),
 )
 LOST = _gpu_gauge("gpu_lost", "1 if NVML reports the GPU lost (fallen off the bus).")
@@ -82,7 +83,8 @@ PCIE_REPLAYS = counter(
     "gpu_pcie_replay_errors_total", "PCIe replays (link-level retransmissions).", GPU_LABELS
 )
 ECC_ERRORS = counter(
-    "gpu_ecc_errors_total", "ECC errors over the GPU's lifetime (aggregate).",
+    "gpu_ecc_errors_total",
+    "ECC errors over the GPU's lifetime (aggregate).",
     GPU_LABELS + ("type",),
 )
 PERSISTENCE = _gpu_gauge("gpu_persistence_mode", "1 if persistence mode is on.")
@@ -190,31 +192,71 @@ READS: tuple[Read, ...] = (
     Read("memory", ("nvmlDeviceGetMemoryInfo",), emit=_emit_memory),
     Read("power", ("nvmlDeviceGetPowerUsage",), metric=POWER.name, scale=1e-3),  # mW
     Read("power_limit", ("nvmlDeviceGetEnforcedPowerLimit",), metric=POWER_LIMIT.name, scale=1e-3),
-    Read("temperature", ("nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"),
-         ("NVML_TEMPERATURE_GPU",), metric=TEMPERATURE.name),
+    Read(
+        "temperature",
+        ("nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"),
+        ("NVML_TEMPERATURE_GPU",),
+        metric=TEMPERATURE.name,
+    ),
     Read("sm_clock", ("nvmlDeviceGetClockInfo",), ("NVML_CLOCK_SM",), SM_CLOCK.name, 1e6),
-    Read("sm_clock_max", ("nvmlDeviceGetMaxClockInfo",), ("NVML_CLOCK_SM",), SM_CLOCK_MAX.name,
-         1e6, static=True),
+    Read(
+        "sm_clock_max",
+        ("nvmlDeviceGetMaxClockInfo",),
+        ("NVML_CLOCK_SM",),
+        SM_CLOCK_MAX.name,
+        1e6,
+        static=True,
+    ),
     Read("mem_clock", ("nvmlDeviceGetClockInfo",), ("NVML_CLOCK_MEM",), MEM_CLOCK.name, 1e6),
-    Read("mem_clock_max", ("nvmlDeviceGetMaxClockInfo",), ("NVML_CLOCK_MEM",),
-         MEM_CLOCK_MAX.name, 1e6, static=True),
+    Read(
+        "mem_clock_max",
+        ("nvmlDeviceGetMaxClockInfo",),
+        ("NVML_CLOCK_MEM",),
+        MEM_CLOCK_MAX.name,
+        1e6,
+        static=True,
+    ),
     Read("pstate", ("nvmlDeviceGetPerformanceState",), metric=PSTATE.name),
-    Read("clock_reasons", ("nvmlDeviceGetCurrentClocksEventReasons",
-                           "nvmlDeviceGetCurrentClocksThrottleReasons"), emit=_emit_reasons),
+    Read(
+        "clock_reasons",
+        ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"),
+        emit=_emit_reasons,
+    ),
     Read("pcie_gen", ("nvmlDeviceGetCurrPcieLinkGeneration",), metric=PCIE_GEN.name),
-    Read("pcie_gen_max", ("nvmlDeviceGetMaxPcieLinkGeneration",), metric=PCIE_GEN_MAX.name,
-         static=True),
+    Read(
+        "pcie_gen_max",
+        ("nvmlDeviceGetMaxPcieLinkGeneration",),
+        metric=PCIE_GEN_MAX.name,
+        static=True,
+    ),
     Read("pcie_width", ("nvmlDeviceGetCurrPcieLinkWidth",), metric=PCIE_WIDTH.name),
-    Read("pcie_width_max", ("nvmlDeviceGetMaxPcieLinkWidth",), metric=PCIE_WIDTH_MAX.name,
-         static=True),
-    Read("pcie_tx", ("nvmlDeviceGetPcieThroughput",), ("NVML_PCIE_UTIL_TX_BYTES",),
-         PCIE_TX.name, 1024.0),  # KB/s, KB = 1024 bytes
-    Read("pcie_rx", ("nvmlDeviceGetPcieThroughput",), ("NVML_PCIE_UTIL_RX_BYTES",),
-         PCIE_RX.name, 1024.0),
+    Read(
+        "pcie_width_max",
+        ("nvmlDeviceGetMaxPcieLinkWidth",),
+        metric=PCIE_WIDTH_MAX.name,
+        static=True,
+    ),
+    Read(
+        "pcie_tx",
+        ("nvmlDeviceGetPcieThroughput",),
+        ("NVML_PCIE_UTIL_TX_BYTES",),
+        PCIE_TX.name,
+        1024.0,
+    ),  # KB/s, KB = 1024 bytes
+    Read(
+        "pcie_rx",
+        ("nvmlDeviceGetPcieThroughput",),
+        ("NVML_PCIE_UTIL_RX_BYTES",),
+        PCIE_RX.name,
+        1024.0,
+    ),
     Read("persistence_mode", ("nvmlDeviceGetPersistenceMode",), metric=PERSISTENCE.name),
     Read("ecc_mode", ("nvmlDeviceGetEccMode",), emit=_emit_ecc_mode),
-    Read("processes", ("nvmlDeviceGetComputeRunningProcesses_v3",
-                       "nvmlDeviceGetComputeRunningProcesses_v2"), emit=_emit_processes),
+    Read(
+        "processes",
+        ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
+        emit=_emit_processes,
+    ),
 )
 
 # nvmlDeviceGetFieldValues, one call per GPU: (field id constant, metric, extra labels)
@@ -228,13 +270,18 @@ FIELDS_KEY = "field_values"
 
 _INIT_HINTS = {
     "NVML_ERROR_LIBRARY_NOT_FOUND": (
-        "libnvidia-ml.so.1 not found", "is the NVIDIA driver installed on this node?"),
+        "libnvidia-ml.so.1 not found",
+        "is the NVIDIA driver installed on this node?",
+    ),
     "NVML_ERROR_DRIVER_NOT_LOADED": ("NVIDIA driver not loaded", "is this a GPU node?"),
     "NVML_ERROR_NO_PERMISSION": (
-        "permission denied", "can this user open /dev/nvidiactl and /dev/nvidia*?"),
+        "permission denied",
+        "can this user open /dev/nvidiactl and /dev/nvidia*?",
+    ),
     "NVML_ERROR_LIB_RM_VERSION_MISMATCH": (
         "NVML library and kernel driver versions differ",
-        "was the driver upgraded without a reboot?"),
+        "was the driver upgraded without a reboot?",
+    ),
 }
 
 
@@ -299,11 +346,38 @@ def sysfs_bus_id(nvml_bus_id: str) -> str:
 class NvmlSource(Source):
     name = "nvml"
     metrics = (
-        INFO, LOST, UTILIZATION, MEMORY_UTILIZATION, MEMORY_USED, MEMORY_TOTAL, POWER,
-        POWER_LIMIT, TEMPERATURE, SM_CLOCK, SM_CLOCK_MAX, MEM_CLOCK, MEM_CLOCK_MAX, PSTATE,
-        CLOCK_REASON, PCIE_GEN, PCIE_GEN_MAX, PCIE_WIDTH, PCIE_WIDTH_MAX, PCIE_TX, PCIE_RX,
-        PCIE_REPLAYS, ECC_ERRORS, PERSISTENCE, ECC_MODE, NVLINK, PROCESSES, PROCESS_MEMORY,
-        XID, LAST_XID, CUDA_VERSION, DEVICES,
+        INFO,
+        LOST,
+        UTILIZATION,
+        MEMORY_UTILIZATION,
+        MEMORY_USED,
+        MEMORY_TOTAL,
+        POWER,
+        POWER_LIMIT,
+        TEMPERATURE,
+        SM_CLOCK,
+        SM_CLOCK_MAX,
+        MEM_CLOCK,
+        MEM_CLOCK_MAX,
+        PSTATE,
+        CLOCK_REASON,
+        PCIE_GEN,
+        PCIE_GEN_MAX,
+        PCIE_WIDTH,
+        PCIE_WIDTH_MAX,
+        PCIE_TX,
+        PCIE_RX,
+        PCIE_REPLAYS,
+        ECC_ERRORS,
+        PERSISTENCE,
+        ECC_MODE,
+        NVLINK,
+        PROCESSES,
+        PROCESS_MEMORY,
+        XID,
+        LAST_XID,
+        CUDA_VERSION,
+        DEVICES,
     )
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
@@ -618,4 +692,3 @@ def quietly(nv: ModuleType, function: Callable[..., Any], *args: Any) -> Any:
     except nv.NVMLError as e:
         log.debug("nvml: %s failed: %s", getattr(function, "__name__", function), e)
         return None
-

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from gpuwatchd.config import SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted
 
 NVIDIA_VENDOR = 0x10DE
 DISPLAY_CLASS = 0x03  # PCI base class: display controller (0x0300 VGA, 0x0302 3D)
@@ -233,10 +233,7 @@ class PcieSource(Source):
         try:
             entries = os.listdir(self.devices_dir)
         except FileNotFoundError as e:
-            raise SourceError(
-                f"{self.devices_dir} does not exist: is sysfs mounted at {self.context.sysfs}? "
-                "(set `sysfs:` in the config to where it is)"
-            ) from e
+            raise not_mounted(self.devices_dir, "sysfs", self.context.sysfs) from e
         except OSError as e:
             raise SourceError(f"cannot list {self.devices_dir}: {e.strerror or e}") from e
         self._refresh(entries)

@@ -80,7 +80,7 @@ from typing import Any
 from gpuwatchd.config import ProcessesConfig, SourceConfig
 from gpuwatchd.metrics import GPU_LABELS, Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted
 from gpuwatchd.sources.nvml import quietly, start_nvml, sysfs_bus_id
 
 log = logging.getLogger(__name__)
@@ -658,10 +658,7 @@ class ProcessesSource(Source):
         if self._nv is None:
             self._start()
         if not os.path.isdir(self._proc):
-            raise SourceError(
-                f"{self._proc} does not exist: is procfs mounted at {self._proc}? "
-                "(set `procfs:` in the config to where it is)"
-            )
+            raise not_mounted(self._proc, "procfs", self.context.procfs)
         self.polls += 1
         now = self._clock()
         scan = self.settings.desktop or not self._children_file
