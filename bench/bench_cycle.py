@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import psutil
 import yaml
 
+from gpuwatchd import store as store_module
 from gpuwatchd.config import Config
 from gpuwatchd.exporter import Exporter, MetricsServer
 from gpuwatchd.sim.scenario import load_scenario
@@ -113,16 +115,24 @@ def bench_node(scenario: Path) -> dict[str, Any]:
 
 
 def bench_history(scenario: Path) -> dict[str, float]:
-    """Memory once the history window is full: 11 simulated minutes, in this process."""
+    """The store's memory once the history window is full (11 simulated minutes)."""
+    tracemalloc.start()
     sim = Simulation(load_scenario(scenario), Config())
     try:
-        before = psutil.Process().memory_info().rss
         sim.run(until=sim.config.history + 60)
+        snapshot = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(True, store_module.__file__)]
+        )
         store = sim.pipeline.store
         points = sum(len(series.history) for series in store._series.values())
-        grown = (psutil.Process().memory_info().rss - before) / 2**20
-        return {"series": store.series_count(), "history points": points, "RSS growth MiB": grown}
+        store_bytes = sum(stat.size for stat in snapshot.statistics("filename"))
+        return {
+            "series": store.series_count(),
+            "history points": points,
+            "store MiB": store_bytes / 2**20,
+        }
     finally:
+        tracemalloc.stop()
         sim.close()
 
 
