@@ -9,13 +9,17 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gpuwatchd import __version__
 from gpuwatchd.config import Config, ConfigError, load_config
+from gpuwatchd.rules.ruleset import RulesError
 from gpuwatchd.sim.scenario import Scenario, builtin_scenarios, load_scenario
+
+if TYPE_CHECKING:
+    from gpuwatchd.daemon import Daemon
 
 SCENARIO_HELP = "a built-in scenario's name or a path to a scenario file"
 
@@ -60,6 +64,13 @@ def main() -> None:
     """gpuwatchd: is this GPU starved, and on what?"""
 
 
+def install_signal_handlers(daemon: Daemon) -> None:
+    """SIGTERM/SIGINT stop the daemon; SIGHUP reloads the rule file."""
+    signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: daemon.request_stop())
+    signal.signal(signal.SIGHUP, lambda *_: daemon.reload_rules())
+
+
 @main.command()
 @config_option
 @click.option("--listen", help="HOST:PORT to serve /metrics on (overrides the config)")
@@ -81,10 +92,11 @@ def run(
     scenario = _scenario(scenario_name) if scenario_name else None
     try:
         daemon = Daemon(config, scenario)
+    except RulesError as e:
+        raise click.ClickException(f"rules not loaded:\n{e}") from e
     except OSError as e:
         raise click.ClickException(f"cannot listen on {config.listen}: {e.strerror}") from e
-    signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: daemon.request_stop())
+    install_signal_handlers(daemon)
     daemon.start()
     host, port = daemon.address
     what = f"simulated node {scenario.name!r}" if scenario else "this node"
@@ -98,19 +110,42 @@ def run(
 @config_option
 @click.option("--until", type=float, help="stop after this many simulated seconds")
 @click.option("--metrics", is_flag=True, help="print the final /metrics exposition")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="compare the firing causes with the scenario's expectations; exit 1 on a mismatch",
+)
+@click.option(
+    "--rules",
+    "rules_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="rule file to use (overrides the config's rules_file)",
+)
 @log_option
 def simulate(
-    scenario_name: str, config_file: Path | None, until: float | None, metrics: bool, log_level: str
+    scenario_name: str,
+    config_file: Path | None,
+    until: float | None,
+    metrics: bool,
+    check: bool,
+    rules_file: Path | None,
+    log_level: str,
 ) -> None:
     """Replay SCENARIO in virtual time, as fast as the CPU allows.
 
     SCENARIO is a built-in scenario's name or a path to a scenario file.
     """
+    from gpuwatchd.rules.check import check as check_expectations
+    from gpuwatchd.rules.check import firing_intervals, format_verdicts
     from gpuwatchd.simulate import Simulation, format_result
 
     _setup_logging(log_level if log_level != "info" else "warning")
-    config = _load(config_file)
-    simulation = Simulation(_scenario(scenario_name), config)
+    config = _load(config_file, rules_file=rules_file)
+    scenario = _scenario(scenario_name)
+    try:
+        simulation = Simulation(scenario, config)
+    except RulesError as e:
+        raise click.ClickException(f"rules not loaded:\n{e}") from e
     try:
         result = simulation.run(until=until)
     finally:
@@ -118,6 +153,32 @@ def simulate(
     click.echo(format_result(result))
     if metrics:
         sys.stdout.write(result.exposition.decode())
+    if check:
+        intervals = firing_intervals(result.transitions, result.started_at)
+        verdicts = check_expectations(scenario, intervals, result.simulated_seconds)
+        click.echo("\n" + format_verdicts(scenario.name, verdicts))
+        if not all(v.ok for v in verdicts):
+            sys.exit(1)
+
+
+@main.group()
+def rules() -> None:
+    """Starvation rule files."""
+
+
+@rules.command("check")
+@click.argument("rule_file", type=click.Path(path_type=Path, dir_okay=False))
+def rules_check(rule_file: Path) -> None:
+    """Validate RULE_FILE: exit 0 if valid, else 1 with one line per problem."""
+    from gpuwatchd.rules import load_rules
+
+    try:
+        ruleset = load_rules(rule_file)
+    except RulesError as e:
+        for problem in e.problems:
+            click.echo(problem)
+        sys.exit(1)
+    click.echo(f"{rule_file}: {len(ruleset.rules)} rules, valid")
 
 
 @main.command("metrics")

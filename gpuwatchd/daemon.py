@@ -10,6 +10,14 @@ from collections.abc import Callable
 from gpuwatchd.config import Config
 from gpuwatchd.exporter import Exporter, MetricsServer
 from gpuwatchd.metrics import MetricSpec
+from gpuwatchd.rules import (
+    RULE_METRICS,
+    Catalog,
+    RuleEngine,
+    RuleFileWatcher,
+    Transition,
+    load_rules,
+)
 from gpuwatchd.scheduler import Poller, ThreadedScheduler
 from gpuwatchd.sim.node import SimNode
 from gpuwatchd.sim.scenario import Scenario
@@ -37,7 +45,28 @@ class Pipeline:
         self.sources = build_sources(config, context)
         self.store = Store(history_seconds=config.history)
         self.pollers = [Poller(source, self.store, now) for source in self.sources]
-        self.exporter = Exporter(self.store, self.pollers, all_specs(self.sources), now)
+        self._by_name = {poller.name: poller for poller in self.pollers}
+        catalog = Catalog.builtin()  # every source's series, enabled or not
+        rules = load_rules(config.rules_file, catalog)  # RulesError: refuse to start
+        if rules.max_window > config.history:
+            log.warning(
+                "rules: a window of %gs is longer than the %gs of history kept (`history`)",
+                rules.max_window,
+                config.history,
+            )
+        self.engine = RuleEngine(self.store, rules, self._source_up, catalog)
+        self.rules_watcher = RuleFileWatcher(self.engine, config.rules_file, now)
+        specs = [*all_specs(self.sources), *RULE_METRICS]
+        self.exporter = Exporter(self.store, self.pollers, specs, now, [self.engine.rows])
+
+    def _source_up(self, name: str) -> bool:
+        poller = self._by_name.get(name)
+        return poller is not None and poller.health.up
+
+    def evaluate_rules(self) -> list[Transition]:
+        """Reload the rules if asked to or their file changed, then evaluate them."""
+        self.rules_watcher.check()
+        return self.engine.evaluate(self.now())
 
     def close(self) -> None:
         for source in self.sources:
@@ -57,7 +86,12 @@ class Daemon:
             context, now = self.node.context(), self.node.clock.now
         else:
             context, now = Context(procfs=config.procfs, sysfs=config.sysfs), time.time
-        self.pipeline = Pipeline(config, context, now)
+        try:
+            self.pipeline = Pipeline(config, context, now)
+        except Exception:  # a bad rule file: leave no simulated node behind
+            if self.node is not None:
+                self.node.close()
+            raise
         self.scheduler = ThreadedScheduler(self.pipeline.pollers)
         host, port = config.listen_address()
         self.server = MetricsServer(self.pipeline.exporter, host, port)
@@ -80,7 +114,12 @@ class Daemon:
         now = self.pipeline.now()
         for poller in self.pipeline.pollers:
             poller.check_hung(now)
+        self.pipeline.evaluate_rules()
         self.pipeline.exporter.render()
+
+    def reload_rules(self) -> None:
+        """Reload the rule file at the next cycle (SIGHUP)."""
+        self.pipeline.rules_watcher.request()
 
     def _evaluate_forever(self) -> None:
         interval = self.config.evaluation_interval

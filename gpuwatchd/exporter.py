@@ -64,11 +64,13 @@ class Exporter:
         pollers: list[Poller],
         specs: Iterable[MetricSpec],
         now: Callable[[], float],
+        derived: Iterable[Callable[[], dict[str, Rows]]] = (),
     ) -> None:
         self.store = store
         self.pollers = pollers
         self.now = now
         self.specs = {spec.name: spec for spec in (*SELF_METRICS, *specs)}
+        self.derived = list(derived)  # more families (the rules engine's), by name
         self._renderer = Renderer()
         self._current = Exposition(b"", b"", float("nan"))
         self._lock = threading.Lock()
@@ -89,6 +91,9 @@ class Exporter:
                 rows["gpuwatchd_source_last_success_timestamp_seconds"].append(
                     (source, health.last_success)
                 )
+        for provider in self.derived:
+            for name, derived_rows in provider().items():
+                rows[name].extend(derived_rows)
         for name, spec in self.specs.items():
             samples = rows.get(name)
             if samples:

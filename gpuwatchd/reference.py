@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpuwatchd.exporter import SELF_METRICS
 from gpuwatchd.metrics import MetricSpec
+from gpuwatchd.rules.engine import RULE_METRICS
 from gpuwatchd.sources import load_builtin_sources
 
 HEADER = """# Metrics
@@ -29,4 +30,5 @@ def metric_reference() -> str:
     for name, source in load_builtin_sources().items():
         lines += _table(f"`{name}` source", source.metrics)
     lines += _table("The daemon itself", SELF_METRICS)
+    lines += _table("The rules engine (docs/rules.md)", RULE_METRICS)
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.config import Config
 from gpuwatchd.daemon import Pipeline
+from gpuwatchd.rules import Transition
 from gpuwatchd.scheduler import SteppedScheduler
 from gpuwatchd.sim.node import SimNode
 from gpuwatchd.sim.scenario import Scenario
@@ -32,6 +33,7 @@ class PhaseSnapshot:
     phase: str
     at: float  # seconds since scenario start
     rows: list[tuple[str, list[float | None]]]  # (gpu label, one value per column)
+    firing: list[tuple[str, str, str]] = field(default_factory=list)  # (gpu, cause, summary)
 
 
 @dataclass
@@ -42,6 +44,8 @@ class SimulationResult:
     steps: int
     snapshots: list[PhaseSnapshot] = field(default_factory=list)
     exposition: bytes = b""
+    transitions: list[Transition] = field(default_factory=list)  # rule state changes
+    started_at: float = 0.0  # the clock's time at the scenario's start
 
 
 class Simulation:
@@ -49,13 +53,19 @@ class Simulation:
         self.scenario = scenario
         self.config = config
         self.node = SimNode(scenario, virtual=True)
-        self.pipeline = Pipeline(config, self.node.context(), self.node.clock.now)
+        try:
+            self.pipeline = Pipeline(config, self.node.context(), self.node.clock.now)
+        except Exception:  # a bad rule file: leave no simulated node behind
+            self.node.close()
+            raise
         self.scheduler = SteppedScheduler(self.pipeline.pollers)
+        self.transitions: list[Transition] = []
 
     def step(self) -> None:
-        """One evaluation cycle at the clock's current time."""
+        """One evaluation cycle at the clock's current time: sources due, then the rules."""
         self.node.tick()
         self.scheduler.run_due(self.pipeline.now())
+        self.transitions += self.pipeline.evaluate_rules()
 
     def run(
         self, until: float | None = None, on_step: Callable[[float], None] | None = None
@@ -64,6 +74,7 @@ class Simulation:
         end = self.node.timeline.duration if until is None else until
         phase_ends = [(start + p.duration, p.name) for start, p in self.node.timeline.phases()]
         result = SimulationResult(self.scenario.name, 0.0, 0.0, 0)
+        result.started_at = clock.start_wall
         started = time.perf_counter()
         step = self.config.evaluation_interval
         while clock.elapsed() <= end:
@@ -78,6 +89,7 @@ class Simulation:
         result.simulated_seconds = min(clock.elapsed(), end)
         result.wall_seconds = time.perf_counter() - started
         result.exposition = self.pipeline.exporter.render().text
+        result.transitions = list(self.transitions)
         return result
 
     def snapshot(self, phase: str) -> PhaseSnapshot:
@@ -91,7 +103,7 @@ class Simulation:
             if values and values[0] is not None:
                 values[0] *= 100
             rows.append((str(gpu), values))
-        return PhaseSnapshot(phase, self.node.clock.elapsed(), rows)
+        return PhaseSnapshot(phase, self.node.clock.elapsed(), rows, self.pipeline.engine.firing())
 
     def _gpu_labels(self, gpu: int) -> tuple[str, ...] | None:
         for (name, labels), _ in self.pipeline.store.latest(self.pipeline.now()):
@@ -116,4 +128,15 @@ def format_result(result: SimulationResult) -> str:
         for gpu, values in snap.rows:
             cells = ["-" if v is None else f"{v:g}" for v in values]
             lines.append("  ".join(f"{c:>8}" for c in [gpu, *cells]))
+        causes = ", ".join(f"gpu {gpu}: {cause}" for gpu, cause, _ in snap.firing)
+        lines.append(f"  firing: {causes or 'none'}")
+    changes = [t for t in result.transitions if "firing" in (t.old, t.new)]
+    if changes:
+        lines.append("\nfiring causes:")
+    for t in changes:
+        at = t.at - result.started_at
+        if t.new == "firing":
+            lines.append(f"  {at:7.0f}s  gpu {t.gpu}  {t.cause} firing: {t.detail}")
+        else:
+            lines.append(f"  {at:7.0f}s  gpu {t.gpu}  {t.cause} resolved ({t.new})")
     return "\n".join(lines)

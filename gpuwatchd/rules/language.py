@@ -1,0 +1,742 @@
+"""The rule language: Python expression syntax, parsed and evaluated by simpleeval.
+
+An expression is parsed once, at load, by simpleeval (Python's own `ast` underneath),
+checked against the series the sources declare, and rewritten so that evaluation needs
+no name lookups: every series reference becomes a call to an internal function with
+the index of a pre-built `Selector`. Load-time problems (syntax, unknown series,
+unknown labels, wrong argument types, a labelled family used as a single value) carry
+the line and column of the offending node. docs/rules.md is the reference.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from simpleeval import SimpleEval
+
+from gpuwatchd.config import parse_duration
+from gpuwatchd.metrics import PREFIX, MetricSpec
+
+
+class Missing(Exception):
+    """An input the expression needed has no value for this GPU: not evaluable."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A load-time problem in one field of one rule, with a position where known."""
+
+    field: str
+    message: str
+    line: int | None = None
+    column: int | None = None
+
+    def __str__(self) -> str:
+        where = f"line {self.line}, column {self.column}: " if self.line is not None else ""
+        return f"{self.field}: {where}{self.message}"
+
+
+class CompileError(Exception):
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__("; ".join(str(p) for p in problems))
+        self.problems = problems
+
+
+# ---------------------------------------------------------------------------- catalog
+
+GPU, PCIE, HOST = "gpu", "pcie", "host"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A metric family as the language sees it: bare name, scope, free labels, source."""
+
+    name: str  # without the gpuwatchd_ prefix
+    spec: MetricSpec
+    source: str
+    scope: str  # gpu (joined on gpu/uuid), pcie (joined on gpu_bus_id), host (every GPU)
+
+    @property
+    def own_labels(self) -> tuple[str, ...]:
+        """Labels other than the ones that join the family to a GPU."""
+        skip = {GPU: 2, PCIE: 1, HOST: 0}[self.scope]
+        return self.spec.labels[skip:]
+
+
+class Catalog:
+    """Every family the sources can produce, by bare name."""
+
+    def __init__(self, specs_by_source: dict[str, Iterable[MetricSpec]]) -> None:
+        self.families: dict[str, Family] = {}
+        for source, specs in specs_by_source.items():
+            for spec in specs:
+                if spec.labels[:2] == ("gpu", "uuid"):
+                    scope = GPU
+                elif spec.labels[:1] == ("gpu_bus_id",):
+                    scope = PCIE
+                else:
+                    scope = HOST
+                name = spec.name.removeprefix(PREFIX)
+                self.families[name] = Family(name, spec, source, scope)
+
+    @classmethod
+    def builtin(cls) -> Catalog:
+        from gpuwatchd.sources import load_builtin_sources
+
+        return cls({name: src.metrics for name, src in load_builtin_sources().items()})
+
+    def suggest(self, name: str) -> str:
+        close = difflib.get_close_matches(name, self.families, n=1)
+        return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Series of one family for the GPU being evaluated, with label matchers."""
+
+    family: Family
+    matchers: tuple[tuple[int, str], ...]  # (index into the spec's labels, value)
+    multi: bool  # may match several series per GPU: must be aggregated
+
+    def describe(self) -> str:
+        if not self.matchers:
+            return self.family.name
+        labels = self.family.spec.labels
+        inner = ", ".join(f"{labels[i]}={v!r}" for i, v in self.matchers)
+        return f"series({self.family.name!r}, {inner})"
+
+
+# ------------------------------------------------------------------- the functions
+
+NUM, STR, SEL, LIST = "number", "string", "series", "list of numbers"
+
+# name -> argument kinds ("sel": a series reference, "dur": a duration string literal,
+# "num": a number expression); the functions' behaviour is in Evaluator
+WINDOW_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "avg_over": ("sel", "dur"),
+    "min_over": ("sel", "dur"),
+    "max_over": ("sel", "dur"),
+    "stddev_over": ("sel", "dur"),
+    "quantile_over": ("num", "sel", "dur"),
+    "rate": ("sel", "dur"),
+    "change": ("sel", "dur"),
+}
+# window functions that sum (or take the extreme of) several series; the others need one
+MULTI_WINDOW = {"rate", "change", "min_over", "max_over"}
+AGGREGATES = ("max", "min", "sum", "avg", "count")
+
+
+@dataclass
+class Compiled:
+    """One compiled expression: the rewritten tree, its selectors, its inputs."""
+
+    text: str
+    tree: ast.AST
+    selectors: list[Selector]
+    sources: frozenset[str]  # sources whose series it needs (present() excluded)
+    max_window: float = 0.0
+
+
+class _Checker:
+    """Walks simpleeval's tree: checks names, labels and types; rewrites references."""
+
+    def __init__(self, catalog: Catalog, field_name: str) -> None:
+        self.catalog = catalog
+        self.field = field_name
+        self.selectors: list[Selector] = []
+        self.required_sources: set[str] = set()
+        self.max_window = 0.0
+        self.problems: list[Problem] = []
+        self._optional = 0
+
+    # helpers --------------------------------------------------------------------
+    def fail(self, node: ast.AST, message: str) -> None:
+        line = getattr(node, "lineno", None)
+        col = getattr(node, "col_offset", None)
+        if line is not None and col is not None:
+            col = col - 1 if line == 1 else col  # the "(" the expression was wrapped in
+            col += 1  # 1-based
+        self.problems.append(Problem(self.field, message, line, col))
+
+    def _call(self, name: str, *args: ast.expr) -> ast.Call:
+        return ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=list(args), keywords=[])
+
+    def _const(self, value: Any) -> ast.Constant:
+        return ast.Constant(value=value)
+
+    def selector(self, node: ast.expr) -> Selector | None:
+        """The selector a bare name or a series(...) call denotes, or None (not one)."""
+        if isinstance(node, ast.Name):
+            family = self.catalog.families.get(node.id)
+            if family is None:
+                if node.id.startswith(PREFIX) and node.id.removeprefix(PREFIX) in (
+                    self.catalog.families
+                ):
+                    self.fail(
+                        node,
+                        f"write series names without the {PREFIX} prefix: "
+                        f"{node.id.removeprefix(PREFIX)!r}",
+                    )
+                else:
+                    self.fail(node, f"unknown series {node.id!r}{self.catalog.suggest(node.id)}")
+                return None
+            return self._make(family, (), node)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and (node.func.id == "series")
+        ):
+            if len(node.args) != 1:
+                self.fail(node, "series() takes one series name, then label=value matchers")
+                return None
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                name = arg.value
+            elif isinstance(arg, ast.Name):
+                name = arg.id
+            else:
+                self.fail(arg, "series(): the first argument is a series name")
+                return None
+            family = self.catalog.families.get(name)
+            if family is None:
+                self.fail(arg, f"unknown series {name!r}{self.catalog.suggest(name)}")
+                return None
+            matchers: list[tuple[int, str]] = []
+            for kw in node.keywords:
+                if kw.arg is None or kw.arg not in family.own_labels:
+                    own = ", ".join(family.own_labels) or "none"
+                    self.fail(kw.value, f"{name!r} has no label {kw.arg!r} (its labels: {own})")
+                    return None
+                if not (isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)):
+                    self.fail(kw.value, f"label {kw.arg}: expected a string, e.g. {kw.arg}='x'")
+                    return None
+                matchers.append((family.spec.labels.index(kw.arg), kw.value.value))
+            return self._make(family, tuple(matchers), node)
+        return None
+
+    def _make(
+        self, family: Family, matchers: tuple[tuple[int, str], ...], node: ast.AST
+    ) -> Selector:
+        labels = family.spec.labels
+        matched = {labels[i] for i, _ in matchers}
+        free = [label for label in family.own_labels if label not in matched]
+        if (
+            family.scope == PCIE
+            and "role" in matched
+            and dict((labels[i], v) for i, v in matchers).get("role") == "gpu"
+        ):
+            free = [label for label in free if label != "device"]  # the GPU's own function
+        selector = Selector(family, matchers, multi=bool(free))
+        if not self._optional:
+            self.required_sources.add(family.source)
+        self.selectors.append(selector)
+        return selector
+
+    def _index(self, selector: Selector) -> ast.Constant:
+        return self._const(self.selectors.index(selector))
+
+    def duration(self, node: ast.expr) -> float | None:
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, (str, int, float))
+            and (not isinstance(node.value, bool))
+        ):
+            try:
+                seconds = parse_duration(node.value)
+            except ValueError:
+                pass
+            else:
+                if seconds > 0:
+                    self.max_window = max(self.max_window, seconds)
+                    return seconds
+        self.fail(node, "expected a duration literal such as '30s', '5m' or '1m30s'")
+        return None
+
+    # the walk ---------------------------------------------------------------------
+    def expect(self, node: ast.expr, kind: str) -> ast.expr | None:
+        """Check `node` as a `kind` value; return the rewritten node (None: a problem)."""
+        got, rewritten = self.visit(node)
+        if got is None or rewritten is None:
+            return None
+        if got == kind:
+            return rewritten
+        if kind == NUM and isinstance(got, Selector):
+            if got.multi:
+                own = [lbl for lbl in got.family.own_labels]
+                self.fail(
+                    node,
+                    f"{got.describe()} has several series per GPU (labels: {', '.join(own)}): "
+                    "pick one with series(name, label='value') or aggregate with "
+                    "max(), min(), sum(), avg() or count()",
+                )
+                return None
+            return self._call("_value", self._index(got))
+        what = "a series" if isinstance(got, Selector) else f"a {got}"
+        self.fail(node, f"expected a {kind} here, got {what}")
+        return None
+
+    def visit(self, node: ast.expr) -> tuple[Any, ast.expr | None]:
+        """(type, rewritten node): type is NUM, STR, LIST or a Selector."""
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, (bool, int, float)):
+                return NUM, node
+            if isinstance(node.value, str):
+                return STR, node
+            self.fail(node, f"unsupported literal {node.value!r}")
+            return None, None
+        if isinstance(node, ast.Name):
+            if node.id in ("true", "false"):
+                self.fail(node, f"write {node.id.capitalize()} (Python spelling)")
+                return None, None
+            selector = self.selector(node)
+            return (selector, node) if selector is not None else (None, None)
+        if isinstance(node, ast.BoolOp):
+            values = [self.expect(v, NUM) for v in node.values]
+            if any(v is None for v in values):
+                return None, None
+            return NUM, ast.BoolOp(op=node.op, values=values)  # type: ignore[arg-type]
+        if isinstance(node, ast.Compare):
+            left = self.expect(node.left, NUM)
+            rights = [self.expect(c, NUM) for c in node.comparators]
+            for op in node.ops:
+                if isinstance(op, (ast.In, ast.NotIn, ast.Is, ast.IsNot)):
+                    self.fail(node, "only <, <=, >, >=, == and != compare values")
+                    return None, None
+            if left is None or any(r is None for r in rights):
+                return None, None
+            return NUM, ast.Compare(left=left, ops=node.ops, comparators=rights)  # type: ignore[arg-type]
+        if isinstance(node, ast.BinOp):
+            if not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+                self.fail(node, "only +, -, * and / are arithmetic operators here")
+                return None, None
+            left, right = self.expect(node.left, NUM), self.expect(node.right, NUM)
+            if left is None or right is None:
+                return None, None
+            if isinstance(node.op, ast.Div):  # x / 0 is not evaluable, not an error
+                return NUM, self._call("_div", left, right)
+            return NUM, ast.BinOp(left=left, op=node.op, right=right)
+        if isinstance(node, ast.UnaryOp):
+            if not isinstance(node.op, (ast.Not, ast.USub, ast.UAdd)):
+                self.fail(node, "unsupported operator")
+                return None, None
+            operand = self.expect(node.operand, NUM)
+            return (NUM, ast.UnaryOp(op=node.op, operand=operand)) if operand else (None, None)
+        if isinstance(node, ast.IfExp):
+            parts = [self.expect(n, NUM) for n in (node.test, node.body, node.orelse)]
+            if any(p is None for p in parts):
+                return None, None
+            return NUM, ast.IfExp(test=parts[0], body=parts[1], orelse=parts[2])  # type: ignore[arg-type]
+        if isinstance(node, ast.Call):
+            return self.call(node)
+        kind = type(node).__name__
+        self.fail(node, f"{kind} is not part of the rule language")
+        return None, None
+
+    def call(self, node: ast.Call) -> tuple[Any, ast.expr | None]:
+        if not isinstance(node.func, ast.Name):
+            self.fail(node, "only the rule language's functions can be called")
+            return None, None
+        name = node.func.id
+        if name == "series":
+            selector = self.selector(node)
+            return (selector, node) if selector else (None, None)
+        if node.keywords:
+            self.fail(node.keywords[0].value, f"{name}() takes no keyword arguments")
+            return None, None
+        args = node.args
+        if name in WINDOW_FUNCTIONS:
+            kinds = WINDOW_FUNCTIONS[name]
+            if len(args) != len(kinds):
+                self.fail(
+                    node,
+                    f"{name}() takes {len(kinds)} arguments: "
+                    f"{', '.join(kinds).replace('sel', 'series').replace('dur', 'duration')}",
+                )
+                return None, None
+            out: list[ast.expr] = []
+            for arg, kind in zip(args, kinds, strict=True):
+                if kind == "sel":
+                    got, _ = self.visit(arg)
+                    if got is None:
+                        return None, None
+                    if not isinstance(got, Selector):
+                        self.fail(arg, f"{name}(): expected a series name or series(...)")
+                        return None, None
+                    if got.multi and name not in MULTI_WINDOW:
+                        self.fail(
+                            arg,
+                            f"{got.describe()} has several series per GPU: "
+                            f"{name}() needs one (select it with series(..., label='x'))",
+                        )
+                        return None, None
+                    out.append(self._index(got))
+                elif kind == "dur":
+                    seconds = self.duration(arg)
+                    if seconds is None:
+                        return None, None
+                    out.append(self._const(seconds))
+                else:
+                    value = self.expect(arg, NUM)
+                    if value is None:
+                        return None, None
+                    out.append(value)
+            return NUM, self._call("_" + name, *out)
+        if name in AGGREGATES:
+            if len(args) == 1:
+                got, rewritten = self.visit(args[0])
+                if got is None or rewritten is None:
+                    return None, None
+                if isinstance(got, Selector):
+                    return NUM, self._call(f"_{name}_series", self._index(got))
+                if got == LIST:
+                    return NUM, self._call(f"_{name}_list", rewritten)
+                self.fail(args[0], f"{name}() of one argument aggregates a series or peers(...)")
+                return None, None
+            if name in ("max", "min") and len(args) >= 2:
+                values = [self.expect(a, NUM) for a in args]
+                if any(v is None for v in values):
+                    return None, None
+                return NUM, self._call(f"_{name}_of", *values)  # type: ignore[arg-type]
+            self.fail(node, f"{name}() takes a series, peers(...), or (max/min) 2+ numbers")
+            return None, None
+        if name == "peers":
+            if len(args) != 1:
+                self.fail(node, "peers() takes one series")
+                return None, None
+            got, _ = self.visit(args[0])
+            if got is None:
+                return None, None
+            if not isinstance(got, Selector) or got.multi:
+                self.fail(args[0], "peers(): expected a series with one value per GPU")
+                return None, None
+            return LIST, self._call("_peers", self._index(got))
+        if name in ("present", "default"):
+            want = 1 if name == "present" else 2
+            if len(args) != want:
+                takes = "a series" if want == 1 else "a series and a number"
+                self.fail(node, f"{name}() takes {takes}")
+                return None, None
+            self._optional += 1
+            got, _ = self.visit(args[0])
+            self._optional -= 1
+            if got is None:
+                return None, None
+            if not isinstance(got, Selector):
+                self.fail(args[0], f"{name}(): expected a series name or series(...)")
+                return None, None
+            if name == "present":
+                return NUM, self._call("_present", self._index(got))
+            if got.multi:
+                self.fail(args[0], f"default(): {got.describe()} has several series per GPU")
+                return None, None
+            fallback = self.expect(args[1], NUM)
+            if fallback is None:
+                return None, None
+            return NUM, self._call("_default", self._index(got), fallback)
+        if name == "abs":
+            if len(args) != 1:
+                self.fail(node, "abs() takes one number")
+                return None, None
+            value = self.expect(args[0], NUM)
+            return (NUM, self._call("_abs", value)) if value is not None else (None, None)
+        if name == "time":
+            if args:
+                self.fail(node, "time() takes no arguments")
+                return None, None
+            return NUM, self._call("_time")
+        known = sorted(
+            [*WINDOW_FUNCTIONS, *AGGREGATES, "series", "peers", "present", "default", "abs", "time"]
+        )
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]}()?)" if close else ""
+        self.fail(node.func, f"unknown function {name}(){hint}")
+        return None, None
+
+
+def compile_expression(text: str, catalog: Catalog, field_name: str = "expr") -> Compiled:
+    """Parse with simpleeval, check against `catalog`, rewrite; CompileError if wrong."""
+    stripped = text.strip()
+    if not stripped:
+        raise CompileError([Problem(field_name, "empty expression")])
+    try:
+        # wrapped in parentheses so an expression may span lines (YAML block scalars)
+        node = SimpleEval.parse("(" + stripped + "\n)")
+    except SyntaxError as e:
+        lines = stripped.split("\n")
+        line, col = e.lineno, e.offset
+        if line is None or line > len(lines):  # ran into the closing ")": the end
+            line, col = len(lines), len(lines[-1]) + 1
+        elif line == 1 and col is not None:
+            col = max(1, col - 1)  # the "(" the expression was wrapped in
+        raise CompileError([Problem(field_name, f"syntax error: {e.msg}", line, col)]) from e
+    if not isinstance(node, ast.Expr):
+        raise CompileError([Problem(field_name, "expected an expression", 1, 1)])
+    checker = _Checker(catalog, field_name)
+    rewritten = checker.expect(node.value, NUM)
+    if checker.problems or rewritten is None:
+        raise CompileError(checker.problems or [Problem(field_name, "invalid expression")])
+    tree = ast.fix_missing_locations(ast.Expression(body=rewritten)).body
+    return Compiled(
+        stripped,
+        tree,
+        checker.selectors,
+        frozenset(checker.required_sources),
+        checker.max_window,
+    )
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+class _Evaluator(SimpleEval):
+    """simpleeval, with a shorter path for calls: after the rewrite every call is to
+    one of the engine's own functions, with positional arguments only."""
+
+    def _eval_call(self, node: ast.Call) -> Any:
+        function = self.functions[node.func.id]  # type: ignore[attr-defined]
+        return function(*[self._eval(arg) for arg in node.args])
+
+
+Row = tuple[tuple[str, ...], float]
+
+
+@dataclass
+class GpuRef:
+    gpu: str
+    uuid: str
+    bus_id: str | None
+
+
+@dataclass
+class Snapshot:
+    """The store's live series for one cycle, indexed for per-GPU lookups."""
+
+    now: float
+    per_gpu: dict[str, dict[tuple[str, str], list[Row]]] = field(default_factory=dict)
+    per_bus: dict[str, dict[str, list[Row]]] = field(default_factory=dict)
+    host: dict[str, list[Row]] = field(default_factory=dict)
+
+
+class Evaluator:
+    """Evaluates compiled expressions for one GPU at a time; Missing means not evaluable."""
+
+    def __init__(
+        self, window: Callable[[str, tuple[str, ...], float], list[tuple[float, float]]]
+    ) -> None:
+        self._window = window
+        self.snapshot = Snapshot(0.0)
+        self.gpus: list[GpuRef] = []
+        self.gpu = GpuRef("", "", None)
+        self.compiled: Compiled | None = None
+        self._pids: dict[str, float | None] = {}
+        functions: dict[str, Callable[..., Any]] = {
+            "_value": self._value,
+            "_present": self._present,
+            "_default": self._default,
+            "_peers": self._peers,
+            "_div": self._div,
+            "_abs": abs,
+            "_time": lambda: self.snapshot.now,
+            "_max_of": max,
+            "_min_of": min,
+        }
+        for name in WINDOW_FUNCTIONS:
+            functions["_" + name] = getattr(self, "_w_" + name)
+        for name in AGGREGATES:
+            functions[f"_{name}_series"] = self._series_aggregate(name)
+            functions[f"_{name}_list"] = self._list_aggregate(name)
+        self._simple = _Evaluator(functions=functions, names={})
+
+    # the cycle ------------------------------------------------------------------
+    def begin(self, snapshot: Snapshot, gpus: list[GpuRef]) -> None:
+        self.snapshot = snapshot
+        self.gpus = gpus
+        self._pids = {}
+
+    def evaluate(self, compiled: Compiled, gpu: GpuRef) -> float:
+        """The expression's value for `gpu`; raises Missing, or anything a bug raises."""
+        self.compiled, self.gpu = compiled, gpu
+        return float(self._simple.eval(compiled.text, previously_parsed=compiled.tree))
+
+    # lookups --------------------------------------------------------------------
+    def rows(self, selector: Selector, gpu: GpuRef | None = None) -> list[Row]:
+        gpu = gpu or self.gpu
+        family = selector.family
+        name = family.spec.name
+        if family.scope == GPU:
+            rows = self.snapshot.per_gpu.get(name, {}).get((gpu.gpu, gpu.uuid), [])
+        elif family.scope == PCIE:
+            rows = self.snapshot.per_bus.get(name, {}).get(gpu.bus_id or "", [])
+        else:
+            rows = self.snapshot.host.get(name, [])
+        if selector.matchers:
+            rows = [r for r in rows if all(r[0][i] == v for i, v in selector.matchers)]
+        return rows
+
+    def _sel(self, index: int) -> Selector:
+        assert self.compiled is not None
+        return self.compiled.selectors[index]
+
+    def _one(self, selector: Selector, gpu: GpuRef | None = None) -> float:
+        rows = self.rows(selector, gpu)
+        if not rows:
+            raise Missing(selector.describe())
+        return rows[0][1]
+
+    def _value(self, index: int) -> float:
+        return self._one(self._sel(index))
+
+    def _present(self, index: int) -> bool:
+        return bool(self.rows(self._sel(index)))
+
+    def _default(self, index: int, fallback: float) -> float:
+        rows = self.rows(self._sel(index))
+        return rows[0][1] if rows else fallback
+
+    def _div(self, a: float, b: float) -> float:
+        if b == 0:
+            raise Missing("division by zero")
+        return a / b
+
+    def _pid(self, gpu: GpuRef) -> float | None:
+        if gpu.uuid not in self._pids:
+            rows = self.snapshot.per_gpu.get(PREFIX + "gpu_process_pid", {}).get(
+                (gpu.gpu, gpu.uuid), []
+            )
+            self._pids[gpu.uuid] = rows[0][1] if rows else None
+        return self._pids[gpu.uuid]
+
+    def _peers(self, index: int) -> list[float]:
+        """The selector's value on the other GPUs whose main process is this GPU's."""
+        selector = self._sel(index)
+        mine = self._pid(self.gpu)
+        if mine is None:
+            return []
+        values = []
+        for other in self.gpus:
+            if other.uuid != self.gpu.uuid and self._pid(other) == mine:
+                rows = self.rows(selector, other)
+                if rows:
+                    values.append(rows[0][1])
+        return values
+
+    def _series_aggregate(self, how: str) -> Callable[[int], float]:
+        def aggregate(index: int) -> float:
+            selector = self._sel(index)
+            rows = self.rows(selector)
+            if how == "count":
+                return float(len(rows))
+            if how == "sum":
+                return math.fsum(r[1] for r in rows)
+            if not rows:
+                raise Missing(selector.describe())
+            values = [r[1] for r in rows]
+            return _reduce(how, values)
+
+        return aggregate
+
+    @staticmethod
+    def _list_aggregate(how: str) -> Callable[[list[float]], float]:
+        def aggregate(values: list[float]) -> float:
+            if how == "count":
+                return float(len(values))
+            if how == "sum":
+                return math.fsum(values)
+            if not values:
+                raise Missing("no peers")
+            return _reduce(how, values)
+
+        return aggregate
+
+    # windows --------------------------------------------------------------------
+    def _points(self, index: int, seconds: float) -> list[list[tuple[float, float]]]:
+        selector = self._sel(index)
+        rows = self.rows(selector)
+        if not rows:
+            if selector.multi:
+                return []
+            raise Missing(selector.describe())
+        since = self.snapshot.now - seconds
+        name = selector.family.spec.name
+        return [self._window(name, labels, since) for labels, _ in rows]
+
+    def _single(self, index: int, seconds: float) -> list[float]:
+        series = self._points(index, seconds)
+        values = [v for _, v in series[0]] if series else []
+        if not values:
+            raise Missing(self._sel(index).describe())
+        return values
+
+    def _w_avg_over(self, index: int, seconds: float) -> float:
+        values = self._single(index, seconds)
+        return math.fsum(values) / len(values)
+
+    def _w_stddev_over(self, index: int, seconds: float) -> float:
+        values = self._single(index, seconds)
+        mean = math.fsum(values) / len(values)
+        return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+
+    def _w_quantile_over(self, q: float, index: int, seconds: float) -> float:
+        return _quantile(q, sorted(self._single(index, seconds)))
+
+    def _extreme(
+        self, index: int, seconds: float, pick: Callable[[Iterable[float]], float]
+    ) -> float:
+        values = [v for points in self._points(index, seconds) for _, v in points]
+        if not values:
+            raise Missing(self._sel(index).describe())
+        return pick(values)
+
+    def _w_min_over(self, index: int, seconds: float) -> float:
+        return self._extreme(index, seconds, min)
+
+    def _w_max_over(self, index: int, seconds: float) -> float:
+        return self._extreme(index, seconds, max)
+
+    def _w_change(self, index: int, seconds: float) -> float:
+        """Increase of a counter over the window, resets handled; summed over series."""
+        return math.fsum(_increase(points)[0] for points in self._points(index, seconds))
+
+    def _w_rate(self, index: int, seconds: float) -> float:
+        total = 0.0
+        for points in self._points(index, seconds):
+            increase, span = _increase(points)
+            if span > 0:
+                total += increase / span
+        return total
+
+
+def _reduce(how: str, values: Sequence[float]) -> float:
+    if how == "max":
+        return max(values)
+    if how == "min":
+        return min(values)
+    return math.fsum(values) / len(values)  # avg
+
+
+def _quantile(q: float, ordered: list[float]) -> float:
+    """Linear interpolation between closest ranks, as Prometheus' quantile_over_time."""
+    if not 0 <= q <= 1:
+        return math.nan
+    rank = q * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    weight = rank - low
+    return ordered[low] * (1 - weight) + ordered[high] * weight
+
+
+def _increase(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(increase, seconds covered) of a counter's points; a drop is a reset from zero."""
+    if len(points) < 2:
+        return 0.0, 0.0
+    increase = 0.0
+    previous = points[0][1]
+    for _, value in points[1:]:
+        increase += value - previous if value >= previous else value
+        previous = value
+    return increase, points[-1][0] - points[0][0]

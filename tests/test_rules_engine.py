@@ -1,0 +1,273 @@
+"""The rules engine on a virtual clock: state machine, not evaluable, windows, joins."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpuwatchd.metrics import Sample
+from gpuwatchd.rules import Catalog, RuleEngine, parse_rules
+from gpuwatchd.rules.engine import FIRING, INACTIVE, NOT_EVALUABLE, PENDING
+from gpuwatchd.rules.language import _increase, _quantile
+from gpuwatchd.store import Store
+
+CATALOG = Catalog.builtin()
+GPUS = [("0", "GPU-a", "0000:13:00.0"), ("1", "GPU-b", "0000:14:00.0")]
+
+
+def rule(expr: str, for_: str = "0s", keep: str = "0s", name: str = "cause_x") -> str:
+    return f"""
+rules:
+  - name: {name}
+    dimension: compute
+    severity: warning
+    expr: "{expr}"
+    for: {for_}
+    keep_firing_for: {keep}
+    summary: "util {{{{ gpu_utilization_ratio * 100 }}}}%"
+    remedy: fix it
+"""
+
+
+class Node:
+    """A store fed by hand, as the sources would, and an engine over it."""
+
+    def __init__(self, text: str, up: tuple[str, ...] = ("nvml", "pcie", "processes", "cpu")):
+        self.store = Store(history_seconds=600)
+        self.up = set(up)
+        self.engine = RuleEngine(
+            self.store, parse_rules(text, "test.yaml", CATALOG), self.up.__contains__, CATALOG
+        )
+
+    def nvml(self, now: float, **per_gpu: list[float]) -> None:
+        samples = []
+        for i, (gpu, uuid, bus) in enumerate(GPUS):
+            labels = (gpu, uuid)
+            samples.append(Sample("gpuwatchd_gpu_info", (*labels, "A100", bus, "550", "12.4"), 1))
+            for name, values in per_gpu.items():
+                samples.append(Sample(f"gpuwatchd_{name}", labels, values[i]))
+        self.store.update("nvml", now, samples)
+
+    def state(self, gpu: int = 0, cause: str = "cause_x") -> str:
+        return self.engine.states[(GPUS[gpu][1], cause)].state
+
+    def step(self, now: float, **per_gpu: list[float]) -> str:
+        self.nvml(now, **per_gpu)
+        self.engine.evaluate(now)
+        return self.state()
+
+
+def test_for_and_keep_firing_for_follow_prometheus():
+    node = Node(rule("gpu_utilization_ratio > 0.5", for_="30s", keep="60s"))
+    high, low = [0.9, 0.1], [0.1, 0.1]
+    assert node.step(0, gpu_utilization_ratio=high) == PENDING
+    assert node.step(20, gpu_utilization_ratio=high) == PENDING
+    assert node.step(30, gpu_utilization_ratio=high) == FIRING  # 30s after active_at
+    assert node.state(gpu=1) == INACTIVE
+    assert node.step(40, gpu_utilization_ratio=low) == FIRING  # keep_firing_for from 40
+    assert node.step(90, gpu_utilization_ratio=low) == FIRING
+    assert node.step(100, gpu_utilization_ratio=low) == INACTIVE  # 60s since 40
+    # holding again during keep_firing_for cancels the countdown
+    for t in (110, 140):
+        node.step(t, gpu_utilization_ratio=high)
+    assert node.state() == FIRING
+    assert node.step(150, gpu_utilization_ratio=low) == FIRING
+    assert node.step(160, gpu_utilization_ratio=high) == FIRING
+    assert node.step(215, gpu_utilization_ratio=low) == FIRING
+    assert node.step(275, gpu_utilization_ratio=low) == INACTIVE
+
+
+def test_pending_that_stops_holding_goes_back_to_inactive_and_for_zero_fires_at_once():
+    node = Node(rule("gpu_utilization_ratio > 0.5", for_="1m"))
+    assert node.step(0, gpu_utilization_ratio=[0.9, 0]) == PENDING
+    assert node.step(30, gpu_utilization_ratio=[0.1, 0]) == INACTIVE
+    assert node.step(40, gpu_utilization_ratio=[0.9, 0]) == PENDING
+    assert node.step(99, gpu_utilization_ratio=[0.9, 0]) == PENDING
+    assert node.step(100, gpu_utilization_ratio=[0.9, 0]) == FIRING
+    instant = Node(rule("gpu_utilization_ratio > 0.5"))
+    assert instant.step(0, gpu_utilization_ratio=[0.9, 0]) == FIRING
+    assert instant.step(1, gpu_utilization_ratio=[0.1, 0]) == INACTIVE
+
+
+def test_derived_series_for_every_gpu_and_rule():
+    node = Node(rule("gpu_utilization_ratio > 0.5"))
+    for t in range(0, 50, 10):
+        node.step(t, gpu_utilization_ratio=[0.9, 0.1])
+    rows = node.engine.rows()
+    active = dict(rows["gpuwatchd_starvation_active"])
+    assert active[("0", "GPU-a", "cause_x", "compute", "warning")] == 1
+    assert active[("1", "GPU-b", "cause_x", "compute", "warning")] == 0
+    assert dict(rows["gpuwatchd_starvation_seconds_total"])[("0", "GPU-a", "cause_x")] == 40
+    assert dict(rows["gpuwatchd_gpu_starved"]) == {("0", "GPU-a"): 1, ("1", "GPU-b"): 0}
+    assert dict(rows["gpuwatchd_rules"]) == {(): 1}
+    assert dict(rows["gpuwatchd_rules_last_reload_successful"]) == {(): 1}
+    assert node.engine.firing() == [("0", "cause_x", "util 90%")]
+
+
+def test_a_rule_reading_a_source_that_is_down_is_not_evaluable():
+    node = Node(rule("gpu_utilization_ratio < 2 or gpu_sm_active_ratio < 0.1"))  # no dcgm
+    assert node.step(0, gpu_utilization_ratio=[0.9, 0.1]) == NOT_EVALUABLE
+    rows = node.engine.rows()
+    assert dict(rows["gpuwatchd_starvation_not_evaluable"])[("0", "GPU-a", "cause_x")] == 1
+    assert (
+        dict(rows["gpuwatchd_starvation_active"])[("0", "GPU-a", "cause_x", "compute", "warning")]
+        == 0
+    )
+    assert "dcgm" in node.engine.states[("GPU-a", "cause_x")].reason
+
+
+def test_a_series_without_a_value_for_the_gpu_makes_it_not_evaluable():
+    node = Node(rule("gpu_temperature_celsius > 80"))  # nvml up, series absent
+    assert node.step(0, gpu_utilization_ratio=[0.9, 0.1]) == NOT_EVALUABLE
+    assert "gpu_temperature_celsius" in node.engine.states[("GPU-a", "cause_x")].reason
+    # present() and default() are not inputs that must exist
+    guarded = Node(rule("present(gpu_temperature_celsius) and gpu_temperature_celsius > 80"))
+    assert guarded.step(0, gpu_utilization_ratio=[0.9, 0.1]) == INACTIVE
+    fallback = Node(rule("default(gpu_temperature_celsius, 99) > 80"))
+    assert fallback.step(0, gpu_utilization_ratio=[0.9, 0.1]) == FIRING
+    # recovering from not evaluable starts over at pending
+    node2 = Node(rule("gpu_temperature_celsius > 80", for_="10s"))
+    assert node2.step(0, gpu_utilization_ratio=[0.9, 0.1]) == NOT_EVALUABLE
+    assert node2.step(5, gpu_temperature_celsius=[90, 30]) == PENDING
+
+
+def test_window_functions_over_the_store_history():
+    node = Node(
+        rule(
+            "avg_over(gpu_utilization_ratio, '30s') == 0.5 and min_over(gpu_utilization_ratio,"
+            " '30s') == 0.2 and max_over(gpu_utilization_ratio, '30s') == 0.8"
+            " and quantile_over(0.5, gpu_utilization_ratio, '30s') == 0.5"
+        )
+    )
+    for t, value in ((0, 0.0), (10, 0.2), (20, 0.8), (30, 0.5), (40, 0.5)):
+        node.step(t, gpu_utilization_ratio=[value, 0])
+    assert node.state() == FIRING  # window [10, 40]: 0.2 0.8 0.5 0.5
+
+
+def test_rate_and_change_handle_counter_resets():
+    node = Node(
+        rule(
+            "change(gpu_pcie_replay_errors_total, '1m') == 30"
+            " and rate(gpu_pcie_replay_errors_total, '1m') == 0.5"
+        )
+    )
+    for t, value in ((0, 100), (20, 110), (40, 5), (60, 20)):  # reset between 20 and 40
+        node.step(t, gpu_pcie_replay_errors_total=[value, 0])
+    assert node.state() == FIRING  # 10 + 5 + 15 over 60s
+    assert _increase([(0, 1), (1, 3)]) == (2, 1)
+    assert _increase([(0, 1)]) == (0, 0)
+    assert _quantile(0.9, [1, 2, 3, 4, 5]) == pytest.approx(4.6)
+    assert math.isnan(_quantile(2, [1.0]))
+
+
+def test_labelled_families_multi_series_change_sums_and_selectors_pick():
+    node = Node(
+        rule(
+            "change(gpu_xid_errors_total, '5m') >= 3"
+            " and series('gpu_clock_event_reason_active', reason='hw_slowdown') == 1"
+            " and max(gpu_clock_event_reason_active) == 1"
+            " and count(gpu_clock_event_reason_active) == 2"
+        )
+    )
+    for t, (x13, x79) in enumerate(((0, 0), (1, 1), (2, 2))):
+        samples = [
+            Sample("gpuwatchd_gpu_info", ("0", "GPU-a", "A100", "0000:13:00.0", "550", "12.4"), 1),
+            Sample("gpuwatchd_gpu_xid_errors_total", ("0", "GPU-a", "13"), x13),
+            Sample("gpuwatchd_gpu_xid_errors_total", ("0", "GPU-a", "79"), x79 * 2),
+            Sample("gpuwatchd_gpu_clock_event_reason_active", ("0", "GPU-a", "hw_slowdown"), 1),
+            Sample("gpuwatchd_gpu_clock_event_reason_active", ("0", "GPU-a", "gpu_idle"), 0),
+        ]
+        node.store.update("nvml", t * 10, samples)  # a poll replaces the source's series
+        node.engine.evaluate(t * 10)
+    assert node.state() == FIRING  # 2 + 4 = 6 increases, summed over the xid series
+
+
+def test_pcie_series_join_on_the_gpu_bus_id_and_host_series_reach_every_gpu():
+    node = Node(
+        rule(
+            "max(pcie_link_degraded) > 0 and series('pcie_link_degraded', role='gpu')"
+            " == 0 and cpu_iowait_ratio < 0.5"
+        )
+    )
+    node.nvml(0, gpu_utilization_ratio=[0.9, 0.9])
+    node.store.update(
+        "pcie",
+        0,
+        [
+            Sample("gpuwatchd_pcie_link_degraded", ("0000:13:00.0", "0000:13:00.0", "gpu"), 0),
+            Sample("gpuwatchd_pcie_link_degraded", ("0000:13:00.0", "0000:11:00.0", "bridge"), 1),
+            Sample("gpuwatchd_pcie_link_degraded", ("0000:14:00.0", "0000:14:00.0", "gpu"), 0),
+            Sample("gpuwatchd_pcie_link_degraded", ("0000:14:00.0", "0000:12:00.0", "bridge"), 0),
+        ],
+    )
+    node.store.update("cpu", 0, [Sample("gpuwatchd_cpu_iowait_ratio", (), 0.01)])
+    node.engine.evaluate(0)
+    assert node.state(0) == FIRING  # the bridge above GPU 0 is degraded
+    assert node.state(1) == INACTIVE
+
+
+def test_peers_are_the_other_gpus_of_the_same_process():
+    node = Node(
+        rule(
+            "gpu_utilization_ratio < 0.1 and count(peers(gpu_utilization_ratio)) == 1"
+            " and min(peers(gpu_utilization_ratio)) > 0.8"
+        )
+    )
+    node.nvml(0, gpu_utilization_ratio=[0.0, 0.95])
+    node.store.update(
+        "processes",
+        0,
+        [
+            Sample("gpuwatchd_gpu_process_pid", ("0", "GPU-a"), 42),
+            Sample("gpuwatchd_gpu_process_pid", ("1", "GPU-b"), 42),
+        ],
+    )
+    node.engine.evaluate(0)
+    assert (node.state(0), node.state(1)) == (FIRING, INACTIVE)
+    node.store.update(
+        "processes",
+        10,
+        [
+            Sample("gpuwatchd_gpu_process_pid", ("0", "GPU-a"), 42),
+            Sample("gpuwatchd_gpu_process_pid", ("1", "GPU-b"), 43),
+        ],
+    )
+    node.nvml(10, gpu_utilization_ratio=[0.0, 0.95])
+    node.engine.evaluate(10)
+    assert node.state(0) == INACTIVE  # not the same process any more
+
+
+def test_division_by_zero_is_not_evaluable_and_an_error_is_counted(monkeypatch):
+    text = (
+        rule("gpu_utilization_ratio / (gpu_utilization_ratio - 0.5) > 1", name="div")
+        + (rule("gpu_utilization_ratio > 0.4", name="other").split("rules:\n", 1)[1])
+    )
+    node = Node(text)
+    node.nvml(0, gpu_utilization_ratio=[0.5, 0.5])
+    node.engine.evaluate(0)
+    assert node.state(0, "div") == NOT_EVALUABLE  # x / 0: no value, not an error
+    assert node.state(0, "other") == FIRING
+    evaluate = node.engine.evaluator.evaluate
+
+    def broken(compiled, gpu):
+        if "0.4" in compiled.text:
+            raise RuntimeError("boom")
+        return evaluate(compiled, gpu)
+
+    monkeypatch.setattr(node.engine.evaluator, "evaluate", broken)
+    node.engine.evaluate(10)
+    assert node.state(0, "other") == NOT_EVALUABLE
+    assert dict(node.engine.rows()["gpuwatchd_rule_evaluation_errors_total"]) == {
+        ("div",): 0,
+        ("other",): 2,
+    }
+
+
+def test_reloading_keeps_state_of_rules_kept_by_name():
+    node = Node(rule("gpu_utilization_ratio > 0.5", for_="1m"))
+    node.step(0, gpu_utilization_ratio=[0.9, 0])
+    node.engine.set_rules(parse_rules(rule("gpu_utilization_ratio > 0.6", for_="1m"), "t", CATALOG))
+    assert node.step(60, gpu_utilization_ratio=[0.9, 0]) == FIRING
+    node.engine.set_rules(parse_rules(rule("gpu_utilization_ratio > 0.6", name="y"), "t", CATALOG))
+    assert ("GPU-a", "cause_x") not in node.engine.states

@@ -1,0 +1,36 @@
+"""Every built-in scenario through `simulate --check`, and the corpus covers every rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwatchd.config import Config
+from gpuwatchd.rules import load_rules
+from gpuwatchd.rules.check import check, firing_intervals, format_verdicts
+from gpuwatchd.sim.scenario import builtin_scenarios, load_scenario
+from gpuwatchd.simulate import Simulation
+
+
+@pytest.mark.parametrize("name", builtin_scenarios())
+def test_builtin_scenario_passes_its_check(name: str):
+    scenario = load_scenario(name)
+    simulation = Simulation(scenario, Config())
+    try:
+        result = simulation.run()
+    finally:
+        simulation.close()
+    intervals = firing_intervals(result.transitions, result.started_at)
+    verdicts = check(scenario, intervals, result.simulated_seconds)
+    assert all(v.ok for v in verdicts), format_verdicts(name, verdicts)
+
+
+def test_every_default_rule_has_a_scenario_that_fires_it_and_a_twin_that_must_not():
+    fires: set[str] = set()
+    twins: set[str] = set()
+    for name in builtin_scenarios():
+        for e in load_scenario(name).expect:
+            (twins if e.never else fires).add(e.cause)
+    rules = {r.name for r in load_rules(None).rules}
+    assert rules - fires == set(), "rules no scenario fires"
+    assert rules - twins == set(), "rules no scenario says must not fire"
+    assert (fires | twins) - rules == set(), "expectations naming no rule"
