@@ -146,6 +146,8 @@ def simulate(
         simulation = Simulation(scenario, config)
     except RulesError as e:
         raise click.ClickException(f"rules not loaded:\n{e}") from e
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from e
     try:
         result = simulation.run(until=until)
     finally:

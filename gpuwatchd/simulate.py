@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpuwatchd.config import Config
+from gpuwatchd.config import Config, ConfigError
 from gpuwatchd.daemon import Pipeline
 from gpuwatchd.rules import Transition
 from gpuwatchd.scheduler import SteppedScheduler
@@ -48,8 +48,18 @@ class SimulationResult:
     started_at: float = 0.0  # the clock's time at the scenario's start
 
 
+def _hangs(scenario: Scenario) -> bool:
+    changes = (change for phase in scenario.phases for change in phase.all_changes())
+    return bool(scenario.node.initial.hung) or any(change.set.hung for change in changes)
+
+
 class Simulation:
     def __init__(self, scenario: Scenario, config: Config) -> None:
+        if _hangs(scenario):
+            raise ConfigError(
+                f"scenario {scenario.name}: `hung: true` needs real time (a blocked call "
+                "stops virtual time too): play it with `gpuwatchd run --simulate`"
+            )
         self.scenario = scenario
         self.config = config
         self.node = SimNode(scenario, virtual=True)

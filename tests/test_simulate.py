@@ -46,3 +46,12 @@ def test_unknown_scenario_is_a_clear_error():
     result = CliRunner().invoke(main, ["simulate", "no-such-scenario"])
     assert result.exit_code == 1
     assert "unknown scenario 'no-such-scenario'" in result.output
+
+
+def test_hung_scenarios_are_refused_in_virtual_time(tmp_path):
+    path = tmp_path / "hang.yaml"
+    phase = "{name: p, duration: 1m, changes: [{gpus: [1], set: {hung: true}}]}"
+    path.write_text(f"name: hang\nphases:\n  - {phase}\n")
+    result = CliRunner().invoke(main, ["simulate", str(path)])
+    assert result.exit_code == 1
+    assert "`hung: true` needs real time" in result.output and "run --simulate" in result.output
