@@ -23,10 +23,10 @@ from urllib.parse import parse_qs
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 
 from gpuwatchd import __version__
-from gpuwatchd.exposition import Renderer, Rows
+from gpuwatchd.exposition import OPENMETRICS_EOF, Renderer, Rows
 from gpuwatchd.metrics import MetricSpec, gauge
 from gpuwatchd.scheduler import Poller
-from gpuwatchd.store import Store
+from gpuwatchd.store import SeriesKey, Store
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,13 @@ class Exposition:
 
 
 class Exporter:
+    """Renders one part per source, reused until that source polls again or goes stale.
+
+    Sources poll every 1-10 s and the exposition is rendered every evaluation cycle, so
+    most parts are reused; the daemon's own metrics and the rules' derived families
+    change every cycle and are rendered each time.
+    """
+
     def __init__(
         self,
         store: Store,
@@ -69,18 +76,36 @@ class Exporter:
         self.store = store
         self.pollers = pollers
         self.now = now
-        self.specs = {spec.name: spec for spec in (*SELF_METRICS, *specs)}
+        owned = {spec.name for poller in pollers for spec in poller.source.metrics}
+        self.specs = [spec for spec in (*SELF_METRICS, *specs) if spec.name not in owned]
         self.derived = list(derived)  # more families (the rules engine's), by name
-        self._renderer = Renderer()
+        self._renderers: dict[str, Renderer] = defaultdict(Renderer)
+        self._parts: dict[str, tuple[object, bytes, bytes]] = {}
         self._current = Exposition(b"", b"", float("nan"))
         self._lock = threading.Lock()
 
-    def families(self) -> Iterator[tuple[MetricSpec, Rows]]:
-        """Every family with samples, in spec order, samples sorted by label values."""
-        now = self.now()
-        rows: dict[str, Rows] = defaultdict(list)
-        for (name, labels), value in self.store.latest(now):
-            rows[name].append((labels, value))
+    def _source_part(self, poller: Poller, now: float) -> tuple[bytes, bytes]:
+        version = self.store.version(poller.name, now)
+        part = self._parts.get(poller.name)
+        if part is None or part[0] != version:
+            stale = version[1]
+            rows = _by_name([] if stale else self.store.source_latest(poller.name))
+            text, openmetrics = self._renderers[poller.name].render(
+                _families(poller.source.metrics, rows)
+            )
+            part = self._parts[poller.name] = (version, text, openmetrics)
+        return part[1], part[2]
+
+    def _own_rows(self, now: float) -> dict[str, Rows]:
+        """The daemon's own families, derived families, and series of unpolled sources."""
+        polled = {poller.name for poller in self.pollers}
+        unpolled = [
+            series
+            for source in self.store.sources()
+            if source not in polled and not self.store.is_stale(source, now)
+            for series in self.store.source_latest(source)
+        ]
+        rows = _by_name(unpolled)
         rows[SELF_METRICS[0].name].append(((__version__,), 1.0))
         for poller in self.pollers:
             health, source = poller.health, (poller.name,)
@@ -94,15 +119,15 @@ class Exporter:
         for provider in self.derived:
             for name, derived_rows in provider().items():
                 rows[name].extend(derived_rows)
-        for name, spec in self.specs.items():
-            samples = rows.get(name)
-            if samples:
-                samples.sort()
-                yield spec, samples
+        return rows
 
     def render(self) -> Exposition:
-        text, openmetrics = self._renderer.render(self.families())
-        exposition = Exposition(text, openmetrics, self.now())
+        now = self.now()
+        parts = [self._source_part(poller, now) for poller in self.pollers]
+        parts.append(self._renderers[""].render(_families(self.specs, self._own_rows(now))))
+        text = b"".join(p[0] for p in parts)
+        openmetrics = b"".join(p[1] for p in parts) + OPENMETRICS_EOF
+        exposition = Exposition(text, openmetrics, now)
         with self._lock:
             self._current = exposition
         return exposition
@@ -111,6 +136,24 @@ class Exporter:
     def current(self) -> Exposition:
         with self._lock:
             return self._current
+
+
+def _by_name(series: Iterable[tuple[SeriesKey, float]]) -> dict[str, Rows]:
+    rows: dict[str, Rows] = defaultdict(list)
+    for (name, labels), value in series:
+        rows[name].append((labels, value))
+    return rows
+
+
+def _families(
+    specs: Iterable[MetricSpec], rows: dict[str, Rows]
+) -> Iterator[tuple[MetricSpec, Rows]]:
+    """Every family with samples, in spec order, samples sorted by label values."""
+    for spec in specs:
+        samples = rows.get(spec.name)
+        if samples:
+            samples.sort()
+            yield spec, samples
 
 
 def wants_openmetrics(accept: str | None) -> bool:

@@ -6,7 +6,8 @@ bench/bench_cycle.py), which alone would exceed the daemon's per-cycle CPU budge
 This renderer produces byte-identical output (tests/test_exposition.py checks it
 against prometheus_client's generators) while escaping each series' labels once: the
 sample lines are shared by both formats, which differ only in their HELP/TYPE headers
-and OpenMetrics' closing `# EOF`.
+and OpenMetrics' closing `# EOF` (which the caller adds after the last part, so
+parts rendered at different times can be joined).
 """
 
 from __future__ import annotations
@@ -69,5 +70,7 @@ class Renderer:
             text.append(headers[0] + body)
             openmetrics.append(headers[1] + body)
         self._labels = labels  # series gone since the last render drop out here
-        openmetrics.append("# EOF\n")
         return "".join(text).encode(), "".join(openmetrics).encode()
+
+
+OPENMETRICS_EOF = b"# EOF\n"

@@ -64,6 +64,7 @@ class Series:
 class SourceSeries:
     keys: set[SeriesKey] = field(default_factory=set)
     updated_at: float | None = None
+    generation: int = 0  # bumped by every update, so readers can tell new data from old
     stale_after: float = float("inf")
 
 
@@ -98,12 +99,30 @@ class Store:
                 self._series.pop(gone, None)
             owned.keys = fresh
             owned.updated_at = now
+            owned.generation += 1
 
     def is_stale(self, source: str, now: float) -> bool:
         owned = self._sources.get(source)
         if owned is None or owned.updated_at is None:
             return True
         return now - owned.updated_at > owned.stale_after
+
+    def version(self, source: str, now: float) -> tuple[int, bool]:
+        """Changes whenever a source's visible series may have: (updates so far, stale)."""
+        owned = self._sources.get(source)
+        return (0 if owned is None else owned.generation, self.is_stale(source, now))
+
+    def sources(self) -> list[str]:
+        with self._lock:
+            return list(self._sources)
+
+    def source_latest(self, source: str) -> list[tuple[SeriesKey, float]]:
+        """The live series of one source (stale or not), with their latest values."""
+        with self._lock:
+            owned = self._sources.get(source)
+            if owned is None:
+                return []
+            return [(key, self._series[key].value) for key in owned.keys]
 
     def latest(self, now: float) -> Iterator[tuple[SeriesKey, float]]:
         """Every live series of every source that is not stale, as of `now`."""

@@ -185,3 +185,23 @@ def test_hung_source_reported_down_once_and_recovers(setup, caplog):
     release.set()
     thread.join(5)
     assert poller.health.up
+
+
+def test_a_source_part_is_rendered_again_only_after_it_polls(setup, monkeypatch):
+    clock, source, poller, exporter = setup
+    source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 61.0)]
+    poller.poll()
+    renderer = exporter._renderers["scripted"]
+    calls = []
+    real = renderer.render
+    monkeypatch.setattr(renderer, "render", lambda fams: calls.append(1) or real(fams))
+    exporter.render()
+    clock.t += 1
+    assert len(calls) == 1 and b"} 61.0" in exporter.render().text  # reused
+    assert len(calls) == 1
+    poller.poll()
+    exporter.render()
+    assert len(calls) == 2
+    clock.t += 10  # stale: rendered once more, without its series
+    assert b"gpuwatchd_gpu_temperature_celsius" not in exporter.render().text
+    assert len(calls) == 3

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from gpuwatchd.exposition import Renderer
+from gpuwatchd.exposition import OPENMETRICS_EOF, Renderer
 from gpuwatchd.metrics import MetricSpec
 
 label_names = st.sampled_from(["gpu", "uuid", "reason", "a_b", "zz"])
@@ -61,7 +61,8 @@ def reference(fams) -> tuple[bytes, bytes]:
 @settings(max_examples=300, deadline=None)
 @given(families())
 def test_byte_identical_to_prometheus_client(fams):
-    assert Renderer().render(fams) == reference(fams)
+    text, openmetrics = Renderer().render(fams)
+    assert (text, openmetrics + OPENMETRICS_EOF) == reference(fams)
 
 
 def test_cached_labels_follow_the_series():
