@@ -241,14 +241,14 @@ def test_no_psi_means_no_pressure_series_logged_once(
 
 
 def test_psi_not_supported_is_not_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_read = cpu_module._read
+    real_read = cpu_module.read_text
 
     def read(path: str) -> str:
         if "/pressure/" in path:  # booted with psi=0: the files exist, reading fails
             raise OSError(errno.EOPNOTSUPP, "Operation not supported")
         return real_read(path)
 
-    monkeypatch.setattr(cpu_module, "_read", read)
+    monkeypatch.setattr(cpu_module, "read_text", read)
     got = by_key(source_for(tree(tmp_path)).collect())
     assert got[("cpu_cores", ())] == 8
     assert not [k for k in got if k[0].startswith("pressure")]

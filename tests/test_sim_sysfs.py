@@ -10,12 +10,10 @@ from typing import Any
 import pytest
 
 from gpuwatchd.config import PcieConfig
-from gpuwatchd.sim.models import GpuModel
 from gpuwatchd.sim.scenario import (
     PciFunction,
     Scenario,
     Timeline,
-    Topology,
     load_scenario,
 )
 from gpuwatchd.sim.sysfs import (
@@ -372,43 +370,6 @@ def test_port_kinds_and_link_states() -> None:
 # --- scale ------------------------------------------------------------------------------------
 
 
-class MultiDomainTopology(Topology):
-    """Topology with more than 16 GPUs: 8 switches (or 15 root ports) per PCI domain, as
-    bus numbers stop at 0xff (the numbering the report proposes for scenario.py)."""
-
-    def _switched_gpu(self, i: int, numa: int, model: GpuModel) -> None:
-        sw, port = divmod(i, 2)
-        domain, slot = divmod(sw, 8)
-        bus = 0x10 + 0x20 * slot
-        root = f"pci{domain:04x}:{bus:02x}"
-        gen = model.pcie_max_gen
-        rp = PciFunction(f"rp{sw}", f"{domain:04x}:{bus:02x}:01.1", None, root, gen, 16, numa)
-        up = PciFunction(
-            f"sw{sw}-up", f"{domain:04x}:{bus + 1:02x}:00.0", rp.name, root, gen, 16, numa
-        )
-        dp = PciFunction(
-            f"sw{sw}-dp{port}",
-            f"{domain:04x}:{bus + 2:02x}:{port * 8:02x}.0",
-            up.name,
-            root,
-            gen,
-            16,
-            numa,
-        )
-        gpu = PciFunction(
-            f"gpu{i}",
-            f"{domain:04x}:{bus + 3 + port:02x}:00.0",
-            dp.name,
-            root,
-            model.pcie_max_gen,
-            model.pcie_max_width,
-            numa,
-        )
-        for fn in (rp, up, dp, gpu):
-            self._add(fn)
-        self.gpu_names.append(gpu.name)
-
-
 def test_64_gpus_read_back(tmp_path: Path) -> None:
     timeline = Timeline(
         scenario(
@@ -418,7 +379,6 @@ def test_64_gpus_read_back(tmp_path: Path) -> None:
             cpus=256,
         )
     )
-    timeline.topology = MultiDomainTopology(timeline.scenario.node)
     _, got = read_back(tmp_path, timeline, 10)
     g40 = bdf(timeline, "gpu40")
     assert g40.startswith("0002:")

@@ -54,6 +54,12 @@ def not_mounted(path: object, setting: str, root: Path) -> SourceError:
     )
 
 
+def read_text(path: str) -> str:
+    """A kernel file's text (raises OSError); bytes that are not UTF-8 become U+FFFD."""
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
 def read_kernel_file(path: str, setting: str, root: Path, limit: int = 4 << 20) -> str:
     """A procfs/sysfs file's text, or a SourceError that names the file and the setting."""
     try:

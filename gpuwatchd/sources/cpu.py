@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from gpuwatchd.config import CpuConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file
+from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file, read_text
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +173,6 @@ def busy_ratio(now: tuple[int, ...], before: tuple[int, ...]) -> tuple[float, fl
 # -- the source -----------------------------------------------------------------------------
 
 
-def _read(path: str) -> str:
-    with open(path, "rb") as f:
-        return f.read().decode("utf-8", "replace")
-
-
 @register
 class CpuSource(Source):
     name = "cpu"
@@ -287,7 +282,7 @@ class CpuSource(Source):
         for resource in PRESSURE_RESOURCES:
             path = os.path.join(self.pressure_dir, resource)
             try:
-                text = _read(path)
+                text = read_text(path)
             except OSError as e:
                 if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EOPNOTSUPP, errno.ENOTSUP):
                     if resource == "cpu" and not self._psi_missing_logged:

@@ -357,11 +357,6 @@ class Rates:
     per_cpu: dict[tuple[int, str], float]  # (cpu, device class) -> interrupts/s
 
 
-def _read(path: str) -> str:
-    with open(path, "rb") as f:
-        return f.read().decode("utf-8", "replace")
-
-
 @register
 class InterruptsSource(Source):
     name = "interrupts"
