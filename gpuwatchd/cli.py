@@ -183,6 +183,15 @@ def rules_check(rule_file: Path) -> None:
     click.echo(f"{rule_file}: {len(ruleset.rules)} rules, valid")
 
 
+@rules.command("detection")
+def rules_detection() -> None:
+    """Print the detection table (Markdown) from the scenario corpus, as docs/detection.md."""
+    from gpuwatchd.rules.detection import detection_table
+
+    logging.disable(logging.WARNING)
+    click.echo(detection_table(), nl=False)
+
+
 @main.command("metrics")
 def list_metrics() -> None:
     """Print the metric reference (Markdown), as in docs/metrics.md."""
@@ -230,3 +239,57 @@ def dcgm_pause(seconds: float, url: str) -> None:
         click.echo(f"DCGM profiling paused for {result['seconds']:g}s ({when})")
     else:
         click.echo("DCGM profiling resumed")
+
+
+@main.command()
+@config_option
+@click.option(
+    "--simulate",
+    "scenario_name",
+    metavar="SCENARIO",
+    help=f"diagnose a simulated node in virtual time: {SCENARIO_HELP}",
+)
+@click.option(
+    "--at",
+    type=click.FloatRange(min=0),
+    help="with --simulate: diagnose at this many simulated seconds (default: the end)",
+)
+@click.option(
+    "--window",
+    type=click.FloatRange(min=0),
+    default=6.0,
+    show_default=True,
+    help="seconds to sample this node (each source is polled three times)",
+)
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def doctor(
+    config_file: Path | None,
+    scenario_name: str | None,
+    at: float | None,
+    window: float,
+    as_json: bool,
+) -> None:
+    """One-shot diagnosis of this node: the six dimensions, evidence and remedies.
+
+    Every rule is evaluated once at the end of the window, without waiting out its
+    `for`. Exit status: 0 if no cause holds, 1 if a cause holds on some GPU, 2 if the
+    diagnosis could not run (bad configuration, rules or scenario).
+    """
+    from gpuwatchd.doctor import diagnose_node, diagnose_simulated, format_report
+
+    _setup_logging("error")
+    try:
+        config = load_config(config_file)
+        if scenario_name:
+            report = diagnose_simulated(load_scenario(scenario_name), config, at)
+        else:
+            report = diagnose_node(config, window)
+    except (ConfigError, RulesError) as e:
+        error = click.ClickException(str(e))
+        error.exit_code = 2
+        raise error from e
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        click.echo(format_report(report))
+    sys.exit(report.exit_code)

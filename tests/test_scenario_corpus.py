@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatchd.config import Config
 from gpuwatchd.rules import load_rules
-from gpuwatchd.rules.check import check, firing_intervals, format_verdicts
+from gpuwatchd.rules.check import check, format_verdicts
+from gpuwatchd.rules.detection import replay
 from gpuwatchd.sim.scenario import builtin_scenarios, load_scenario
-from gpuwatchd.simulate import Simulation
 
 
 @pytest.mark.parametrize("name", builtin_scenarios())
 def test_builtin_scenario_passes_its_check(name: str):
-    scenario = load_scenario(name)
-    simulation = Simulation(scenario, Config())
-    try:
-        result = simulation.run()
-    finally:
-        simulation.close()
-    intervals = firing_intervals(result.transitions, result.started_at)
-    verdicts = check(scenario, intervals, result.simulated_seconds)
+    played = replay(name)  # cached: docs/detection.md's test reuses the same replay
+    verdicts = check(played.scenario, played.intervals, played.simulated_seconds)
     assert all(v.ok for v in verdicts), format_verdicts(name, verdicts)
 
 

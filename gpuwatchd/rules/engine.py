@@ -103,6 +103,23 @@ class AlertState:
 
 
 @dataclass(frozen=True)
+class Finding:
+    """One rule on one GPU, evaluated once (`diagnose`): no `for`, no state."""
+
+    gpu: str
+    uuid: str
+    cause: str
+    dimension: str
+    severity: str
+    status: str  # HOLDS, NOT_HOLDING or NOT_EVALUABLE
+    detail: str  # the evidence summary, or why the rule could not be evaluated
+    remedy: str
+
+
+HOLDS, NOT_HOLDING = "holds", "does_not_hold"
+
+
+@dataclass(frozen=True)
 class Transition:
     at: float
     gpu: str
@@ -205,6 +222,46 @@ class RuleEngine:
         self.last_eval = now
         self.duration = time.thread_time() - started
         return transitions
+
+    def diagnose(self, now: float) -> list[Finding]:
+        """Evaluate every rule on every GPU once at `now`, ignoring `for` (doctor).
+
+        The alerting state (pending, firing, seconds, errors) is neither read nor changed.
+        """
+        snapshot = self._snapshot(now)
+        gpus = sorted(self.gpus.values(), key=lambda g: (_index(g.gpu), g.uuid))
+        self.evaluator.begin(snapshot, gpus)
+        findings = []
+        for gpu in gpus:
+            for rule in self.rules.rules:
+                spec = rule.spec
+                down = sorted(s for s in rule.expr.sources if not self.source_up(s))
+                status, detail = NOT_EVALUABLE, ""
+                if down:
+                    detail = f"source {', '.join(down)} down or disabled"
+                else:
+                    try:
+                        holds = bool(self.evaluator.evaluate(rule.expr, gpu))
+                    except Missing as e:
+                        detail = f"no value for {e}"
+                    except Exception as e:
+                        detail = f"error: {type(e).__name__}: {e}"
+                    else:
+                        status = HOLDS if holds else NOT_HOLDING
+                        detail = self.summary(rule, gpu)
+                findings.append(
+                    Finding(
+                        gpu.gpu,
+                        gpu.uuid,
+                        rule.name,
+                        spec.dimension,
+                        spec.severity,
+                        status,
+                        detail,
+                        " ".join(spec.remedy.split()),
+                    )
+                )
+        return findings
 
     def _step(
         self, rule: Rule, gpu: GpuRef, state: AlertState, now: float, down: list[str]
