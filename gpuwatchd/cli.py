@@ -44,6 +44,12 @@ def _scenario(name: str) -> Scenario:
         raise click.ClickException(str(e)) from e
 
 
+class _CannotRun(click.ClickException):
+    """doctor could not run at all (bad config, rules or scenario): exit 2, not 1."""
+
+    exit_code = 2
+
+
 config_option = click.option(
     "--config",
     "config_file",
@@ -285,9 +291,7 @@ def doctor(
         else:
             report = diagnose_node(config, window)
     except (ConfigError, RulesError) as e:
-        error = click.ClickException(str(e))
-        error.exit_code = 2
-        raise error from e
+        raise _CannotRun(str(e)) from e
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
