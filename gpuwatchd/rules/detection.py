@@ -26,10 +26,6 @@ PLANNED = (
     "bursty_utilization",
     "launch_bound_small_kernels",
     "memory_fragmentation",
-    "infiniband_degraded",
-    "persistence_mode_off",
-    "gpu_contention",
-    "numa_misaligned",
 )
 
 
