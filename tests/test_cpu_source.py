@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from series import by_key
 
-from gpuwatchd.metrics import Sample
 from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sim.writers.cpu import CpuWriter, core_split, psi_fixed
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter, nr_irqs
@@ -50,12 +50,6 @@ def tree(root: Path, stat: Path = NODE_EXPORTER / "stat", pressure: bool = True)
 
 def source_for(root: Path, **config: Any) -> CpuSource:
     return CpuSource(CpuConfig(**config), Context(procfs=root))
-
-
-def by_key(samples: list[Sample]) -> dict[tuple[str, tuple[str, ...]], float]:
-    keyed = {(s.name.removeprefix("gpuwatchd_"), s.labels): s.value for s in samples}
-    assert len(keyed) == len(samples), "duplicate series"
-    return keyed
 
 
 def advance(text: str, per_cpu: dict[str, list[int]]) -> str:

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from series import Clock, Key, by_key
 
 from gpuwatchd.config import SourceConfig
 from gpuwatchd.metrics import Sample
@@ -42,22 +43,6 @@ from gpuwatchd.sources.disks import (
 
 FIXTURE = Path(__file__).parent / "fixtures" / "diskstats" / "node_exporter"
 FIXTURE_TEXT = (FIXTURE / "diskstats").read_text()
-
-Key = tuple[str, tuple[str, ...]]
-
-
-class Clock:
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def by_key(samples: list[Sample]) -> dict[Key, float]:
-    keyed = {(s.name.removeprefix("gpuwatchd_"), s.labels): s.value for s in samples}
-    assert len(keyed) == len(samples), "duplicate series"
-    return keyed
 
 
 def devices(samples: list[Sample]) -> set[str]:

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from series import Clock, Key, by_key
 
-from gpuwatchd.metrics import Sample
 from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sim.writers.infiniband import InfinibandWriter, hca_type, rate_text
 from gpuwatchd.sources import REGISTRY, SourceError
@@ -41,22 +41,6 @@ FIXTURES = Path(__file__).parent / "fixtures" / "infiniband"
 NODE_EXPORTER = FIXTURES / "node_exporter"  # a sysfs root: class/infiniband/{mlx4_0,i40iw0}
 GPUD = FIXTURES / "gpud"  # a sysfs root: class/infiniband/{mlx5_0,mlx5_1,mlx5_bond_0}
 ENDURE = FIXTURES / "azhpc-diagnostics" / "endure"  # one port's rate, state, phys_state
-
-Key = tuple[str, tuple[str, ...]]
-
-
-class Clock:
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def by_key(samples: list[Sample]) -> dict[Key, float]:
-    keyed = {(s.name.removeprefix("gpuwatchd_"), s.labels): s.value for s in samples}
-    assert len(keyed) == len(samples), "duplicate series"
-    return keyed
 
 
 def source(sysfs: Path, clock: Clock | None = None, **config: Any) -> InfinibandSource:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from series import Clock, by_key
 
-from gpuwatchd.metrics import Sample
 from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter, irq_prec, msi_hwirq, nr_irqs
 from gpuwatchd.sources import REGISTRY, SourceError
@@ -41,25 +41,9 @@ MLX4 = FIXTURES / "dynolog" / "interrupts"
 ALL_FIXTURES = (X86_OLD, ARM64, X86_NEW, MLX4)
 
 
-class Clock:
-    """A virtual clock for `context.extras["clock"]`."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def source_for(root: Path, clock: Clock | None = None, **config: Any) -> InterruptsSource:
     extras = {"clock": clock} if clock is not None else {}
     return InterruptsSource(InterruptsConfig(**config), Context(procfs=root, extras=extras))
-
-
-def by_key(samples: list[Sample]) -> dict[tuple[str, tuple[str, ...]], float]:
-    keyed = {(s.name.removeprefix("gpuwatchd_"), s.labels): s.value for s in samples}
-    assert len(keyed) == len(samples), "duplicate series"
-    return keyed
 
 
 def bump(text: str, label: str, column: int, by: int) -> str:

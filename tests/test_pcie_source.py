@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from series import by_key
 
 from gpuwatchd.config import PcieConfig
-from gpuwatchd.metrics import Sample
 from gpuwatchd.sources import REGISTRY, SourceError
 from gpuwatchd.sources import pcie as pcie_module
 from gpuwatchd.sources.base import Context
@@ -74,12 +74,6 @@ def device_dir(root: Path, bdf: str) -> Path:
 
 def source_for(root: Path) -> PcieSource:
     return PcieSource(PcieConfig(), Context(sysfs=root))
-
-
-def by_key(samples: list[Sample]) -> dict[tuple[str, tuple[str, ...]], float]:
-    keyed = {(s.name.removeprefix("gpuwatchd_"), s.labels): s.value for s in samples}
-    assert len(keyed) == len(samples), "duplicate series"
-    return keyed
 
 
 # --- the fixture tree -----------------------------------------------------------------

@@ -1,0 +1,24 @@
+"""Helpers shared by the source tests: a virtual clock and samples keyed for lookups."""
+
+from __future__ import annotations
+
+from gpuwatchd.metrics import Sample
+
+Key = tuple[str, tuple[str, ...]]
+
+
+class Clock:
+    """A virtual clock for `context.extras["clock"]`: time moves only when a test sets `t`."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def by_key(samples: list[Sample]) -> dict[Key, float]:
+    """(name without the gpuwatchd_ prefix, labels) -> value; a duplicate series fails."""
+    keyed = {(s.name.removeprefix("gpuwatchd_"), s.labels): s.value for s in samples}
+    assert len(keyed) == len(samples), "duplicate series"
+    return keyed
