@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from gpuwatchd.metrics import Sample
 
 Key = tuple[str, tuple[str, ...]]
@@ -22,3 +24,15 @@ def by_key(samples: list[Sample]) -> dict[Key, float]:
     keyed = {(s.name.removeprefix("gpuwatchd_"), s.labels): s.value for s in samples}
     assert len(keyed) == len(samples), "duplicate series"
     return keyed
+
+
+class Metrics:
+    """Samples by name, then by labels; a duplicate series fails. Tests subclass it with
+    their own lookups."""
+
+    def __init__(self, samples: list[Sample]) -> None:
+        self.samples = samples
+        self.by_name: dict[str, dict[tuple[str, ...], float]] = defaultdict(dict)
+        for name, labels, value in samples:
+            assert labels not in self.by_name[name], f"duplicate series {name}{labels}"
+            self.by_name[name][labels] = value

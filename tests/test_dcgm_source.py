@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from series import Metrics as SampleIndex
 
 from gpuwatchd.config import ConfigError, SourcesConfig, load_config
 from gpuwatchd.exporter import Exporter
@@ -166,14 +166,7 @@ def make(tmp_path: Path):
         sim.close()
 
 
-class Metrics:
-    def __init__(self, samples: list[Sample]) -> None:
-        self.samples = samples
-        self.by_name: dict[str, dict[tuple[str, ...], float]] = defaultdict(dict)
-        for name, labels, value in samples:
-            assert labels not in self.by_name[name], f"duplicate series {name}{labels}"
-            self.by_name[name][labels] = value
-
+class Metrics(SampleIndex):
     def value(self, name: str, gpu: int, *extra: str) -> float:
         return {
             labels[2:]: v for labels, v in self.by_name[P + name].items() if labels[0] == str(gpu)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections import defaultdict
 from typing import Any
 
 import pytest
+from series import Metrics as SampleIndex
 
 from gpuwatchd.config import NvmlConfig
-from gpuwatchd.metrics import Sample
 from gpuwatchd.scheduler import Poller
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml import gpu_uuid, make_pynvml
@@ -46,15 +45,8 @@ class Sim:
         return Metrics(self.source.collect())
 
 
-class Metrics:
+class Metrics(SampleIndex):
     """Samples by name, then by labels (gpu, uuid, extra...)."""
-
-    def __init__(self, samples: list[Sample]) -> None:
-        self.samples = samples
-        self.by_name: dict[str, dict[tuple[str, ...], float]] = defaultdict(dict)
-        for name, labels, value in samples:
-            assert labels not in self.by_name[name], f"duplicate series {name}{labels}"
-            self.by_name[name][labels] = value
 
     def gpu(self, name: str, gpu: int) -> dict[tuple[str, ...], float]:
         """Series of `name` for one GPU, keyed by their labels after gpu and uuid."""

@@ -7,15 +7,14 @@ import contextlib
 import logging
 import os
 import shutil
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from series import Metrics as SampleIndex
 
-from gpuwatchd.metrics import Sample
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml import ERROR_GPU_IS_LOST, ERROR_NOT_SUPPORTED, make_pynvml
 from gpuwatchd.sim.scenario import Scenario, Timeline, load_scenario
@@ -329,15 +328,8 @@ def scenario(
     return Scenario.model_validate({"name": "t", "node": node, "phases": [first, *(phases or [])]})
 
 
-class Metrics:
+class Metrics(SampleIndex):
     """Samples by name, then by labels."""
-
-    def __init__(self, samples: list[Sample]) -> None:
-        self.samples = samples
-        self.by_name: dict[str, dict[tuple[str, ...], float]] = defaultdict(dict)
-        for name, labels, value in samples:
-            assert labels not in self.by_name[name], f"duplicate series {name}{labels}"
-            self.by_name[name][labels] = value
 
     def gpu(self, name: str, gpu: int, *extra: str) -> float | None:
         for labels, value in self.by_name.get(P + name, {}).items():
