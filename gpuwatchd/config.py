@@ -187,6 +187,18 @@ class ProcessesConfig(SourceConfig):
     max_threads: int = Field(1024, ge=1)  # threads read per process per poll
 
 
+class ProbeConfig(SourceConfig):
+    """gpuwatchd.sources.probe: reports of gpuwatchd.probe inside training processes."""
+
+    interval: Duration = 1.0
+    timeout: Duration = 2.0
+    # created mode 0666: any local process may report, the kernel names the sender
+    socket: Path = Path("/run/gpuwatchd/probe.sock")
+    max_report_bytes: int = Field(8192, ge=256)  # a bigger datagram is dropped
+    max_reports_per_second: float = Field(5.0, gt=0)  # per pid, bursts of twice that
+    expire_after: Duration = 30.0  # a pid silent this long is forgotten (a dead one at once)
+
+
 class SourcesConfig(Strict):
     nvml: NvmlConfig = NvmlConfig()
     pcie: PcieConfig = PcieConfig()
@@ -196,6 +208,7 @@ class SourcesConfig(Strict):
     disks: DisksConfig = DisksConfig()
     infiniband: InfinibandConfig = InfinibandConfig()
     processes: ProcessesConfig = ProcessesConfig()
+    probe: ProbeConfig = ProbeConfig()
 
     def enabled(self) -> dict[str, SourceConfig]:
         return {

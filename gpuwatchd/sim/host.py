@@ -100,6 +100,26 @@ class ProcessValues(Strict):
     running: bool | None = None  # false: the process has exited
 
 
+class ProbeValues(Strict):
+    """What gpuwatchd.probe inside a process reports (see gpuwatchd.sim.probe)."""
+
+    reporting: bool | None = None  # false: the process runs without the probe
+    step_seconds: float | None = Field(None, gt=0)  # wall time per batch, wait included
+    wait_fraction: float | None = Field(None, ge=0, le=1)  # share of it blocked in next()
+    num_workers: int | None = Field(None, ge=0)  # the DataLoader's settings
+    pin_memory: bool | None = None
+    prefetch_factor: int | None = Field(None, ge=0)
+    persistent_workers: bool | None = None
+    batch_size: int | None = Field(None, ge=1)
+    cuda_device: int | None = Field(None, ge=0)  # the GPU its CUDA device is; None: no CUDA
+    reserved_mib: float | None = Field(None, ge=0)  # the caching allocator's state
+    allocated_mib: float | None = Field(None, ge=0)
+    inactive_split_mib: float | None = Field(None, ge=0)
+    largest_free_block_mib: float | None = Field(None, ge=0)
+    alloc_retries_per_minute: float | None = Field(None, ge=0)
+    cuda_init_seconds: float | None = Field(None, ge=0)
+
+
 class HostValues(Strict):
     """Node-wide values a phase can set (GPU values live in GpuValues)."""
 
@@ -117,6 +137,7 @@ class HostValues(Strict):
     disks: dict[str, DiskValues] | None = None
     ib_ports: dict[str, IbPortValues] | None = None  # "mlx5_0/1"
     processes: dict[int, ProcessValues] | None = None
+    probe: dict[int, ProbeValues] | None = None  # pid -> its in-process probe's reports
     dcgm_hostengine_up: bool | None = None  # nv-hostengine running (false: stopped/restarting)
 
 
@@ -135,6 +156,7 @@ HOST_DEFAULTS: dict[str, Any] = dict(
     disks={},
     ib_ports={},
     processes={},
+    probe={},
     dcgm_hostengine_up=True,
 )
 
@@ -164,6 +186,7 @@ _NESTED: dict[str, type[BaseModel]] = {
     "disks": DiskValues,
     "ib_ports": IbPortValues,
     "processes": ProcessValues,
+    "probe": ProbeValues,
 }
 
 

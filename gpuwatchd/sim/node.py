@@ -11,6 +11,7 @@ from typing import Protocol
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.dcgm import SimDcgm
 from gpuwatchd.sim.fake_nvml import make_pynvml
+from gpuwatchd.sim.probe import SimProbeReceiver
 from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sim.sysfs import SysfsWriter
 from gpuwatchd.sim.writers.cpu import CpuWriter
@@ -46,6 +47,7 @@ class SimNode:
         self.root = Path(tempfile.mkdtemp(prefix=f"gpuwatchd-sim-{scenario.name}-", dir=_TMPFS))
         self.pynvml = make_pynvml(self.timeline, self.clock)
         self.dcgm = SimDcgm(self.timeline, self.clock, self.root)  # bindings under root/usr
+        self.probe = SimProbeReceiver(self.timeline, self.clock.now, self.clock.elapsed)
         proc, sys = self.root / "proc", self.root / "sys"
         interrupts = InterruptsWriter(proc, self.timeline)
         # in tick order: /proc/stat's intr line sums what the interrupts writer wrote
@@ -68,6 +70,7 @@ class SimNode:
             extras={
                 "now": self.clock.now,
                 "clock": self.clock.elapsed,
+                "probe_receiver": self.probe,  # the kernel's side of the probe socket
                 **self.dcgm.context_extras(),  # rootfs, dcgm_hostengine, hostname
             },
         )

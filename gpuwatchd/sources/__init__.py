@@ -10,7 +10,9 @@ import importlib
 
 from gpuwatchd.sources.base import Context, Source, SourceError
 
-BUILTIN = ("nvml", "dcgm", "pcie", "interrupts", "cpu", "disks", "infiniband", "processes")
+BUILTIN = (
+    "nvml", "dcgm", "pcie", "interrupts", "cpu", "disks", "infiniband", "processes", "probe",
+)  # fmt: skip
 
 REGISTRY: dict[str, type[Source]] = {}
 

@@ -1,0 +1,91 @@
+"""The simulated node's in-process probes, handed over as the kernel hands datagrams.
+
+Stands in for the probe source's socket (`context.extras["probe_receiver"]`): each
+`receive` gives one report per probed process that runs and reports, tagged with the
+pid the kernel would have attributed it to. Counters integrate the scenario's rates
+over the clock (batches at 1/`step_seconds`, wait and compute seconds as shares of
+wall time), so the source sees what a real probe sending once per poll would send.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from gpuwatchd.probe import VERSION
+from gpuwatchd.sim.counters import Integrator
+from gpuwatchd.sim.fake_nvml import gpu_uuid
+from gpuwatchd.sim.scenario import Timeline
+
+MIB = 1 << 20
+
+DEFAULTS: dict[str, Any] = dict(
+    reporting=True,
+    step_seconds=0.5,
+    wait_fraction=0.05,
+    alloc_retries_per_minute=0.0,
+)
+_LOADER = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "batch_size")
+_MEMORY = ("reserved", "allocated", "inactive_split", "largest_free_block")
+
+
+class SimProbeReceiver:
+    def __init__(self, timeline: Timeline, now: Callable[[], float], elapsed: Callable[[], float]):
+        self.timeline = timeline
+        self._now = now  # wall clock, for the CUDA initialisation's timestamp
+        self._elapsed = elapsed
+        self._integrator = Integrator()
+        node = timeline.scenario.node
+        self._uuids = [gpu_uuid(node.hostname, i) for i in range(node.gpu_count)]
+        self._init_at: dict[int, float] = {}  # pid -> when its CUDA start finished
+
+    def receive(self, limit: int) -> list[tuple[int, bytes]]:
+        t = self._elapsed()
+        host = self.timeline.host_state(t)
+        running = host.get("processes") or {}
+        probes: dict[int, dict[str, Any]] = {}
+        rates: dict[Hashable, float] = {}
+        for pid, values in (host.get("probe") or {}).items():
+            v = {**DEFAULTS, **{k: x for k, x in values.items() if x is not None}}
+            if not v["reporting"] or running.get(pid, {}).get("running") is False:
+                continue
+            probes[pid] = v
+            rates[(pid, "batches")] = 1.0 / v["step_seconds"]
+            rates[(pid, "wait")] = v["wait_fraction"]
+            rates[(pid, "compute")] = 1.0 - v["wait_fraction"]
+            rates[(pid, "retries")] = v["alloc_retries_per_minute"] / 60.0
+        totals = self._integrator.advance(t, rates)
+        out = [
+            (pid, json.dumps(self._report(pid, v, totals), separators=(",", ":")).encode())
+            for pid, v in sorted(probes.items())
+        ]
+        return out[:limit]
+
+    def _report(self, pid: int, v: dict[str, Any], totals: dict[Hashable, float]) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "v": VERSION,
+            "batches": int(totals[(pid, "batches")]),
+            "wait_seconds": totals[(pid, "wait")],
+            "compute_seconds": totals[(pid, "compute")],
+        }
+        loader = {k: v[k] for k in _LOADER if k in v}
+        if loader:
+            report["loader"] = loader
+        device = v.get("cuda_device")
+        if device is not None and device < len(self._uuids):
+            cuda: dict[str, Any] = {
+                "device": device,
+                "uuid": self._uuids[device].removeprefix("GPU-"),  # as torch prints it
+                "alloc_retries": int(totals[(pid, "retries")]),
+            }
+            for name in _MEMORY:
+                cuda[f"{name}_bytes"] = v.get(f"{name}_mib", 0.0) * MIB
+            if "cuda_init_seconds" in v:
+                at = self._init_at.setdefault(pid, self._now())
+                cuda["init_seconds"], cuda["init_timestamp"] = v["cuda_init_seconds"], at
+            report["cuda"] = cuda
+        return report
+
+    def close(self) -> None:
+        pass

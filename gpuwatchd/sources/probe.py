@@ -1,0 +1,399 @@
+"""Reports from gpuwatchd.probe inside training processes, attributed by the kernel.
+
+The daemon binds a Unix datagram socket (`sources.probe.socket`) with SO_PASSCRED:
+every datagram arrives with the sender's pid as the kernel saw it (SCM_CREDENTIALS), so
+a report describes the process that really sent it and can only land on the GPUs NVML
+lists that pid on. (With pid namespaces the kernel gives the pid in the daemon's
+namespace; the daemon needs the host's, as NVML does: hostPID in Kubernetes.)
+
+Each poll drains the socket without blocking. A report is checked against `Report`
+(size, JSON, schema); a bad one or one over the pid's rate limit is counted by `result`
+and dropped. The latest report of each pid is kept until the pid exits or stays silent
+for `expire_after`; a pid that reports but is on no GPU is counted in
+`probe_unplaced_processes`.
+
+Per GPU, the probed process with the most memory on it supplies the series: its batch
+counters, DataLoader settings and, on the GPU its CUDA device is, the caching
+allocator's state. The simulator stands in for the kernel with
+`context.extras["probe_receiver"]`, which hands over (pid, datagram) pairs the same way.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuwatchd.config import ProbeConfig, SourceConfig
+from gpuwatchd.metrics import GPU_LABELS, Sample, counter, gauge
+from gpuwatchd.sources import register
+from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.nvml import quietly, start_nvml
+
+log = logging.getLogger(__name__)
+
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+RESULTS = ("accepted", "malformed", "too_large", "rate_limited")
+
+
+# -- the report's schema ----------------------------------------------------------------
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)  # newer probes may send more
+
+
+class Loader(_Part):
+    num_workers: int | None = Field(None, ge=0)
+    pin_memory: bool | None = None
+    prefetch_factor: int | None = Field(None, ge=0)
+    persistent_workers: bool | None = None
+    batch_size: int | None = Field(None, ge=0)
+
+
+class Cuda(_Part):
+    device: int = Field(ge=0)
+    uuid: str | None = Field(None, max_length=80)
+    reserved_bytes: float = Field(ge=0)
+    allocated_bytes: float = Field(ge=0)
+    inactive_split_bytes: float = Field(0, ge=0)
+    largest_free_block_bytes: float | None = Field(None, ge=0)
+    alloc_retries: int = Field(0, ge=0)
+    ooms: int = Field(0, ge=0)
+    init_seconds: float | None = Field(None, ge=0)
+    init_timestamp: float | None = Field(None, ge=0)
+
+
+class Report(_Part):
+    v: int = Field(ge=1)
+    batches: int = Field(ge=0)
+    wait_seconds: float = Field(ge=0)
+    compute_seconds: float = Field(ge=0)
+    rank: int | None = Field(None, ge=0)
+    local_rank: int | None = Field(None, ge=0)
+    loader: Loader | None = None
+    cuda: Cuda | None = None
+
+
+# -- metrics ----------------------------------------------------------------------------
+
+
+def _gpu(kind: Callable[..., Any], name: str, help: str) -> Any:
+    return kind("probe_" + name, help, GPU_LABELS)
+
+
+PID = _gpu(gauge, "pid", "Pid of the probed process whose reports this GPU's probe series are")
+RANK = _gpu(gauge, "rank", "That process's RANK (torch.distributed), when set")
+BATCHES = _gpu(counter, "batches_total", "Batches the probed process fetched")
+WAIT = _gpu(counter, "wait_seconds_total", "Seconds the process waited for the next batch")
+COMPUTE = _gpu(counter, "compute_seconds_total", "Seconds between batches (computing)")
+WORKERS = _gpu(gauge, "loader_workers", "DataLoader num_workers (0: loads in the main process)")
+PIN = _gpu(gauge, "loader_pin_memory", "DataLoader pin_memory (1 true, 0 false)")
+PREFETCH = _gpu(gauge, "loader_prefetch_factor", "DataLoader prefetch_factor (batches per worker)")
+PERSISTENT = _gpu(gauge, "loader_persistent_workers", "DataLoader persistent_workers (1/0)")
+BATCH_SIZE = _gpu(gauge, "loader_batch_size", "DataLoader batch_size")
+RESERVED = _gpu(gauge, "cuda_reserved_bytes", "Bytes the caching allocator holds on this GPU")
+ALLOCATED = _gpu(gauge, "cuda_allocated_bytes", "Bytes allocated to tensors on this GPU")
+INACTIVE_SPLIT = _gpu(
+    gauge, "cuda_inactive_split_bytes", "Free bytes inside split blocks (fragmentation)"
+)
+LARGEST_FREE = _gpu(gauge, "cuda_largest_free_block_bytes", "Largest free cached block")
+RETRIES = _gpu(
+    counter, "cuda_alloc_retries_total", "cudaMalloc failures the allocator retried after a flush"
+)
+OOMS = _gpu(counter, "cuda_ooms_total", "Out-of-memory errors the allocator raised")
+INIT_SECONDS = _gpu(gauge, "cuda_init_seconds", "Seconds the process's CUDA initialisation took")
+INIT_TIME = _gpu(
+    gauge, "cuda_init_timestamp_seconds", "When the process's CUDA initialisation finished"
+)
+REPORTS = counter(
+    "probe_reports_total",
+    "Probe reports received, by result (accepted, malformed, too_large, rate_limited)",
+    ("result",),
+)
+PROCESSES = gauge("probe_processes", "Processes whose probe reports are current")
+UNPLACED = gauge(
+    "probe_unplaced_processes",
+    "Processes reporting that NVML lists on no GPU (a pid namespace other than the host's?)",
+)
+
+
+# -- the receiving end ------------------------------------------------------------------
+
+
+class Receiver(Protocol):
+    def receive(self, limit: int) -> list[tuple[int, bytes]]:
+        """(sender pid, datagram) pairs waiting now, at most `limit` of them."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ProbeSocket:
+    """The daemon's Unix datagram socket; the kernel attaches each sender's pid."""
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_socket():
+                _take_over(path)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            sock.bind(os.fspath(path))
+            os.chmod(path, 0o666)  # any local process may report; the kernel says who
+            sock.setblocking(False)
+        except OSError as e:
+            sock.close()
+            raise SourceError(
+                f"cannot listen for probe reports on {path}: {e.strerror or e} "
+                "(set `sources.probe.socket:` to a writable path)"
+            ) from None
+        self._sock = sock
+        self._ancillary = socket.CMSG_SPACE(_UCRED.size)
+
+    def receive(self, limit: int) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
+        while len(out) < limit:
+            try:
+                # one byte more than allowed, to tell a too-large datagram from a full one
+                data, ancillary, flags, _ = self._sock.recvmsg(self.max_bytes + 1, self._ancillary)
+            except (BlockingIOError, InterruptedError):
+                break
+            pid = 0
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = _UCRED.unpack_from(payload)[0]
+            if flags & socket.MSG_TRUNC:
+                data = data + b"\0"  # marks it too large whatever was read
+            out.append((pid, data))
+        return out
+
+    def close(self) -> None:
+        self._sock.close()
+        try:
+            if self.path.is_socket():
+                self.path.unlink()
+        except OSError:
+            pass
+
+
+def _take_over(path: Path) -> None:
+    """Remove a dead daemon's socket file; refuse a live one's (doctor beside a daemon)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        probe.connect(os.fspath(path))
+    except ConnectionRefusedError:
+        path.unlink()  # nobody bound to it: left by a daemon that died
+        return
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, "another process (a running gpuwatchd?) receives on it")
+
+
+# -- the source -------------------------------------------------------------------------
+
+
+@dataclass
+class _Pid:
+    report: Report
+    seen: float  # clock time of its latest accepted report
+    tokens: float  # rate limit: reports it may still send now
+    refilled: float
+
+
+@register
+class ProbeSource(Source):
+    name = "probe"
+    metrics = (
+        PID, RANK, BATCHES, WAIT, COMPUTE, WORKERS, PIN, PREFETCH, PERSISTENT, BATCH_SIZE,
+        RESERVED, ALLOCATED, INACTIVE_SPLIT, LARGEST_FREE, RETRIES, OOMS, INIT_SECONDS,
+        INIT_TIME, REPORTS, PROCESSES, UNPLACED,
+    )  # fmt: skip
+
+    def __init__(self, config: SourceConfig, context: Context) -> None:
+        super().__init__(config, context)
+        self.settings = (
+            config
+            if isinstance(config, ProbeConfig)
+            else ProbeConfig.model_validate(config.model_dump())
+        )
+        self._clock: Callable[[], float] = context.extras.get("clock", time.monotonic)
+        self._receiver: Receiver | None = context.extras.get("probe_receiver")
+        self._proc = os.fspath(context.procfs)
+        self._pids: dict[int, _Pid] = {}
+        self._results = dict.fromkeys(RESULTS, 0)
+        self._warned: set[tuple[int, str]] = set()
+        self._unplaced: set[int] = set()
+        self._nv: Any = None
+        self._gpu_count = 0
+
+    def close(self) -> None:
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()
+        nv, self._nv = self._nv, None
+        if nv is not None:
+            quietly(nv, nv.nvmlShutdown)
+
+    def collect(self) -> list[Sample]:
+        if self._receiver is None:
+            self._receiver = ProbeSocket(self.settings.socket, self.settings.max_report_bytes)
+        now = self._clock()
+        # a poll takes what arrived since the last one, and a bounded amount of it
+        limit = max(64, int(self.settings.max_reports_per_second * 4 * (len(self._pids) + 16)))
+        for pid, data in self._receiver.receive(limit):
+            self._accept(pid, data, now)
+        self._expire(now)
+        samples: list[Sample] = []
+        placed = self._gpu_samples(samples) if self._pids else set()
+        unplaced = self._pids.keys() - placed
+        for pid in unplaced - self._unplaced:
+            log.warning(
+                "probe: pid %d reports but NVML lists it on no GPU; is the daemon in the "
+                "host's pid namespace?",
+                pid,
+            )
+        self._unplaced = unplaced
+        samples.extend(Sample(REPORTS.name, (r,), float(n)) for r, n in self._results.items())
+        samples.append(Sample(PROCESSES.name, (), float(len(self._pids))))
+        samples.append(Sample(UNPLACED.name, (), float(len(unplaced))))
+        return samples
+
+    # -- accepting ----------------------------------------------------------------------
+
+    def _accept(self, pid: int, data: bytes, now: float) -> None:
+        if len(data) > self.settings.max_report_bytes:
+            self._drop(pid, "too_large", f"{len(data)} bytes or more")
+            return
+        state = self._pids.get(pid)
+        if state is not None and not self._take_token(state, now):
+            self._results["rate_limited"] += 1
+            return
+        try:
+            report = Report.model_validate(json.loads(data))
+        except (ValueError, ValidationError) as e:  # JSONDecodeError is a ValueError
+            self._drop(pid, "malformed", str(e).splitlines()[0])
+            return
+        if pid <= 0:
+            self._drop(pid, "malformed", "no sender credentials")
+            return
+        if state is None:
+            rate = self.settings.max_reports_per_second
+            self._pids[pid] = _Pid(report, now, 2 * rate - 1, now)
+        else:
+            state.report, state.seen = report, now
+        self._results["accepted"] += 1
+
+    def _take_token(self, state: _Pid, now: float) -> bool:
+        rate = self.settings.max_reports_per_second
+        state.tokens = min(2 * rate, state.tokens + (now - state.refilled) * rate)
+        state.refilled = now
+        if state.tokens < 1:
+            return False
+        state.tokens -= 1
+        return True
+
+    def _drop(self, pid: int, result: str, why: str) -> None:
+        self._results[result] += 1
+        if (pid, result) not in self._warned:  # once per pid and kind: a loop can't flood logs
+            self._warned.add((pid, result))
+            log.warning("probe: dropped a report from pid %d (%s): %s", pid, result, why)
+
+    def _expire(self, now: float) -> None:
+        for pid, state in list(self._pids.items()):
+            if now - state.seen > self.settings.expire_after or not os.path.isdir(
+                f"{self._proc}/{pid}"
+            ):
+                del self._pids[pid]
+        self._warned = {w for w in self._warned if w[0] in self._pids}
+
+    # -- attributing --------------------------------------------------------------------
+
+    def _gpu_samples(self, samples: list[Sample]) -> set[int]:
+        """The series of each GPU a probed pid is on, per NVML; returns the pids placed."""
+        if self._nv is None:
+            self._nv, _, self._gpu_count = start_nvml(self.context)
+        nv = self._nv
+        best: dict[int, tuple[float, int]] = {}  # pid -> (memory on the GPU, gpu index)
+        owners: dict[int, tuple[tuple[str, str], int, float]] = {}  # gpu -> labels, pid, mem
+        placed: set[int] = set()
+        uuids: dict[int, str] = {}
+        for index in range(self._gpu_count):
+            try:
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                processes = nv.nvmlDeviceGetComputeRunningProcesses(handle)
+                uuids[index] = nv.nvmlDeviceGetUUID(handle)
+            except nv.NVMLError as e:
+                log.debug("probe: GPU %d: cannot list its processes: %s", index, e)
+                continue
+            for process in processes:
+                if process.pid not in self._pids:
+                    continue
+                placed.add(process.pid)
+                memory = float(process.usedGpuMemory or 0)
+                held = owners.get(index)
+                if held is None or memory > held[2]:
+                    owners[index] = ((str(index), uuids[index]), process.pid, memory)
+                if memory > best.get(process.pid, (-1.0, 0))[0]:
+                    best[process.pid] = (memory, index)
+        for index, (labels, pid, _) in sorted(owners.items()):
+            report = self._pids[pid].report
+            cuda = report.cuda
+            mine = cuda is not None and (
+                _same_uuid(cuda.uuid, labels[1])
+                if cuda.uuid
+                else best.get(pid, (0.0, -1))[1] == index
+            )
+            _emit(labels, pid, report, cuda if mine else None, samples)
+        return placed
+
+
+def _same_uuid(reported: str | None, nvml_uuid: str) -> bool:
+    """torch prints a device's uuid without NVML's "GPU-" prefix."""
+    return reported is not None and _bare(reported) == _bare(nvml_uuid)
+
+
+def _bare(uuid: str) -> str:
+    return uuid.lower().removeprefix("gpu-")
+
+
+def _emit(
+    labels: tuple[str, str], pid: int, report: Report, cuda: Cuda | None, out: list[Sample]
+) -> None:
+    def put(spec: Any, value: float | bool | None) -> None:
+        if value is not None:
+            out.append(Sample(spec.name, labels, float(value)))
+
+    put(PID, pid)
+    put(RANK, report.rank)
+    put(BATCHES, report.batches)
+    put(WAIT, report.wait_seconds)
+    put(COMPUTE, report.compute_seconds)
+    loader = report.loader
+    if loader is not None:
+        put(WORKERS, loader.num_workers)
+        put(PIN, loader.pin_memory)
+        put(PREFETCH, loader.prefetch_factor)
+        put(PERSISTENT, loader.persistent_workers)
+        put(BATCH_SIZE, loader.batch_size)
+    if cuda is not None:
+        put(RESERVED, cuda.reserved_bytes)
+        put(ALLOCATED, cuda.allocated_bytes)
+        put(INACTIVE_SPLIT, cuda.inactive_split_bytes)
+        put(LARGEST_FREE, cuda.largest_free_block_bytes)
+        put(RETRIES, cuda.alloc_retries)
+        put(OOMS, cuda.ooms)
+        put(INIT_SECONDS, cuda.init_seconds)
+        put(INIT_TIME, cuda.init_timestamp)
