@@ -17,6 +17,7 @@ from series import Metrics as SampleIndex
 
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml import ERROR_GPU_IS_LOST, ERROR_NOT_SUPPORTED, make_pynvml
+from gpuwatchd.sim.host import HostHardware
 from gpuwatchd.sim.scenario import Scenario, Timeline, load_scenario
 from gpuwatchd.sim.sysfs import SysfsWriter
 from gpuwatchd.sim.writers.processes import (
@@ -32,6 +33,7 @@ from gpuwatchd.sources import nvml as nvml_module
 from gpuwatchd.sources import processes as processes_module
 from gpuwatchd.sources.base import Context
 from gpuwatchd.sources.processes import (
+    ADOPTERS,
     DESKTOP_PROCESSES,
     CgroupLine,
     ProcessesConfig,
@@ -39,6 +41,7 @@ from gpuwatchd.sources.processes import (
     cpu_cgroup,
     cpus_allowed,
     desktop_name,
+    group_jobs,
     in_container,
     parse_cfs_quota,
     parse_cgroup,
@@ -236,6 +239,48 @@ def test_desktop_names_match_truncated_comm() -> None:
     assert desktop_name("gdm-wayland-ses") == "gdm-wayland-session"
     assert desktop_name("python") is None and desktop_name("") is None
     assert len(set(DESKTOP_PROCESSES)) == len(DESKTOP_PROCESSES)
+
+
+def test_group_jobs_by_common_parent() -> None:
+    def never(pid: int) -> bool:  # no parent is an adopter by name
+        return False
+
+    torchrun = {6001: 6000, 6002: 6000, 6003: 6000}
+    assert group_jobs(torchrun, never) == dict.fromkeys(torchrun, 6000)
+    # a process without a GPU-using sibling is its own job, whatever its parent
+    assert group_jobs({6001: 6000, 7001: 7000}, never) == {6001: 6001, 7001: 7001}
+    # init (1) and "outside the namespace" (0) never make a job; nor does an adopter
+    assert group_jobs({11: 1, 12: 1, 21: 0, 22: 0}, never) == {11: 11, 12: 12, 21: 21, 22: 22}
+    assert group_jobs({31: 30, 32: 30}, {30}.__contains__) == {31: 31, 32: 32}
+    assert group_jobs({}, never) == {}
+    # a launcher that drives a GPU itself: its own job is its children's
+    assert group_jobs({6000: 1, 6001: 6000, 6002: 6000}, never) == dict.fromkeys(
+        (6000, 6001, 6002), 6000
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parents=st.dictionaries(st.integers(2, 60), st.integers(0, 12), max_size=20),
+    adopters=st.sets(st.integers(2, 12), max_size=3),
+)
+def test_group_jobs_properties(parents: dict[int, int], adopters: set[int]) -> None:
+    jobs = group_jobs(parents, adopters.__contains__)
+    assert jobs.keys() == parents.keys()
+    for pid, job in jobs.items():
+        assert job in (pid, parents[pid])  # itself or its parent
+        if job != pid:
+            assert job > 1 and job not in adopters
+            siblings = [p for p, pp in parents.items() if pp == job]
+            assert len(siblings) >= 2 and all(jobs[p] == job for p in siblings)
+    for a in parents:
+        for b in parents:
+            if a != b and jobs[a] == jobs[b]:
+                # one job: siblings, the job being their parent, or a launcher that is
+                # a GPU main process itself and its children
+                job = jobs[a]
+                assert parents[a] == parents[b] == job or job in (a, b)
+                assert {parents[a], parents[b]} & {job}
 
 
 # -- fuzz: truncated and garbled files --------------------------------------------------
@@ -506,6 +551,94 @@ def test_main_process_and_other_tenants(node_factory) -> None:
     assert m.gpu("gpu_processes", 4, "compute") == 0
 
 
+def ddp(parent: dict[str, Any] | None, ranks: int = 4, gpus: int = 6, **extra: Any) -> Scenario:
+    """`ranks` processes 6001… on GPUs 0…, children of `parent` (pid 6000), and an
+    unrelated single-GPU job (pid 9001) on the last GPU."""
+    facts = [{"pid": 6000 + 1 + r, "ppid": 6000} for r in range(ranks)]
+    if parent is not None:
+        facts.insert(0, {"pid": 6000, **parent})
+    per_gpu = {r: [{"pid": 6000 + 1 + r, "gpu_memory_mib": 70000}] for r in range(ranks)}
+    per_gpu[gpus - 1] = [{"pid": 9001, "gpu_memory_mib": 1000}]
+    return scenario(per_gpu, facts=facts, gpu_count=gpus, **extra)
+
+
+def test_job_of_ddp_ranks_is_their_launcher(node_factory) -> None:
+    node = node_factory(ddp({"name": "torchrun"}))
+    m = node.poll(10.0)
+    assert [m.gpu("gpu_process_pid", g) for g in range(4)] == [6001, 6002, 6003, 6004]
+    assert [m.gpu("gpu_process_job", g) for g in range(4)] == [6000] * 4
+    assert m.gpu("gpu_process_job", 4) is None  # no process: no job
+    assert m.gpu("gpu_process_job", 5) == 9001  # alone: its own job
+    # the launcher has no GPU: it is read only for its name
+    assert m.gpu("gpu_process_workers", 0) == 0
+    assert (node.proc / "6000" / "task" / "6000" / "children").read_text() == (
+        "6001 6002 6003 6004 "
+    )
+
+
+def test_process_on_several_gpus_and_its_sibling_are_one_job(node_factory) -> None:
+    per_gpu = {0: [{"pid": 6001, "gpu_memory_mib": 100}], 1: [{"pid": 6001, "gpu_memory_mib": 100}],
+               2: [{"pid": 6002, "gpu_memory_mib": 100}], 3: [{"pid": 7001, "gpu_memory_mib": 100}],
+               4: [{"pid": 7001, "gpu_memory_mib": 100}]}  # fmt: skip
+    facts = [{"pid": 6000, "name": "mpirun"}, {"pid": 6001, "ppid": 6000},
+             {"pid": 6002, "ppid": 6000}, {"pid": 7001}]  # fmt: skip
+    m = node_factory(scenario(per_gpu, facts=facts, gpu_count=5)).poll(10.0)
+    assert [m.gpu("gpu_process_job", g) for g in range(5)] == [6000, 6000, 6000, 7001, 7001]
+
+
+def test_jobs_are_not_made_by_adopters_or_a_lone_child(node_factory) -> None:
+    # ranks adopted by a user manager (systemd --user, a subreaper): no job
+    m = node_factory(ddp({"name": "systemd"})).poll(10.0)
+    assert [m.gpu("gpu_process_job", g) for g in range(4)] == [6001, 6002, 6003, 6004]
+    assert "systemd" in ADOPTERS and "init" in ADOPTERS
+    # one rank only: a child with no GPU-using sibling is its own job
+    m = node_factory(ddp({"name": "torchrun"}, ranks=1)).poll(10.0)
+    assert m.gpu("gpu_process_job", 0) == 6001
+    # independent jobs from shells of one tmux server: different parents, different jobs
+    facts = [{"pid": 3000, "name": "tmux"}]
+    facts += [{"pid": 3001 + g, "name": "bash", "ppid": 3000} for g in range(3)]
+    facts += [{"pid": 3101 + g, "ppid": 3001 + g} for g in range(3)]
+    per_gpu = {g: [{"pid": 3101 + g, "gpu_memory_mib": 100}] for g in range(3)}
+    m = node_factory(scenario(per_gpu, facts=facts, gpu_count=3)).poll(10.0)
+    assert [m.gpu("gpu_process_job", g) for g in range(3)] == [3101, 3102, 3103]
+
+
+def test_ranks_reparented_when_their_launcher_exits(node_factory) -> None:
+    gone = [{"name": "crashed", "duration": "10m",
+             "host": {"processes": {6000: {"running": False}}}}]  # fmt: skip
+    node = node_factory(ddp({"name": "torchrun"}, ranks=2, phases=gone))
+    assert node.poll(590.0).gpu("gpu_process_job", 0) == 6000
+    m = node.poll(605.0)
+    assert not (node.proc / "6000").exists()
+    assert parse_stat((node.proc / "6001" / "stat").read_bytes()).ppid == 1
+    assert parse_status((node.proc / "6001" / "status").read_bytes())["PPid"] == "1"
+    assert [m.gpu("gpu_process_job", g) for g in range(2)] == [6001, 6002]
+
+
+def test_straggler_ddp_scenario_tree(node_factory) -> None:
+    node = node_factory("straggler-ddp")
+    m = node.poll(10.0)
+    assert [m.gpu("gpu_process_pid", g) for g in range(8)] == list(range(6001, 6009))
+    assert [m.gpu("gpu_process_job", g) for g in range(8)] == [6000] * 8
+    assert (node.proc / "6000" / "comm").read_text() == "torchrun\n"
+    m = node_factory("ddp-independent-jobs").poll(10.0)
+    assert [m.gpu("gpu_process_job", g) for g in range(8)] == list(range(3101, 3109))
+
+
+def test_process_tree_is_validated() -> None:
+    HostHardware.model_validate({"processes": [{"pid": 5, "ppid": 0}, {"pid": 6, "ppid": 5}]})
+    bad = (
+        ([{"pid": 5, "ppid": 7}], "processes.0.ppid: 7 is not a process"),
+        ([{"pid": 5, "ppid": 6}, {"pid": 6, "ppid": 5}], "its own ancestor"),
+        ([{"pid": 5, "ppid": 5}], "its own ancestor"),
+        ([{"pid": 5}, {"pid": 5}], "pid 5 is listed twice"),
+        ([{"pid": 5, "ppid": -1}], "greater than or equal to 0"),
+    )
+    for processes, message in bad:
+        with pytest.raises(ValueError, match=message):
+            HostHardware.model_validate({"processes": processes})
+
+
 def test_desktop_on_training_box_scenario(node_factory) -> None:
     node = node_factory("desktop-on-training-box")
     node.poll(60.0)
@@ -706,6 +839,38 @@ def test_on_this_machines_real_proc(tmp_path: Path) -> None:
     assert m.gpu("gpu_process_busiest_thread_cpu_ratio", 0) >= 0
     assert m.gpu("gpu_process_in_container", 0) in (0, 1)
     assert m.node("desktop_processes") is not None
+
+
+def test_job_on_this_machines_real_proc() -> None:
+    """Two real children of this process on GPUs 0 and 1 are one job (this process);
+    this process on GPU 2 has no GPU-using sibling: its own job."""
+    if not os.path.isdir(f"/proc/{os.getpid()}/task"):
+        pytest.skip("no Linux procfs")
+    import subprocess
+    import sys
+
+    me = os.getpid()
+    children = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)
+    ]
+    try:
+        per_gpu = {
+            g: [{"pid": child.pid, "gpu_memory_mib": 100}] for g, child in enumerate(children)
+        }
+        per_gpu[2] = [{"pid": me, "gpu_memory_mib": 100}]
+        timeline = Timeline(scenario(per_gpu, gpu_count=3))
+        clock = SimClock(virtual=True)
+        source = ProcessesSource(
+            ProcessesConfig(),
+            Context(pynvml=make_pynvml(timeline, clock), extras={"clock": clock.elapsed}),
+        )
+        m = Metrics(source.collect())
+        source.close()
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert [m.gpu("gpu_process_job", g) for g in range(3)] == [me, me, me]
 
 
 def test_pid_reuse_is_a_new_process(node_factory) -> None:
@@ -982,6 +1147,24 @@ def test_writer_formats_and_only_changed_writes(tmp_path: Path) -> None:
     writer.timeline = Timeline(stopped)
     writer.write(20.0)
     assert not pid.exists() and not (tmp_path / "proc" / "4242001").exists()
+
+
+def test_writer_parents_and_children(tmp_path: Path) -> None:
+    scn = scenario(
+        [{"pid": 6001, "gpu_memory_mib": 100}],
+        facts=[{"pid": 6000, "name": "torchrun"}, {"pid": 6001, "ppid": 6000},
+               {"pid": 6002, "ppid": 6000}, {"pid": 4242, "ppid": 0}],
+        host={6000: {"workers": 1}},
+    )  # fmt: skip
+    ProcessesWriter(tmp_path / "proc", tmp_path / "sys", Timeline(scn)).write(0.0)
+    proc = tmp_path / "proc"
+    assert (proc / "6000" / "task" / "6000" / "children").read_text() == "6000001 6001 6002 "
+    for pid, ppid in ((6000, 1), (6001, 6000), (6002, 6000), (4242, 0), (6000001, 6000)):
+        assert parse_stat((proc / str(pid) / "stat").read_bytes()).ppid == ppid, pid
+        assert parse_status((proc / str(pid) / "status").read_bytes())["PPid"] == str(ppid)
+    rank_thread = proc / "6001" / "task" / str(thread_id(6001, 1)) / "stat"
+    assert parse_stat(rank_thread.read_bytes()).ppid == 6000
+    assert (proc / "6001" / "task" / "6001" / "children").read_text() == ""
 
 
 def test_writer_limits(tmp_path: Path) -> None:

@@ -207,7 +207,48 @@ def test_pcie_series_join_on_the_gpu_bus_id_and_host_series_reach_every_gpu():
     assert node.state(1) == INACTIVE
 
 
+def test_peers_are_the_other_gpus_of_the_same_job():
+    """DDP: one process per GPU; the job (their common launcher) makes them peers."""
+    straggler = (
+        "gpu_utilization_ratio < 0.1 and count(peers(gpu_utilization_ratio)) == 1"
+        " and min(peers(gpu_utilization_ratio)) > 0.8"
+    )
+    node = Node(rule(straggler))
+    compiled = node.engine.rules.rules[0].expr
+    assert "processes" not in compiled.sources  # the grouping is read, never required
+
+    def processes(now: float, pids: tuple[int, int], jobs: tuple[int, int] | None) -> None:
+        samples = [
+            Sample("gpuwatchd_gpu_process_pid", (gpu, uuid), pid)
+            for (gpu, uuid, _), pid in zip(GPUS, pids, strict=True)
+        ]
+        if jobs is not None:
+            samples += [
+                Sample("gpuwatchd_gpu_process_job", (gpu, uuid), job)
+                for (gpu, uuid, _), job in zip(GPUS, jobs, strict=True)
+            ]
+        node.store.update("processes", now, samples)
+        node.nvml(now, gpu_utilization_ratio=[0.0, 0.95])
+        node.engine.evaluate(now)
+
+    processes(0, (6001, 6002), (6000, 6000))  # two ranks of one torchrun
+    assert (node.state(0), node.state(1)) == (FIRING, INACTIVE)
+    processes(10, (6001, 6002), (6001, 6002))  # two jobs of their own
+    assert node.state(0) == INACTIVE
+    processes(20, (42, 42), (7, 8))  # the job series decides, not the pid
+    assert node.state(0) == INACTIVE
+    processes(30, (42, 43), (7, 7))
+    assert node.state(0) == FIRING
+
+    # the engine indexes the job series for peers() even when no rule names it
+    assert "gpuwatchd_gpu_process_job" in node.engine._wanted
+    # a rule without peers() does not make the engine read it
+    other = Node(rule("gpu_utilization_ratio < 0.1"))
+    assert "gpuwatchd_gpu_process_job" not in other.engine._wanted
+
+
 def test_peers_are_the_other_gpus_of_the_same_process():
+    """Without the job series (a processes source that does not export it): by pid."""
     node = Node(
         rule(
             "gpu_utilization_ratio < 0.1 and count(peers(gpu_utilization_ratio)) == 1"

@@ -4,6 +4,8 @@ Per expectation and GPU: firing before `onset`, or at all when `never`, is a fal
 positive; not firing between `onset` and `by` (the scenario's end without `by`) is a
 miss. A cause that fires on a GPU no expectation lets it fire on is a false positive
 too ("unexpected"), so every scenario is a benign twin for every rule it does not name.
+With `ends` (the fault ends), a cause still firing at `resolved_by` (the scenario's end
+without it), or firing again after it, has not resolved: a mismatch too.
 """
 
 from __future__ import annotations
@@ -58,6 +60,43 @@ def _span(gpus: list[int]) -> str:
     return ",".join(str(g) for g in gpus) if gpus else "-"
 
 
+def time_to_resolve(spans: list[tuple[float, float | None]], ends: float) -> float | None:
+    """Seconds from the fault's end (`ends`) until the cause stopped firing for good: the
+    end of its last firing span (0 if that was before `ends`); None while it still fires.
+    `spans` must not be empty."""
+    stops = [stop for _, stop in spans]
+    if any(stop is None for stop in stops):
+        return None
+    return max(0.0, max(s for s in stops if s is not None) - ends)
+
+
+def _range(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.0f}s" if round(low) == round(high) else f"{low:.0f}s-{high:.0f}s"
+
+
+def _resolution(
+    g: int, spans: list[tuple[float, float | None]], ends: float, deadline: float, end: float
+) -> tuple[float | None, list[str]]:
+    """(time to resolve, problems) of one GPU: still firing at `deadline`, or again after."""
+    problems = []
+    late = [stop for start, stop in spans if start < deadline and (stop is None or stop > deadline)]
+    if late:
+        stop = late[0]
+        if stop is None:
+            at = min(deadline, end)
+            problems.append(
+                f"gpu {g} still firing at {at:.0f}s" + (", the end" if at == end else "")
+            )
+        else:
+            problems.append(f"gpu {g} still firing at {deadline:.0f}s (stopped at {stop:.0f}s)")
+    again = [start for start, _ in spans if start >= deadline]
+    if again:
+        problems.append(f"gpu {g} fired again at {again[0]:.0f}s")
+    before = [span for span in spans if span[0] < deadline]
+    return (time_to_resolve(before, ends) if before and not late else None), problems
+
+
 def check(scenario: Scenario, intervals: Intervals, end: float) -> list[Verdict]:
     count = scenario.node.gpu_count
     verdicts: list[Verdict] = []
@@ -69,9 +108,12 @@ def check(scenario: Scenario, intervals: Intervals, end: float) -> list[Verdict]
             observed = _fired(bad) if bad else "never fired"
             verdicts.append(Verdict(e.cause, _span(gpus), "never", observed, not bad))
             continue
-        by = e.by if e.by is not None else end
+        by = e.by if e.by is not None else e.ends if e.ends is not None else end
         expected = f"fires from {e.onset:.0f}s, by {by:.0f}s"
-        problems, fired = [], []
+        deadline = e.resolved_by if e.resolved_by is not None else end
+        if e.ends is not None:
+            expected += f"; fault ends {e.ends:.0f}s, stopped by {deadline:.0f}s"
+        problems, fired, resolved = [], [], []
         for g in gpus:
             allowed.add((g, e.cause))
             spans = intervals.get((g, e.cause), [])
@@ -83,14 +125,14 @@ def check(scenario: Scenario, intervals: Intervals, end: float) -> list[Verdict]
                 fired.append(on_time[0] - e.onset)
             else:
                 problems.append(f"gpu {g} missed")
-        if fired:
-            delays = (
-                f"fired {min(fired):.0f}s"
-                + (f"-{max(fired):.0f}s" if max(fired) != min(fired) else "")
-                + " after onset"
-            )
-        else:
-            delays = "did not fire"
+            if e.ends is not None:
+                took, unresolved = _resolution(g, spans, e.ends, deadline, end)
+                problems += unresolved
+                if took is not None:
+                    resolved.append(took)
+        delays = f"fired {_range(fired)} after onset" if fired else "did not fire"
+        if resolved:
+            delays += f", stopped {_range(resolved)} after the fault ended"
         observed = "; ".join([delays, *problems]) if problems else delays
         verdicts.append(Verdict(e.cause, _span(gpus), expected, observed, not problems))
     unexpected: dict[str, list[tuple[int, float]]] = defaultdict(list)

@@ -3,9 +3,10 @@
 Every built-in scenario is replayed once with the default rules (`replay` caches the
 result per scenario, so the test suite's corpus check and this table share one pass).
 Per cause of the default rules: the scenarios whose expectations say it fires, the time
-from the fault's `onset` to the first firing on each expected GPU, and its false firings:
-on its benign twins (scenarios whose expectations say it must never fire) and on every
-other scenario (firing before `onset`, or on a GPU no expectation lets it fire on).
+from the fault's `onset` to the first firing on each expected GPU, the time from the
+fault's end (`ends`, where the scenario has one) until it stopped firing, and its false
+firings: on its benign twins (scenarios whose expectations say it must never fire) and on
+every other scenario (firing before `onset`, or on a GPU no expectation lets it fire on).
 """
 
 from __future__ import annotations
@@ -15,18 +16,9 @@ from dataclasses import dataclass
 from functools import cache
 
 from gpuwatchd.config import Config
-from gpuwatchd.rules.check import Intervals, firing_intervals
+from gpuwatchd.rules.check import Intervals, firing_intervals, time_to_resolve
 from gpuwatchd.rules.ruleset import load_rules
 from gpuwatchd.sim.scenario import Scenario, builtin_scenarios, load_scenario
-
-# Causes of issue 5's closed list that the default rules do not have yet: their data
-# comes from sources not built yet (the probe, DCGM profiling fields, more host data).
-PLANNED = (
-    "input_pipeline_stall",
-    "bursty_utilization",
-    "launch_bound_small_kernels",
-    "memory_fragmentation",
-)
 
 
 @dataclass(frozen=True)
@@ -71,6 +63,7 @@ def detection_table() -> str:
     names = builtin_scenarios()
     replays = [replay(name) for name in names]
     fires: dict[str, list[str]] = defaultdict(list)  # cause -> table cells
+    resolves: dict[str, list[str]] = defaultdict(list)
     twins: dict[str, list[str]] = defaultdict(list)
     false_twin: dict[str, list[str]] = defaultdict(list)
     false_other: dict[str, list[str]] = defaultdict(list)
@@ -84,16 +77,28 @@ def detection_table() -> str:
             if e.never:
                 never.add(e.cause)
                 continue
-            delays = []
+            delays: list[float] = []
+            resolved: list[float] = []
+            still_firing = False
             for g in gpus:
                 allowed[(g, e.cause)] = float(e.onset)
-                starts = [a for a, _ in r.intervals.get((g, e.cause), []) if a >= e.onset]
+                spans = r.intervals.get((g, e.cause), [])
+                starts = [a for a, _ in spans if a >= e.onset]
                 if starts:
                     delays.append(starts[0] - e.onset)
+                if e.ends is not None and spans:
+                    took = time_to_resolve(spans, e.ends)
+                    if took is None:
+                        still_firing = True
+                    else:
+                        resolved.append(took)
             span = "all GPUs" if e.gpus == "all" else "gpu " + ",".join(map(str, gpus))
             fires[e.cause].append(
                 f"`{s.name}` ({span}, onset {float(e.onset):.0f} s): {_seconds(delays)}"
             )
+            if e.ends is not None:
+                took_text = "still firing at the end" if still_firing else _seconds(resolved)
+                resolves[e.cause].append(f"`{s.name}` ({span}, ends {e.ends:.0f} s): {took_text}")
         for cause in sorted(never):
             twins[cause].append(f"`{s.name}`")
         for (g, cause), spans in sorted(r.intervals.items()):
@@ -112,6 +117,10 @@ def detection_table() -> str:
         "- **fired by**: the scenarios whose expectations say the cause fires, with the time",
         "  from the fault's onset (`onset` in the scenario's `expect`) to the first firing,",
         "  over the expected GPUs (a range when they differ). It includes the rule's `for`.",
+        "- **time to resolve**: for the scenarios where the fault ends (`ends` in the",
+        "  scenario's `expect`), the time from its end until the cause stopped firing (0 if",
+        "  it had stopped before), over the expected GPUs. It includes the rule's",
+        "  `keep_firing_for`.",
         "- **benign twins**: scenarios that say the cause must never fire (on some or all",
         "  GPUs: a fault scenario is also the twin of its healthy peer GPUs).",
         "- **false firings**: firings on a twin, or on any other scenario before the onset",
@@ -119,9 +128,10 @@ def detection_table() -> str:
         "",
         f"{len(rules)} causes, {len(names)} scenarios.",
         "",
-        "| cause | dimension | fired by (time from onset to firing) | benign twins "
+        "| cause | dimension | fired by (time from onset to firing) "
+        "| time to resolve (fault end to firing stopped) | benign twins "
         "| false firings on twins | false firings elsewhere |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     missing = []
     for rule in rules:
@@ -130,6 +140,7 @@ def detection_table() -> str:
             missing.append(cause)
         lines.append(
             f"| `{cause}` | {rule.spec.dimension} | {'<br>'.join(fires[cause]) or '—'} "
+            f"| {'<br>'.join(resolves[cause]) or '—'} "
             f"| {', '.join(twins[cause]) or '—'} "
             f"| {'<br>'.join(false_twin[cause]) or 'none'} "
             f"| {'<br>'.join(false_other[cause]) or 'none'} |"
@@ -139,15 +150,6 @@ def detection_table() -> str:
         lines += [f"- `{cause}`" for cause in missing]
     else:
         lines.append("Every cause of the default rules has a scenario that fires it.")
-    planned = [c for c in PLANNED if c not in {r.name for r in rules}]
-    if planned:
-        lines += [
-            "",
-            "Causes of the planned list that have no rule (and so no scenario) yet, because",
-            "the data they need comes from a source not built yet:",
-            "",
-        ]
-        lines += [f"- `{cause}`" for cause in planned]
     unknown = sorted(set(fires) - {r.name for r in rules})
     if unknown:
         lines += ["", "## Expectations naming no rule", ""]

@@ -128,6 +128,9 @@ WINDOW_FUNCTIONS: dict[str, tuple[str, ...]] = {
 }
 # window functions that sum (or take the extreme of) several series; the others need one
 MULTI_WINDOW = {"rate", "change", "min_over", "max_over"}
+# what peers() groups GPUs by, in order of preference: the main process's job, else the
+# main process itself (gpuwatchd.sources.processes)
+PEER_GROUPING = ("gpu_process_job", "gpu_process_pid")
 AGGREGATES = ("max", "min", "sum", "avg", "count")
 
 
@@ -414,6 +417,12 @@ class _Checker:
             if not isinstance(got, Selector) or got.multi:
                 self.fail(args[0], "peers(): expected a series with one value per GPU")
                 return None, None
+            # the series peers() groups GPUs by are inputs too (the engine indexes the
+            # families an expression's selectors name), though never required ones
+            for grouping in PEER_GROUPING:
+                family = self.catalog.families.get(grouping)
+                if family is not None:
+                    self.selectors.append(Selector(family, (), multi=False))
             return LIST, self._call("_peers", self._index(got))
         if name in ("present", "default"):
             want = 1 if name == "present" else 2
@@ -533,7 +542,7 @@ class Evaluator:
         self.gpus: list[GpuRef] = []
         self.gpu = GpuRef("", "", None)
         self.compiled: Compiled | None = None
-        self._pids: dict[str, float | None] = {}
+        self._jobs: dict[str, float | None] = {}
         functions: dict[str, Callable[..., Any]] = {
             "_value": self._value,
             "_present": self._present,
@@ -556,7 +565,7 @@ class Evaluator:
     def begin(self, snapshot: Snapshot, gpus: list[GpuRef]) -> None:
         self.snapshot = snapshot
         self.gpus = gpus
-        self._pids = {}
+        self._jobs = {}
 
     def evaluate(self, compiled: Compiled, gpu: GpuRef) -> float:
         """The expression's value for `gpu`; raises Missing, or anything a bug raises."""
@@ -603,23 +612,28 @@ class Evaluator:
             raise Missing("division by zero")
         return a / b
 
-    def _pid(self, gpu: GpuRef) -> float | None:
-        if gpu.uuid not in self._pids:
-            rows = self.snapshot.per_gpu.get(PREFIX + "gpu_process_pid", {}).get(
-                (gpu.gpu, gpu.uuid), []
-            )
-            self._pids[gpu.uuid] = rows[0][1] if rows else None
-        return self._pids[gpu.uuid]
+    def _job(self, gpu: GpuRef) -> float | None:
+        """What peers() groups `gpu` by: its main process's job, else that process's pid
+        (where the job series is absent), else None (no main process known)."""
+        if gpu.uuid not in self._jobs:
+            job = None
+            for name in PEER_GROUPING:
+                rows = self.snapshot.per_gpu.get(PREFIX + name, {}).get((gpu.gpu, gpu.uuid))
+                if rows:
+                    job = rows[0][1]
+                    break
+            self._jobs[gpu.uuid] = job
+        return self._jobs[gpu.uuid]
 
     def _peers(self, index: int) -> list[float]:
-        """The selector's value on the other GPUs whose main process is this GPU's."""
+        """The selector's value on the other GPUs of this GPU's job."""
         selector = self._sel(index)
-        mine = self._pid(self.gpu)
+        mine = self._job(self.gpu)
         if mine is None:
             return []
         values = []
         for other in self.gpus:
-            if other.uuid != self.gpu.uuid and self._pid(other) == mine:
+            if other.uuid != self.gpu.uuid and self._job(other) == mine:
                 rows = self.rows(selector, other)
                 if rows:
                     values.append(rows[0][1])

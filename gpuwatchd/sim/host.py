@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Strict(BaseModel):
@@ -46,6 +46,10 @@ class HostProcess(Strict):
 
     pid: int
     name: str = "python"
+    # parent: 1 (init; the default), 0 (outside the pid namespace), or the pid of another
+    # process here, e.g. the torchrun that launched this rank (reparented to 1 while
+    # that process is not running)
+    ppid: int = Field(1, ge=0)
     cgroup: str = "/system.slice/train.service"  # cgroup v2 path
     container: bool = False  # cgroup path under a container runtime (docker/kubepods)
     cpus_allowed: str | None = None  # "0-31"; None: every CPU
@@ -59,6 +63,29 @@ class HostHardware(Strict):
     ib_ports: list[IbPort] = []
     processes: list[HostProcess] = []
     memory_total_mib: float = Field(1_048_576, gt=0)  # 1 TiB
+
+    @model_validator(mode="after")
+    def _process_tree(self) -> HostHardware:
+        """Unique pids; each parent is 0, 1 or another process here; no cycles."""
+        parents: dict[int, int] = {}
+        for i, process in enumerate(self.processes):
+            if process.pid in parents:
+                raise ValueError(f"processes.{i}: pid {process.pid} is listed twice")
+            parents[process.pid] = process.ppid
+        for i, process in enumerate(self.processes):
+            seen = {process.pid}
+            ppid = process.ppid
+            while ppid > 1:
+                if ppid not in parents:
+                    raise ValueError(
+                        f"processes.{i}.ppid: {ppid} is not a process of node.host.processes "
+                        "(0, 1 or one of their pids)"
+                    )
+                if ppid in seen:
+                    raise ValueError(f"processes.{i}.ppid: pid {process.pid} is its own ancestor")
+                seen.add(ppid)
+                ppid = parents[ppid]
+        return self
 
 
 class InterruptValues(Strict):

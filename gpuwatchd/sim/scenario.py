@@ -177,13 +177,37 @@ class Node(Strict):
 
 
 class Expectation(Strict):
-    """Ground truth for the rules: `cause` fires on `gpus` (from `onset`, by `by`), or never."""
+    """Ground truth for the rules: `cause` fires on `gpus` (from `onset`, by `by`), or never.
+
+    With `ends`, the fault ends then and the cause must have stopped firing by
+    `resolved_by` (the scenario's end if left out) and not fire again.
+    """
 
     cause: str
     gpus: GpuSelector = "all"
     never: bool = False
     onset: Duration | Literal[0] = 0  # when the fault starts: firing earlier is wrong
-    by: Duration | None = None  # must be firing by then
+    by: Duration | None = None  # must be firing by then (default: `ends`, else the end)
+    ends: Duration | None = None  # when the fault ends
+    resolved_by: Duration | None = None  # must have stopped firing by then, for good
+
+    @model_validator(mode="after")
+    def _resolution(self) -> Expectation:
+        if self.ends is None:
+            if self.resolved_by is not None:
+                raise ValueError("resolved_by: needs ends (when the fault ends)")
+            return self
+        if self.never:
+            raise ValueError("ends: not with never: true (a cause that never fires)")
+        if self.ends <= self.onset:
+            raise ValueError(f"ends: must be after onset ({self.onset:g}s), got {self.ends:g}s")
+        if self.by is not None and self.by > self.ends:
+            raise ValueError(f"by: must not be after ends ({self.ends:g}s), got {self.by:g}s")
+        if self.resolved_by is not None and self.resolved_by < self.ends:
+            raise ValueError(
+                f"resolved_by: must not be before ends ({self.ends:g}s), got {self.resolved_by:g}s"
+            )
+        return self
 
 
 class Scenario(Strict):

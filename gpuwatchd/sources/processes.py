@@ -35,6 +35,29 @@ GPUs is read once per poll and reported under each of them. Per main process, pe
   highest when several are mapped). Reading another user's maps needs root or
   CAP_SYS_PTRACE; without it the version is left out (logged once).
 
+The job
+-------
+Distributed training runs one process per GPU (DDP under torchrun, mpirun, Slurm's
+srun, DeepSpeed's launcher), so GPUs that serve one job have different main processes.
+Their launcher forks every rank itself, so the ranks are siblings: GPU main processes
+with the same parent (the ppid in `/proc/PID/stat`) form one *job*, identified by that
+parent's pid (`gpu_process_job`); a main process that shares its parent with no other
+GPU's main process is a job of its own, identified by its own pid (a process driving
+several GPUs is one job across them). A parent that merely adopts orphans is no
+launcher: pid 1, pid 0 (a parent outside this pid namespace) and a process named
+`systemd` or `init` (a user manager, or the init of a container, that adopted orphans)
+never make their children one job. The rules' `peers()` groups GPUs by this series (docs/rules.md).
+
+The cgroup is not used: it neither holds a job together (Slurm's task/cgroup plugin
+puts each rank in its own `task_N` cgroup) nor tells jobs apart (an ssh session's scope,
+a systemd service or one container holds any number of unrelated jobs). Known limits:
+two unrelated jobs started from one shell (`python a.py & python b.py &`), Jupyter
+kernels of one notebook server, or `docker exec`s into one container, are siblings and
+count as one job; ranks started through a wrapper of their own (`srun bash run.sh`
+without `exec`, a per-rank shell) have different parents and each counts as a job of
+its own (peers then see no other GPU: a missed straggler rather than a false one).
+A launcher that itself drives a GPU joins its children's job (its own pid is theirs).
+
 Rates (CPU ratios of one core, throttled share of periods) are deltas between two polls
 over the time of `context.extras["clock"]` (the simulator's clock; default
 time.monotonic), so they appear from the second poll on. A thread or child that was not
@@ -122,6 +145,9 @@ DESKTOP_PROCESSES = (
 _DESKTOP_BY_COMM: dict[str, str] = {}
 for _name in DESKTOP_PROCESSES:
     _DESKTOP_BY_COMM.setdefault(_name[:15], _name)
+# parents that adopt orphans (subreapers) rather than launch a job: their children are
+# never one job however many GPUs they use
+ADOPTERS = frozenset({"systemd", "init"})
 
 _CONTAINER = re.compile(r"docker|containerd|kubepods|libpod|crio|cri-o|podman|lxc")
 # a mapped CUDA runtime: /…/libcudart.so.12.1.105, /…/libcudart-d0da41ae.so.11.0,
@@ -151,6 +177,11 @@ INFO = _gpu(
     ("name", "cudart"),
 )
 PID = _gpu("gpu_process_pid", "Process id of the GPU's main process.")
+JOB = _gpu(
+    "gpu_process_job",
+    "Job of the GPU's main process: the pid of the parent it shares with other GPUs' main "
+    "processes (their launcher), else its own pid; equal values, one job.",
+)
 CPU = _gpu(
     "gpu_process_cpu_cores",
     "CPU used by the GPU's main process, all threads, in cores (1 = one core busy).",
@@ -420,6 +451,21 @@ def parse_children(data: bytes) -> list[int]:
     return [_uint(token) for token in data.split()]
 
 
+def group_jobs(parents: dict[int, int], adopter: Callable[[int], bool]) -> dict[int, int]:
+    """pid -> job of GPU main processes given as {pid: ppid}: their parent's pid when it
+    is the parent of another one of them, is neither 0 nor 1 and is no `adopter(ppid)`
+    (a subreaper), else their own pid."""
+    by_parent: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        by_parent.setdefault(ppid, []).append(pid)
+    jobs: dict[int, int] = {}
+    for ppid, pids in by_parent.items():
+        launcher = len(pids) > 1 and ppid > 1 and not adopter(ppid)
+        for pid in pids:
+            jobs[pid] = ppid if launcher else pid
+    return jobs
+
+
 def desktop_name(comm: str) -> str | None:
     """The DESKTOP_PROCESSES name a comm stands for, or None."""
     return _DESKTOP_BY_COMM.get(comm.strip()[:15])
@@ -518,6 +564,7 @@ class Facts:
     pid: int
     name: str
     threads: int
+    ppid: int = 0
     workers: int | None = None
     cpu: float | None = None
     busiest: float | None = None
@@ -542,7 +589,7 @@ class _CgroupReading:
 class ProcessesSource(Source):
     name = "processes"
     metrics = (
-        PROCESSES, DESKTOP, OTHERS, INFO, PID, CPU, BUSIEST, THREADS, WORKERS, WORKERS_CPU,
+        PROCESSES, DESKTOP, OTHERS, INFO, PID, JOB, CPU, BUSIEST, THREADS, WORKERS, WORKERS_CPU,
         CPUS_ALLOWED, NUMA_ALIGNED, QUOTA, THROTTLED, THROTTLED_SECONDS, CONTAINER, CUDART,
         DESKTOP_CPU, DESKTOP_COUNT, DESKTOP_CPU_BY_NAME,
     )  # fmt: skip
@@ -702,9 +749,10 @@ class ProcessesSource(Source):
         for path in [p for p in self._cgroups if p not in read]:
             del self._cgroups[path]
 
+        jobs = self._jobs(facts)
         samples: list[Sample] = []
         for gpu, lists in on_gpu:
-            self._gpu_samples(gpu, lists, names, mains[gpu.index], facts, scanning, samples)
+            self._gpu_samples(gpu, lists, names, mains[gpu.index], facts, jobs, scanning, samples)
         self._desktop_samples(now, samples)
         return samples
 
@@ -734,6 +782,20 @@ class ProcessesSource(Source):
                     best = key
         return None if best is None else -best[2]
 
+    def _jobs(self, facts: dict[int, Facts | None]) -> dict[int, int]:
+        """The job of each main process read this poll (see "The job" above)."""
+        parents = {pid: found.ppid for pid, found in facts.items() if found is not None}
+        return group_jobs(parents, self._adopter)
+
+    def _adopter(self, pid: int) -> bool:
+        """True when the process is a subreaper by name (systemd, init): not a launcher.
+        Unreadable (exited this instant, or hidden) counts as a launcher."""
+        try:
+            comm = _read(f"{self._proc}/{pid}/comm", 4096).decode("utf-8", "replace")
+        except OSError:
+            return False
+        return comm.strip() in ADOPTERS
+
     # -- one main process -------------------------------------------------------------
 
     def _facts(
@@ -761,7 +823,7 @@ class ProcessesSource(Source):
             known = None  # the pid was reused
         dt = now - known.at if known is not None else 0.0
         rated = known is not None and dt > 0
-        facts = Facts(pid, stat.comm, stat.threads)
+        facts = Facts(pid, stat.comm, stat.threads, stat.ppid)
         state = _Known(stat.starttime, now, stat.ticks)
         if known is not None:
             state.cudart, state.maps_read_at = known.cudart, known.maps_read_at
@@ -1039,6 +1101,7 @@ class ProcessesSource(Source):
         names: dict[int, str | None],
         main: int | None,
         facts: dict[int, Facts | None],
+        jobs: dict[int, int],
         scanning: bool,
         out: list[Sample],
     ) -> None:
@@ -1058,6 +1121,7 @@ class ProcessesSource(Source):
         f = found
         out.append(Sample(INFO.name, labels + (f.name, f.cudart or ""), 1.0))
         out.append(Sample(PID.name, labels, float(f.pid)))
+        out.append(Sample(JOB.name, labels, float(jobs.get(f.pid, f.pid))))
         out.append(Sample(THREADS.name, labels, float(f.threads)))
         optional = (
             (CPU, f.cpu),
@@ -1120,6 +1184,7 @@ class ProcessesSource(Source):
 
 
 __all__ = [
+    "ADOPTERS",
     "CLK_TCK",
     "DESKTOP_PROCESSES",
     "CgroupLine",
@@ -1130,6 +1195,7 @@ __all__ = [
     "cpu_cgroup",
     "cpus_allowed",
     "desktop_name",
+    "group_jobs",
     "in_container",
     "parse_cfs_quota",
     "parse_cgroup",

@@ -4,7 +4,8 @@
 in `node.host.processes` and every pid a GPU's `processes` list names (those without
 host facts get `HostProcess` defaults and the GPU entry's name):
 
-* `<procfs>/<pid>/stat` (fs/proc/array.c, 52 fields, comm cut at 15 bytes), `status`
+* `<procfs>/<pid>/stat` (fs/proc/array.c, 52 fields, comm cut at 15 bytes; the ppid
+  is the fact's `ppid`, 1 while that parent is not running), `status`
   (`Key:\\tvalue` lines: `Name`, `State`, `Tgid`, `PPid`, `Uid`, `Threads`,
   `Cpus_allowed` / `Cpus_allowed_list`, `Vm*` …), `comm`, `cgroup` (v2: `0::/path`) and
   `maps` (the interpreter, libc and, with `cudart: "12.1"`,
@@ -12,7 +13,9 @@ host facts get `HostProcess` defaults and the GPU entry's name):
   wheel's `…/nvidia/cuda_runtime/lib/libcudart.so.12`), with the kernel's padding;
 * `<procfs>/<pid>/task/<tid>/{stat,children}`: `threads` threads (default 8); the main
   thread (tid = pid) runs at `main_thread_cpu_percent` (default 20), the others share
-  `other_threads_cpu_percent` (default 10) equally; other tids are pid*1000+500+j;
+  `other_threads_cpu_percent` (default 10) equally; other tids are pid*1000+500+j; the
+  main thread's `children` lists its workers, then the processes whose `ppid` is this
+  pid (a launcher's ranks), by pid;
 * `workers` child processes (default 0), pids pid*1000+1 … (listed, each followed by a
   space, in the main thread's `children`), ppid = pid, comm `pt_data_worker` (as
   PyTorch names its DataLoader workers), each at `worker_cpu_percent` of a core;
@@ -78,6 +81,11 @@ CONTAINER_MARKERS = ("docker", "containerd", "kubepods", "libpod", "crio", "podm
 def worker_pid(pid: int, k: int) -> int:
     """The pid of worker k (0-based) of process `pid`."""
     return pid * 1000 + 1 + k
+
+
+def worker_pids(pid: int, workers: int) -> list[int]:
+    """The pids of the process's first `workers` workers."""
+    return [worker_pid(pid, k) for k in range(workers)]
 
 
 def thread_id(pid: int, j: int) -> int:
@@ -246,7 +254,8 @@ class _Running:
     born: float
     workers: int = 0  # as last written
     threads: int = 0
-    shape: tuple[str, str, str, int, int] | None = None  # states, threads, workers
+    # states, threads, workers, (ppid, child processes)
+    shape: tuple[str, str, str, int, int, tuple[int, tuple[int, ...]]] | None = None
 
 
 class ProcessesWriter:
@@ -305,6 +314,13 @@ class ProcessesWriter:
             plans[pid] = (fact, values)
         for pid in [p for p in self._running if p not in plans]:
             self._remove(pid)
+        # parents: a process whose parent is not running was reparented to init
+        parents = {pid: fact.ppid if fact.ppid <= 1 or fact.ppid in plans else 1
+                   for pid, (fact, _) in plans.items()}  # fmt: skip
+        children: dict[int, list[int]] = {}
+        for pid, ppid in parents.items():
+            if ppid > 1:
+                children.setdefault(ppid, []).append(pid)
 
         # rates: thread and worker ticks per second, cgroup counters per second
         rates: dict[Hashable, float] = {}
@@ -344,7 +360,8 @@ class ProcessesWriter:
         totals = self._integrator.advance(t, rates)
 
         for pid, (fact, values) in plans.items():
-            self._write_process(t, pid, fact, values, totals)
+            family = (parents[pid], tuple(children.get(pid, ())))
+            self._write_process(t, pid, fact, values, totals, family)
         for path, group in cgroups.items():
             self._write_cgroup(path, group.get("cpu_quota_cpus"), totals)
         return self.writes - before
@@ -365,7 +382,9 @@ class ProcessesWriter:
         fact: HostProcess,
         values: dict[str, Any],
         totals: dict[Hashable, float],
+        family: tuple[int, tuple[int, ...]] = (1, ()),
     ) -> None:
+        """`family`: the process's parent pid and its child processes (not workers)."""
         running = self._running.get(pid)
         new = running is None
         if running is None:
@@ -384,7 +403,8 @@ class ProcessesWriter:
         worker_state = "R" if float(values["worker_cpu_percent"]) >= 50 else "S"
 
         # what changes only with the process's shape: written when that changes
-        shape = (main_state, other_state, worker_state, threads, workers)
+        ppid, _ = family
+        shape = (main_state, other_state, worker_state, threads, workers, family)
         if running.shape != shape:
             self._write_static(pid, fact, running, shape, cpus)
 
@@ -396,7 +416,7 @@ class ProcessesWriter:
             ticks = math.floor(exact)
             user = math.floor(ticks * USER_SHARE)
             line = stat_line(
-                thread_id(pid, j), name, other_state if j else main_state, 1, user,
+                thread_id(pid, j), name, other_state if j else main_state, ppid, user,
                 ticks - user, threads, start + j, cpus[j % len(cpus)],
             )  # fmt: skip
             put(f"{base}/task/{thread_id(pid, j)}/stat", line)
@@ -421,7 +441,7 @@ class ProcessesWriter:
         ticks = math.floor(process_ticks)
         utime = math.floor(ticks * USER_SHARE)
         line = stat_line(
-            pid, name, main_state, 1, utime, ticks - utime, threads, start, cpus[0],
+            pid, name, main_state, ppid, utime, ticks - utime, threads, start, cpus[0],
             18_302_144 * 1024, 5_980_112 // 4,
         )  # fmt: skip
         put(f"{base}/stat", line)
@@ -431,26 +451,28 @@ class ProcessesWriter:
         pid: int,
         fact: HostProcess,
         running: _Running,
-        shape: tuple[str, str, str, int, int],
+        shape: tuple[str, str, str, int, int, tuple[int, tuple[int, ...]]],
         cpus: list[int],
     ) -> None:
         """status, comm, cgroup, maps, children of the process and its workers."""
-        main_state, _, worker_state, threads, workers = shape
-        old_threads, old_workers = running.shape[3:] if running.shape else (0, 0)
+        main_state, _, worker_state, threads, workers, (ppid, kids) = shape
+        old_threads, old_workers = running.shape[3:5] if running.shape else (0, 0)
         name = fact.name[:15]
         base = f"{self.proc}/{pid}"
         cgroup = f"0::{container_cgroup(fact)}\n"
         maps = self._maps_of(fact.cudart)
         nr_cpus, numa_nodes = self._nr_cpus, self._numa_nodes
         put = self.files.put
-        status = status_text(pid, name, main_state, 1, fact.uid, threads, cpus, nr_cpus, numa_nodes)
+        status = status_text(
+            pid, name, main_state, ppid, fact.uid, threads, cpus, nr_cpus, numa_nodes
+        )
         put(f"{base}/status", status)
         put(f"{base}/comm", name + "\n")
         put(f"{base}/cgroup", cgroup)
         put(f"{base}/maps", maps)
+        listed = "".join(f"{child} " for child in [*worker_pids(pid, workers), *kids])
         for j in range(threads):
-            kids = "".join(f"{worker_pid(pid, k)} " for k in range(workers)) if j == 0 else ""
-            put(f"{base}/task/{thread_id(pid, j)}/children", kids)
+            put(f"{base}/task/{thread_id(pid, j)}/children", listed if j == 0 else "")
         for j in range(threads, old_threads):  # threads that ended
             self._rmtree(f"{base}/task/{thread_id(pid, j)}")
         for k in range(workers):
