@@ -425,6 +425,18 @@ def test_bad_reports_are_counted_and_dropped(nodes: Any) -> None:
     assert node.poll(2).gpu("probe_batches_total", 0) == 10
 
 
+def test_bad_reports_are_logged_once_per_pid(nodes: Any, caplog: Any) -> None:
+    wire = Datagrams()
+    node = nodes(two_jobs(), wire)
+    for t in (1, 2, 3):
+        wire.send(100, b"{not json")
+        node.poll(t)
+    assert [r.getMessage() for r in caplog.records].count(
+        "probe: dropped a report from pid 100 (malformed): Expecting property name enclosed "
+        "in double quotes: line 1 column 2 (char 1)"
+    ) == 1
+
+
 def test_rate_limit_per_pid(nodes: Any) -> None:
     wire = Datagrams()
     node = nodes(two_jobs(), wire, max_reports_per_second=2)

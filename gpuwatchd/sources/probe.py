@@ -317,7 +317,9 @@ class ProbeSource(Source):
                 f"{self._proc}/{pid}"
             ):
                 del self._pids[pid]
-        self._warned = {w for w in self._warned if w[0] in self._pids}
+        # forget a warning once its pid has exited: a pid that only ever sends bad
+        # reports is never in _pids, and must still be warned about once, not per poll
+        self._warned = {w for w in self._warned if os.path.isdir(f"{self._proc}/{w[0]}")}
 
     # -- attributing --------------------------------------------------------------------
 
