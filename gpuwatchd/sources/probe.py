@@ -237,6 +237,7 @@ class ProbeSource(Source):
         self._warned: set[tuple[int, str]] = set()
         self._unplaced: set[int] = set()
         self._nv: Any = None
+        self._gpus: dict[int, tuple[Any, str]] = {}  # index -> (handle, uuid), once known
         self._gpu_count = 0
 
     def close(self) -> None:
@@ -244,6 +245,7 @@ class ProbeSource(Source):
         if receiver is not None:
             receiver.close()
         nv, self._nv = self._nv, None
+        self._gpus = {}
         if nv is not None:
             quietly(nv, nv.nvmlShutdown)
 
@@ -331,12 +333,13 @@ class ProbeSource(Source):
         best: dict[int, tuple[float, int]] = {}  # pid -> (memory on the GPU, gpu index)
         owners: dict[int, tuple[tuple[str, str], int, float]] = {}  # gpu -> labels, pid, mem
         placed: set[int] = set()
-        uuids: dict[int, str] = {}
         for index in range(self._gpu_count):
             try:
-                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                if index not in self._gpus:  # a GPU's handle and uuid do not change
+                    handle = nv.nvmlDeviceGetHandleByIndex(index)
+                    self._gpus[index] = (handle, nv.nvmlDeviceGetUUID(handle))
+                handle, uuid = self._gpus[index]
                 processes = nv.nvmlDeviceGetComputeRunningProcesses(handle)
-                uuids[index] = nv.nvmlDeviceGetUUID(handle)
             except nv.NVMLError as e:
                 log.debug("probe: GPU %d: cannot list its processes: %s", index, e)
                 continue
@@ -347,7 +350,7 @@ class ProbeSource(Source):
                 memory = float(process.usedGpuMemory or 0)
                 held = owners.get(index)
                 if held is None or memory > held[2]:
-                    owners[index] = ((str(index), uuids[index]), process.pid, memory)
+                    owners[index] = ((str(index), uuid), process.pid, memory)
                 if memory > best.get(process.pid, (-1.0, 0))[0]:
                     best[process.pid] = (memory, index)
         for index, (labels, pid, _) in sorted(owners.items()):
