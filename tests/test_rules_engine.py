@@ -103,6 +103,12 @@ def test_derived_series_for_every_gpu_and_rule():
     assert dict(rows["gpuwatchd_rules"]) == {(): 1}
     assert dict(rows["gpuwatchd_rules_last_reload_successful"]) == {(): 1}
     assert node.engine.firing() == [("0", "cause_x", "util 90%")]
+    # the firing cause's evidence (frozen when it started firing) and remedy, GPU 0 only
+    (labels, value), = rows["gpuwatchd_starvation_info"]
+    assert value == 1
+    assert labels[:5] == ("0", "GPU-a", "cause_x", "compute", "warning")
+    assert labels[5] == "util 90%"
+    assert labels[6] == node.engine.rules.rules[0].remedy != ""
 
 
 def test_a_rule_reading_a_source_that_is_down_is_not_evaluable():

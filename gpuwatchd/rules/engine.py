@@ -45,6 +45,12 @@ ACTIVE = gauge(
     "1 while the cause fires on the GPU, else 0; a series for every GPU and rule.",
     (*GPU_LABELS, "cause", "dimension", "severity"),
 )
+INFO = gauge(
+    "starvation_info",
+    "1 while the cause fires: the evidence frozen when it started firing, and the remedy "
+    "(a series per firing cause, so alerts can carry them).",
+    (*GPU_LABELS, "cause", "dimension", "severity", "summary", "remedy"),
+)
 PENDING_METRIC = gauge(
     "starvation_pending",
     "1 while the cause's expression holds but its `for` has not passed yet.",
@@ -77,6 +83,7 @@ DURATION = gauge(
 
 RULE_METRICS: tuple[MetricSpec, ...] = (
     ACTIVE,
+    INFO,
     PENDING_METRIC,
     NOT_EVALUABLE_METRIC,
     SECONDS,
@@ -258,7 +265,7 @@ class RuleEngine:
                         spec.severity,
                         status,
                         detail,
-                        " ".join(spec.remedy.split()),
+                        rule.remedy,
                     )
                 )
         return findings
@@ -329,6 +336,9 @@ class RuleEngine:
                 starved = max(starved, firing)
                 spec = rule.spec
                 out[ACTIVE.name].append(((*base, spec.dimension, spec.severity), firing))
+                if firing:
+                    labels = (*base, spec.dimension, spec.severity, state.summary, rule.remedy)
+                    out[INFO.name].append((labels, 1.0))
                 out[PENDING_METRIC.name].append((base, float(state.state == PENDING)))
                 out[NOT_EVALUABLE_METRIC.name].append((base, float(state.state == NOT_EVALUABLE)))
                 out[SECONDS.name].append((base, state.seconds_total))

@@ -66,6 +66,11 @@ class Rule:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def remedy(self) -> str:
+        """The remedy on one line, as alerts, pages and doctor show it."""
+        return " ".join(self.spec.remedy.split())
+
 
 @dataclass(frozen=True)
 class RuleSet:
