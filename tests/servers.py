@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -83,19 +83,24 @@ def running_prometheus(
     rule_files: Sequence[Path] = (),
     alertmanager: str | None = None,
     interval: str = "1s",
+    nodes: Mapping[str, str] | None = None,
 ) -> Iterator[Prometheus]:
     """A Prometheus scraping `targets` ({job: [host:port, ...]}) every `interval`.
 
-    Each target gets a `node` label (its host:port), as a relabelling would give a
-    node's name. Returns once the server answers queries.
+    Each target gets a `node` label, as deploy/prometheus/scrape.yaml's relabelling gives
+    a node's name: `nodes[host:port]`, else the host:port. Returns once the server
+    answers queries.
     """
+    nodes = nodes or {}
     config: dict[str, Any] = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [str(p) for p in rule_files],
         "scrape_configs": [
             {
                 "job_name": job,
-                "static_configs": [{"targets": [t], "labels": {"node": t}} for t in hosts],
+                "static_configs": [
+                    {"targets": [t], "labels": {"node": nodes.get(t, t)}} for t in hosts
+                ],
             }
             for job, hosts in targets.items()
         ],
