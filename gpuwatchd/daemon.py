@@ -22,6 +22,7 @@ from gpuwatchd.scheduler import Poller, ThreadedScheduler
 from gpuwatchd.sim.node import SimNode
 from gpuwatchd.sim.scenario import Scenario
 from gpuwatchd.sources import Context, Source, load_builtin_sources
+from gpuwatchd.status_page import StatusPage
 from gpuwatchd.store import Store
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,10 @@ class Daemon:
             raise
         self.scheduler = ThreadedScheduler(self.pipeline.pollers)
         host, port = config.listen_address()
-        self.server = MetricsServer(self.pipeline.exporter, host, port)
+        pipeline = self.pipeline
+        hostname = context.extras.get("hostname")  # a simulated node's; else this machine's
+        status = StatusPage(pipeline.store, pipeline.pollers, now, pipeline.engine, hostname)
+        self.server = MetricsServer(pipeline.exporter, host, port, status)
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._evaluate_forever, name="evaluate", daemon=True)
 

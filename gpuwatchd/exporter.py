@@ -7,7 +7,6 @@ source therefore can never slow a scrape down.
 
 from __future__ import annotations
 
-import html
 import json
 import logging
 import math
@@ -26,6 +25,7 @@ from gpuwatchd import __version__
 from gpuwatchd.exposition import OPENMETRICS_EOF, Renderer, Rows
 from gpuwatchd.metrics import MetricSpec, gauge
 from gpuwatchd.scheduler import Poller
+from gpuwatchd.status_page import StatusPage
 from gpuwatchd.store import SeriesKey, Store
 
 log = logging.getLogger(__name__)
@@ -163,19 +163,9 @@ def wants_openmetrics(accept: str | None) -> bool:
     )
 
 
-LANDING = """<!doctype html>
-<html><head><meta charset="utf-8"><title>gpuwatchd</title></head>
-<body><h1>gpuwatchd {version}</h1>
-<p>Is this GPU starved, and on what?</p>
-<ul><li><a href="/metrics">/metrics</a></li><li><a href="/healthz">/healthz</a></li></ul>
-<h2>Sources</h2>
-<table><tr><th>source</th><th>up</th><th>last error</th></tr>{rows}</table>
-</body></html>
-"""
-
-
 class _Handler(BaseHTTPRequestHandler):
     exporter: Exporter  # set on the subclass made per server
+    status_page: Callable[[], bytes]  # the page at `/`, likewise
     protocol_version = "HTTP/1.1"
     # headers and body go out as two writes: without this, Nagle's algorithm holds the
     # body back until the client's delayed ACK (40 ms per keep-alive scrape)
@@ -192,7 +182,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/healthz":
             self._healthz()
         elif path == "/":
-            self._send(HTTPStatus.OK, "text/html; charset=utf-8", self._landing())
+            self._status_page()
         else:
             self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"not found\n")
 
@@ -242,13 +232,15 @@ class _Handler(BaseHTTPRequestHandler):
             body = f"exposition not rendered for {age:.0f}s\n".encode()
             self._send(HTTPStatus.SERVICE_UNAVAILABLE, "text/plain; charset=utf-8", body)
 
-    def _landing(self) -> bytes:
-        rows = "".join(
-            f"<tr><td>{html.escape(p.name)}</td><td>{'yes' if p.health.up else 'no'}</td>"
-            f"<td>{html.escape(p.health.last_error or '')}</td></tr>"
-            for p in self.exporter.pollers
-        )
-        return LANDING.format(version=__version__, rows=rows).encode()
+    def _status_page(self) -> None:
+        try:
+            body = self.status_page()
+        except Exception:  # a bug in the page answers 500 instead of dropping the connection
+            log.exception("status page failed")
+            body = b"status page failed; see the daemon's log\n"
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, "text/plain; charset=utf-8", body)
+            return
+        self._send(HTTPStatus.OK, "text/html; charset=utf-8", body)
 
     def _send(self, status: HTTPStatus, content_type: str, body: bytes) -> None:
         self.send_response(status)
@@ -271,10 +263,23 @@ class _Server6(_Server):
 
 
 class MetricsServer:
-    """The HTTP endpoint, on its own threads; `address` is the bound (host, port)."""
+    """The HTTP endpoint, on its own threads; `address` is the bound (host, port).
 
-    def __init__(self, exporter: Exporter, host: str, port: int) -> None:
-        handler = type("Handler", (_Handler,), {"exporter": exporter})
+    `status_page` renders `/`; without one the page shows the sources and GPUs but no
+    causes (there is no rule engine to ask).
+    """
+
+    def __init__(
+        self,
+        exporter: Exporter,
+        host: str,
+        port: int,
+        status_page: Callable[[], bytes] | None = None,
+    ) -> None:
+        if status_page is None:
+            status_page = StatusPage(exporter.store, exporter.pollers, exporter.now)
+        attributes = {"exporter": exporter, "status_page": staticmethod(status_page)}
+        handler = type("Handler", (_Handler,), attributes)
         server_cls = _Server6 if ":" in host else _Server
         self._server = server_cls((host, port), handler)
         bound = self._server.server_address

@@ -1,0 +1,448 @@
+"""The status page at `/`: this node, its GPUs, what starves each one now, the sources.
+
+One server-rendered HTML page with inline CSS and no script, readable on a phone. It is
+built per request from what the rule engine, the store and the pollers already hold in
+memory and never calls a source, so a hung GPU or a source that is down renders like
+anything else. Every value that comes from the node or a rule file is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpuwatchd import __version__
+from gpuwatchd.metrics import PREFIX
+from gpuwatchd.rules.engine import FIRING, NOT_EVALUABLE, PENDING, AlertState, RuleEngine
+from gpuwatchd.rules.ruleset import Rule
+from gpuwatchd.scheduler import Poller
+from gpuwatchd.store import Store
+
+_INFO, _LOST = PREFIX + "gpu_info", PREFIX + "gpu_lost"
+_SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One rule firing or pending on one GPU."""
+
+    name: str
+    dimension: str
+    severity: str
+    holds_since: float  # when its expression began to hold
+    fires_at: float  # holds_since + `for`: when it started (or will start) firing
+    summary: str  # the evidence frozen when it started firing; empty while pending
+    remedy: str
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: str
+    uuid: str
+    model: str
+    lost: bool
+    firing: tuple[Cause, ...]
+    pending: tuple[Cause, ...]
+
+
+@dataclass(frozen=True)
+class SourceState:
+    name: str
+    up: bool
+    reason: str
+    last_success: float | None
+
+
+@dataclass(frozen=True)
+class Unevaluable:
+    """A rule that cannot be evaluated, grouped over the GPUs it fails on for one reason."""
+
+    cause: str
+    reason: str
+    gpus: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    hostname: str
+    version: str
+    now: float
+    gpus: tuple[Gpu, ...]
+    sources: tuple[SourceState, ...]
+    unevaluable: tuple[Unevaluable, ...]
+    rules: str  # how many rules, from where
+    rules_reload_ok: bool
+
+
+class StatusPage:
+    """Callable that returns the page's bytes; the HTTP handler calls it per request."""
+
+    def __init__(
+        self,
+        store: Store,
+        pollers: Sequence[Poller],
+        now: Callable[[], float],
+        engine: RuleEngine | None = None,
+        hostname: str | None = None,
+    ) -> None:
+        self.store = store
+        self.pollers = pollers
+        self.now = now
+        self.engine = engine
+        self.hostname = hostname or socket.gethostname()
+        self._models: dict[str, str] = {}  # by uuid: a lost GPU, or NVML down, keeps its model
+
+    def __call__(self) -> bytes:
+        return render(self.status()).encode()
+
+    def status(self) -> NodeStatus:
+        """What the page shows, read from memory only."""
+        now = self.now()
+        gpus, unevaluable = self._gpus(now)
+        engine = self.engine
+        rules = "no rule engine"
+        if engine is not None:
+            rules = f"{len(engine.rules.rules)} rules from {engine.rules.origin}"
+        return NodeStatus(
+            hostname=self.hostname,
+            version=__version__,
+            now=now,
+            gpus=gpus,
+            sources=tuple(_source_state(p) for p in self.pollers),
+            unevaluable=unevaluable,
+            rules=rules,
+            rules_reload_ok=engine is None or engine.reload_ok,
+        )
+
+    def _gpus(self, now: float) -> tuple[tuple[Gpu, ...], tuple[Unevaluable, ...]]:
+        indexes, lost = self._identities()
+        # the engine's evaluation thread replaces `rules` and `states` on a reload: read
+        # each once, and only with .get, so a concurrent cycle never breaks an iteration
+        rules = self.engine.rules.rules if self.engine is not None else ()
+        states = self.engine.states if self.engine is not None else {}
+        gpus: list[Gpu] = []
+        unevaluable: dict[tuple[str, str], list[str]] = {}
+        for uuid, index in sorted(indexes.items(), key=lambda item: (_number(item[1]), item[0])):
+            firing, pending, reasons = _causes(rules, states, uuid, now)
+            model = self._models.get(uuid, "")
+            gpus.append(Gpu(index, uuid, model, uuid in lost, firing, pending))
+            for cause, reason in reasons:
+                unevaluable.setdefault((cause, reason), []).append(index)
+        grouped = tuple(Unevaluable(c, r, tuple(g)) for (c, r), g in unevaluable.items())
+        return tuple(gpus), grouped
+
+    def _identities(self) -> tuple[dict[str, str], set[str]]:
+        """Index by uuid of every GPU known, and the uuids last reported lost.
+
+        Identity is the last one known, stale or not: a source that is down shows as
+        down in the sources table, and its GPUs keep their names.
+        """
+        indexes: dict[str, str] = {}
+        if self.engine is not None:  # GPUs once seen stay, lost ones too; copied atomically
+            indexes.update((ref.uuid, ref.gpu) for ref in list(self.engine.gpus.values()))
+        lost = set()
+        for source in self.store.sources():
+            for (name, labels), value in self.store.source_latest(source):
+                if name == _INFO:  # labels: gpu, uuid, model, ...
+                    indexes[labels[1]] = labels[0]
+                    self._models[labels[1]] = labels[2]
+                elif name == _LOST:
+                    indexes[labels[1]] = labels[0]
+                    if value:
+                        lost.add(labels[1])
+        return indexes, lost
+
+
+def _causes(
+    rules: Sequence[Rule], states: Mapping[tuple[str, str], AlertState], uuid: str, now: float
+) -> tuple[tuple[Cause, ...], tuple[Cause, ...], list[tuple[str, str]]]:
+    """One GPU's firing and pending causes (worst first), and its unevaluable rules."""
+    firing: list[Cause] = []
+    pending: list[Cause] = []
+    unevaluable: list[tuple[str, str]] = []
+    for rule in rules:
+        state = states.get((uuid, rule.name))
+        if state is None:
+            continue
+        kind = state.state
+        if kind == FIRING:
+            firing.append(_cause(rule, state, now))
+        elif kind == PENDING:
+            pending.append(_cause(rule, state, now))
+        elif kind == NOT_EVALUABLE:
+            unevaluable.append((rule.name, state.reason))
+    return _worst_first(firing), _worst_first(pending), unevaluable
+
+
+def _cause(rule: Rule, state: AlertState, now: float) -> Cause:
+    spec = rule.spec
+    active_at = state.active_at  # once: the evaluation thread may be between two writes
+    holds_since = now if active_at is None else active_at
+    return Cause(
+        name=spec.name,
+        dimension=spec.dimension,
+        severity=spec.severity,
+        holds_since=holds_since,
+        fires_at=holds_since + spec.for_,  # the engine fires on the first cycle after this
+        summary=state.summary,
+        remedy=" ".join(spec.remedy.split()),
+    )
+
+
+def _worst_first(causes: list[Cause]) -> tuple[Cause, ...]:
+    return tuple(sorted(causes, key=lambda c: _SEVERITY_RANK.get(c.severity, 3)))
+
+
+def _source_state(poller: Poller) -> SourceState:
+    health = poller.health
+    return SourceState(poller.name, health.up, health.last_error or "", health.last_success)
+
+
+def _number(index: str) -> int:
+    return int(index) if index.isdigit() else 1 << 30
+
+
+# rendering ----------------------------------------------------------------------------
+
+PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>{style}</style>
+</head>
+<body>
+{body}
+</body>
+</html>
+"""
+
+STYLE = """
+:root { --ok: #1e7b34; --critical: #b3261e; --warning: #a35200; --info: #2a5db0;
+  --muted: #5f6368; --line: #dadce0; --card: #fff; }
+* { box-sizing: border-box; }
+body { margin: 0 auto; max-width: 72rem; padding: 1rem; color: #202124; background: #f6f7f9;
+  font: 16px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; }
+h1 { margin: 0; font-size: 1.5rem; overflow-wrap: anywhere; }
+h2 { margin: 1.5rem 0 .5rem; font-size: 1.15rem; }
+h3 { margin: 0; font-size: 1.05rem; display: flex; justify-content: space-between;
+  align-items: center; gap: .5rem; }
+h4 { margin: 0 .4rem 0 0; font-size: 1rem; display: inline; overflow-wrap: anywhere; }
+a { color: #1a57b8; }
+p { margin: .3rem 0; }
+code, .uuid { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, monospace;
+  font-size: .85em; overflow-wrap: anywhere; }
+.meta, .muted, .uuid { color: var(--muted); }
+.verdict { margin: 1rem 0; padding: .75rem 1rem; border-radius: 6px; color: #fff;
+  background: var(--ok); font-weight: 600; }
+.verdict.critical { background: var(--critical); }
+.verdict.warning { background: var(--warning); }
+.verdict a { color: inherit; }
+.verdict .note { font-weight: 400; }
+.gpus { display: grid; gap: .75rem; grid-template-columns: repeat(auto-fill, minmax(17rem, 1fr)); }
+.gpu { background: var(--card); border: 1px solid var(--line); border-left: 6px solid var(--ok);
+  border-radius: 6px; padding: .75rem 1rem; min-width: 0; }
+.gpu.starved { grid-column: 1 / -1; }
+.gpu.critical, .gpu.lost { border-left-color: var(--critical); }
+.gpu.warning { border-left-color: var(--warning); }
+.gpu.info { border-left-color: var(--info); }
+.cause { margin-top: .75rem; padding-top: .6rem; border-top: 1px solid var(--line); }
+.when { color: var(--muted); font-size: .9rem; }
+.remedy { padding: .4rem .6rem; background: #f1f3f4; border-radius: 4px; }
+.pending { margin-top: .6rem; font-size: .9rem; }
+.badge { display: inline-block; padding: 0 .45rem; border-radius: 3px; font-size: .8rem;
+  font-weight: 600; line-height: 1.6; color: #fff; background: var(--muted);
+  vertical-align: middle; }
+.badge.ok, .badge.up { background: var(--ok); }
+.badge.critical, .badge.down, .badge.lost, .badge.starved { background: var(--critical); }
+.badge.warning, .badge.pending { background: var(--warning); }
+.badge.info { background: var(--info); }
+.scroll { overflow-x: auto; }
+table { width: 100%; border-collapse: collapse; background: var(--card); }
+th, td { padding: .4rem .6rem; border-bottom: 1px solid var(--line); text-align: left;
+  vertical-align: top; }
+.reason { width: 50%; overflow-wrap: anywhere; }
+details { margin-top: .5rem; }
+footer { margin: 2rem 0 1rem; color: var(--muted); font-size: .85rem; }
+@media (max-width: 40rem) {
+  body { padding: .6rem; }
+  .gpu { padding: .6rem .75rem; }
+  th, td { padding: .35rem .4rem; }
+}
+"""
+
+
+def render(node: NodeStatus) -> str:
+    starved = sum(1 for gpu in node.gpus if gpu.firing)
+    title = f"{node.hostname}: {starved} starved" if starved else f"{node.hostname}: ok"
+    body = "\n".join(
+        (
+            _header(node),
+            _verdict(node),
+            _gpu_grid(node),
+            _unevaluable(node),
+            _sources_table(node),
+            _footer(node),
+        )
+    )
+    return PAGE.format(title=_e(f"{title} · gpuwatchd"), style=STYLE, body=body)
+
+
+def _header(node: NodeStatus) -> str:
+    return (
+        f'<header><h1 id="hostname">{_e(node.hostname)}</h1>'
+        f'<p class="meta">gpuwatchd <span id="version">{_e(node.version)}</span> · rendered '
+        f"{_time(node.now, full=True)} · "
+        '<a href="/metrics">/metrics</a> · <a href="/healthz">/healthz</a></p></header>'
+    )
+
+
+def _verdict(node: NodeStatus) -> str:
+    """One line a person reads first: which GPUs starve on what, or that none does."""
+    starved = [gpu for gpu in node.gpus if gpu.firing]
+    pending = sum(len(gpu.pending) for gpu in node.gpus)
+    down = [s.name for s in node.sources if not s.up]
+    notes = [f"{_count(pending, 'cause')} pending"] if pending else []
+    notes += [f"source {', '.join(down)} down"] if down else []
+    level = "warning" if down else ""
+    if not node.gpus:
+        text = "No GPU seen"
+    elif not starved:
+        text = f"No GPU starved ({_count(len(node.gpus), 'GPU')})"
+    else:
+        links = ", ".join(
+            f'<a href="#gpu-{_e(gpu.index)}">GPU {_e(gpu.index)}</a>: '
+            + ", ".join(_e(c.name) for c in gpu.firing)
+            for gpu in starved
+        )
+        text = f"{len(starved)} of {_count(len(node.gpus), 'GPU')} starved: {links}"
+        level = _worst(c for gpu in starved for c in gpu.firing)
+    note = f' <span class="note">({_e("; ".join(notes))})</span>' if notes else ""
+    return f'<p id="verdict" class="verdict {_e(level)}">{text}{note}</p>'
+
+
+def _gpu_grid(node: NodeStatus) -> str:
+    cards = "\n".join(_gpu_card(gpu, node.now) for gpu in node.gpus)
+    return f'<section id="gpus"><h2>GPUs</h2><div class="gpus">\n{cards}\n</div></section>'
+
+
+def _gpu_card(gpu: Gpu, now: float) -> str:
+    state = "lost" if gpu.lost else "starved" if gpu.firing else "ok"
+    level = _worst(gpu.firing) if gpu.firing else ""
+    model = _e(gpu.model) if gpu.model else '<span class="muted">model unknown</span>'
+    parts = [
+        f'<section class="gpu {state} {_e(level)}" id="gpu-{_e(gpu.index)}">',
+        f'<h3><span>GPU {_e(gpu.index)}</span><span class="badge {state}">{state}</span></h3>',
+        f'<p class="model">{model}</p><p class="uuid">{_e(gpu.uuid)}</p>',
+        *(_firing(gpu, cause, now) for cause in gpu.firing),
+        *(_pending(cause, now) for cause in gpu.pending),
+        "</section>",
+    ]
+    return "".join(parts)
+
+
+def _firing(gpu: Gpu, cause: Cause, now: float) -> str:
+    return (
+        f'<article class="cause firing" id="gpu-{_e(gpu.index)}-{_e(cause.name)}">'
+        f"<h4>{_e(cause.name)}</h4>{_badges(cause)}"
+        f'<p class="when">firing for {_duration(now - cause.fires_at)}, since '
+        f"{_time(cause.fires_at)}</p>"
+        f'<p class="summary">{_prose(cause.summary)}</p>'
+        f'<p class="remedy"><strong>Remedy:</strong> {_prose(cause.remedy)}</p></article>'
+    )
+
+
+def _pending(cause: Cause, now: float) -> str:
+    return (
+        f'<p class="pending" data-cause="{_e(cause.name)}"><span class="badge pending">pending'
+        f"</span> <strong>{_e(cause.name)}</strong> {_badges(cause)} "
+        f'<span class="when">holds since {_time(cause.holds_since)}, fires after '
+        f"{_time(cause.fires_at)} if it still holds</span></p>"
+    )
+
+
+def _badges(cause: Cause) -> str:
+    return (
+        f'<span class="badge {_e(cause.severity)}">{_e(cause.severity)}</span> '
+        f'<span class="badge dimension">{_e(cause.dimension)}</span>'
+    )
+
+
+def _unevaluable(node: NodeStatus) -> str:
+    """Rules that cannot say yes or no: a GPU shown ok may be ok only as far as we can see."""
+    if not node.unevaluable:
+        return ""
+    items = "".join(
+        f"<li><strong>{_e(u.cause)}</strong> on GPU {_e(', '.join(u.gpus))}: {_e(u.reason)}</li>"
+        for u in node.unevaluable
+    )
+    rules = _count(len({u.cause for u in node.unevaluable}), "rule")
+    return (
+        f'<details id="unevaluable"><summary>{rules} could not be evaluated: why'
+        f"</summary><ul>{items}</ul></details>"
+    )
+
+
+def _sources_table(node: NodeStatus) -> str:
+    rows = "".join(_source_row(source, node.now) for source in node.sources)
+    return (
+        '<section id="sources"><h2>Sources</h2><div class="scroll"><table>'
+        '<thead><tr><th>source</th><th>state</th><th class="reason">reason</th>'
+        "<th>last success</th></tr>"
+        f"</thead><tbody>{rows}</tbody></table></div></section>"
+    )
+
+
+def _source_row(source: SourceState, now: float) -> str:
+    state = "up" if source.up else "down"
+    last = "never" if source.last_success is None else f"{_duration(now - source.last_success)} ago"
+    return (
+        f'<tr id="source-{_e(source.name)}"><td>{_e(source.name)}</td>'
+        f'<td><span class="badge {state}">{state}</span></td>'
+        f'<td class="reason">{_e(source.reason)}</td><td>{last}</td></tr>'
+    )
+
+
+def _footer(node: NodeStatus) -> str:
+    reload = "" if node.rules_reload_ok else " · <strong>the last rule reload failed</strong>"
+    return f'<footer id="rules">{_e(node.rules)}{reload}</footer>'
+
+
+def _worst(causes: Iterable[Cause]) -> str:
+    return min((c.severity for c in causes), key=lambda s: _SEVERITY_RANK.get(s, 3))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _e(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
+def _prose(text: str) -> str:
+    """Escaped text with the rule files' `backticks` shown as code."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", _e(text))
+
+
+def _time(t: float, full: bool = False) -> str:
+    stamp = time.gmtime(t)
+    iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", stamp)
+    shown = time.strftime("%Y-%m-%d %H:%M:%S UTC" if full else "%H:%M:%S UTC", stamp)
+    return f'<time datetime="{iso}">{shown}</time>'
+
+
+def _duration(seconds: float) -> str:
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600}h"
