@@ -258,11 +258,15 @@ def dcgm_pause(seconds: float, url: str) -> None:
 @click.option(
     "--at",
     type=click.FloatRange(min=0),
-    help="with --simulate: diagnose at this many simulated seconds (default: the end)",
+    metavar="SECONDS",
+    help="with --simulate: diagnose at this many simulated seconds (default: when the "
+    "scenario's expected causes hold: the latest `by` of the expectations that must fire, "
+    "before their `ends`; the scenario's end when none must fire)",
 )
 @click.option(
     "--window",
     type=click.FloatRange(min=0),
+    metavar="SECONDS",
     default=6.0,
     show_default=True,
     help="seconds to sample this node (each source is polled three times)",
@@ -275,11 +279,20 @@ def doctor(
     window: float,
     as_json: bool,
 ) -> None:
-    """One-shot diagnosis of this node: the six dimensions, evidence and remedies.
+    """One-shot diagnosis of this node: the six dimensions, host checks, remedies.
 
-    Every rule is evaluated once at the end of the window, without waiting out its
-    `for`. Exit status: 0 if no cause holds, 1 if a cause holds on some GPU, 2 if the
-    diagnosis could not run (bad configuration, rules or scenario).
+    Every rule is evaluated once on every GPU at the end of the window, without waiting
+    out its `for`; host checks (saturated core, iowait, saturated disk, CPU steal, IRQ
+    storm, memory pressure) judge the host alone, with or without a GPU. Findings shared
+    by several GPUs print once with their list. Details: docs/doctor.md.
+
+    \b
+    Exit status:
+      0  every check ran and no cause holds
+      1  a cause holds on some GPU, or a host check found a problem
+      2  the diagnosis could not run (bad configuration, rules or scenario)
+      3  no cause holds, but GPU checks could not run (no GPU or driver, or a
+         dimension none of whose rules could be evaluated)
     """
     from gpuwatchd.doctor import diagnose_node, diagnose_simulated, format_report
 

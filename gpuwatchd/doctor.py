@@ -2,34 +2,48 @@
 
 On this node the sources run for a short real-time window (each polled three times: at
 the start, the middle and the end, so rate-based sources have rates whatever their
-configured interval), then every rule is evaluated once without waiting out its `for`
-(`RuleEngine.diagnose`). With `--simulate` the simulated node is played in virtual time
-through `Simulation` up to `--at` (the scenario's end by default), which is instant and
-deterministic, then diagnosed the same way.
+configured interval), then every rule is evaluated once on every GPU without waiting out
+its `for` (`RuleEngine.diagnose`), and the host checks below judge the host series alone,
+so they give verdicts with or without a GPU. With `--simulate` the simulated node is
+played in virtual time through `Simulation` up to `--at`, which is instant and
+deterministic, then diagnosed the same way. Without `--at` that is the moment the
+scenario's expected causes hold (`expected_moment`).
 
-Exit status: 0 when no cause holds, 1 when at least one cause holds on some GPU.
+Exit status (docs/doctor.md):
+  0  every check ran and nothing holds;
+  1  a cause holds on some GPU, or a host check found a problem;
+  2  doctor could not run (bad configuration, rules or scenario: raised by the CLI);
+  3  nothing holds, but some GPU checks could not run: no GPU or driver, or a dimension
+     none of whose rules could be evaluated.
+A problem outranks what could not be checked: scripts act on 1 first.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpuwatchd.config import Config
 from gpuwatchd.daemon import Pipeline
 from gpuwatchd.rules.engine import HOLDS, NOT_EVALUABLE, Finding
-from gpuwatchd.sim.scenario import Scenario
+from gpuwatchd.sim.scenario import Expectation, Scenario
 from gpuwatchd.sources import Context
 from gpuwatchd.store import Store
 
 DIMENSIONS = ("pcie", "input", "compute", "communication", "driver", "system")
 OK, PROBLEM, NOT_CHECKED = "ok", "problem", "not checked"
+# evidence worth a look that does not on its own say the GPUs starve: shown, not counted
+NOTICE = "notice"
+EXIT_OK, EXIT_PROBLEM, EXIT_NOT_CHECKED = 0, 1, 3  # 2: could not run (the CLI)
 
-# Evidence read straight from the store for each dimension: (label, series, scale, unit,
-# how several series of one name are summed up: the worst of them). Host series are
-# shown even when no GPU is found.
+# Live series at one moment: name -> labels -> value.
+Latest = dict[str, dict[tuple[str, ...], float]]
+
+# GPU evidence read straight from the store for a dimension: (label, series, scale,
+# unit, how several series of one name are summed up: the worst of them). The host's
+# series are the host checks' evidence.
 Aggregate = Callable[[list[float]], float]
 EVIDENCE: dict[str, tuple[tuple[str, str, float, str, Aggregate], ...]] = {
     "pcie": (
@@ -37,21 +51,233 @@ EVIDENCE: dict[str, tuple[tuple[str, str, float, str, Aggregate], ...]] = {
         ("max gen", "gpuwatchd_gpu_pcie_link_generation_max", 1, "", max),
         ("width", "gpuwatchd_gpu_pcie_link_width", 1, "", min),
     ),
-    "input": (
-        ("cpu busy", "gpuwatchd_cpu_busy_ratio", 100, "%", max),
-        ("iowait", "gpuwatchd_cpu_iowait_ratio", 100, "%", max),
-        ("disk util", "gpuwatchd_disk_utilization_ratio", 100, "%", max),
-        ("disk await", "gpuwatchd_disk_await_seconds", 1000, "ms", max),
-    ),
     "compute": (("gpu util", "gpuwatchd_gpu_utilization_ratio", 100, "%", max),),
-    "communication": (),
-    "driver": (),
-    "system": (
-        ("cpu steal", "gpuwatchd_cpu_steal_ratio", 100, "%", max),
-        ("busiest irq line", "gpuwatchd_interrupt_max_line_per_second", 1, "/s", max),
-        ("interrupts", "gpuwatchd_interrupts_per_second", 1, "/s", max),
-    ),
 }
+
+# -- host checks ------------------------------------------------------------------------------
+# What the host alone can starve a GPU with, judged from the host series (cpu, disks,
+# interrupts sources), so they give verdicts with or without a GPU. Rates are over the
+# last poll interval. The thresholds (the physics is each check's `why`, in HOST_CHECKS):
+SATURATED_CORE = 0.95  # busy share of one core, steal included
+IOWAIT = 0.2  # share of the node's CPU time idle with I/O outstanding
+DISK_BUSY, DISK_AWAIT = 0.95, 0.010  # iostat %util / 100, and await in seconds
+STEAL = 0.1  # share of the node's CPU time taken by the hypervisor
+MEMORY_PRESSURE = 0.1  # PSI memory `some` avg10: share of time a task stalled on memory
+# an IRQ storm is the interrupts source's own `storm_threshold` (configuration)
+
+
+@dataclass(frozen=True)
+class HostCheckSpec:
+    name: str
+    dimension: str
+    criterion: str  # when it is a problem
+    why: str  # the physics behind the criterion
+    judge: Callable[[Latest, Config], tuple[str, str]]  # -> (status, evidence)
+    remedy: str
+
+
+@dataclass
+class HostCheck:
+    check: str
+    dimension: str
+    status: str  # OK, PROBLEM, NOTICE or NOT_CHECKED
+    evidence: str
+    criterion: str
+    remedy: str
+
+
+def _fmt(value: float) -> str:
+    """Three significant digits, but whole numbers from 100 on (45000/s, not 4.5e+04/s)."""
+    if abs(value) >= 100 or float(value).is_integer():
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+def _pct(ratio: float) -> str:
+    return f"{_fmt(ratio * 100)}%"
+
+
+def _by_first_label(latest: Latest, name: str) -> dict[str, float]:
+    return {labels[0]: value for labels, value in latest.get(name, {}).items()}
+
+
+def _one(latest: Latest, name: str, *labels: str) -> float | None:
+    return latest.get(name, {}).get(labels)
+
+
+def _status(problem: bool) -> str:
+    return PROBLEM if problem else OK
+
+
+def _saturated_core(latest: Latest, config: Config) -> tuple[str, str]:
+    cores = _by_first_label(latest, "gpuwatchd_cpu_busy_ratio")
+    if not cores:  # per_core off: only the busiest core's ratio is known
+        busiest = _one(latest, "gpuwatchd_cpu_busy_ratio_max")
+        if busiest is None:
+            return NOT_CHECKED, "no CPU busy reading (cpu source)"
+        status = NOTICE if busiest >= SATURATED_CORE else OK
+        return status, f"busiest core {_pct(busiest)} busy"
+    hot = [cpu for cpu, busy in cores.items() if busy >= SATURATED_CORE]
+    top = max(cores, key=lambda cpu: cores[cpu])
+    if not hot:
+        return OK, f"busiest core cpu {top} {_pct(cores[top])} busy"
+    # a notice, not a problem: a rank's main thread spinning on the GPU also fills a
+    # core; the GPU rules (dataloader_single_process, host_cpu_bound) judge the job
+    return NOTICE, (
+        f"cpu {number_ranges(hot)} at or over {_pct(SATURATED_CORE)} busy "
+        f"({len(hot)} of {len(cores)} cores, busiest {_pct(cores[top])})"
+    )
+
+
+def _iowait(latest: Latest, config: Config) -> tuple[str, str]:
+    iowait = _one(latest, "gpuwatchd_cpu_iowait_ratio")
+    if iowait is None:
+        return NOT_CHECKED, "no iowait reading (cpu source)"
+    return _status(iowait >= IOWAIT), f"{_pct(iowait)} of CPU time waiting on I/O"
+
+
+def _saturated_disk(latest: Latest, config: Config) -> tuple[str, str]:
+    busy = _by_first_label(latest, "gpuwatchd_disk_utilization_ratio")
+    wait = _by_first_label(latest, "gpuwatchd_disk_await_seconds")
+    if not busy:
+        return NOT_CHECKED, "no disk reading (disks source)"
+
+    def describe(disk: str) -> str:
+        return f"{disk} {_pct(busy[disk])} busy, {_fmt(wait.get(disk, 0) * 1000)} ms await"
+
+    saturated = sorted(d for d in busy if busy[d] >= DISK_BUSY and wait.get(d, 0) >= DISK_AWAIT)
+    if saturated:
+        return PROBLEM, "; ".join(map(describe, saturated))
+    return OK, f"busiest disk {describe(max(busy, key=lambda d: busy[d]))}"
+
+
+def _steal(latest: Latest, config: Config) -> tuple[str, str]:
+    steal = _one(latest, "gpuwatchd_cpu_steal_ratio")
+    if steal is None:
+        return NOT_CHECKED, "no steal reading (cpu source)"
+    return _status(steal >= STEAL), f"{_pct(steal)} of CPU time stolen by the hypervisor"
+
+
+def _irq_storm(latest: Latest, config: Config) -> tuple[str, str]:
+    busiest = _by_first_label(latest, "gpuwatchd_interrupt_max_line_per_second")
+    if not busiest:
+        return NOT_CHECKED, "no interrupt rates (interrupts source)"
+    cls = max(busiest, key=lambda c: busiest[c])
+    line = f"busiest IRQ line {_fmt(busiest[cls])}/s ({cls})"
+    storms = sum(latest.get("gpuwatchd_interrupt_storm_lines", {}).values())
+    if not storms:
+        return OK, line
+    threshold = _fmt(config.sources.interrupts.storm_threshold)
+    per_cpu = latest.get("gpuwatchd_cpu_interrupts_per_second", {})
+    on_cpus = {cpu: rate for (cpu, of), rate in per_cpu.items() if of == cls}
+    where = ""
+    if on_cpus:  # where the storm lands: the core it slows
+        cpu = max(on_cpus, key=lambda c: on_cpus[c])
+        where = f", {_fmt(on_cpus[cpu])}/s of {cls} interrupts on cpu {cpu}"
+    return PROBLEM, f"{_fmt(storms)} IRQ line(s) over {threshold}/s, {line}{where}"
+
+
+def _memory_pressure(latest: Latest, config: Config) -> tuple[str, str]:
+    some = _one(latest, "gpuwatchd_pressure_ratio", "memory", "some", "10s")
+    available = _one(latest, "gpuwatchd_memory_available_bytes")
+    total = _one(latest, "gpuwatchd_memory_total_bytes")
+    memory = ""
+    if available is not None and total:
+        memory = f"; {_fmt(available / 2**30)} GiB of {_fmt(total / 2**30)} GiB available"
+    if some is None:
+        return NOT_CHECKED, f"no PSI (/proc/pressure/memory){memory}"
+    evidence = f"tasks stalled on memory {_pct(some)} of the last 10 s{memory}"
+    return _status(some >= MEMORY_PRESSURE), evidence
+
+
+HOST_CHECKS = (
+    HostCheckSpec(
+        name="saturated core",
+        dimension="input",
+        criterion=f"a core at or over {_pct(SATURATED_CORE)} busy",
+        why="a core under 5 % idle has no headroom: a serial stage on it (a Python main "
+        "thread loading data with `num_workers=0`, a GIL-bound loop, a NIC's interrupts "
+        "pinned there) cannot go faster; a fully used core reads 97-100 % at the kernel's "
+        "tick granularity. Steal counts as busy: the vCPU wanted to run",
+        judge=_saturated_core,
+        remedy="See what runs there (`top -H`, then `py-spy dump --pid PID`): a DataLoader "
+        "with num_workers=0 or a GIL-bound loop needs worker processes; interrupts pinned "
+        "to the core need spreading (irqbalance). A rank's main thread spinning while it "
+        "waits for the GPU also reads 100 % and is harmless.",
+    ),
+    HostCheckSpec(
+        name="iowait",
+        dimension="input",
+        criterion=f"iowait at or over {_pct(IOWAIT)} of CPU time",
+        why="iowait (idle with I/O outstanding) is averaged over every core, so the core "
+        "count dilutes it; a fifth of all CPU time waiting on storage means the node's "
+        "work waits on its disks (the `storage_io_bound` rule's bar)",
+        judge=_iowait,
+        remedy="Find who waits on which device (`iostat -x 1`, `pidstat -d 1`); stage the "
+        "dataset on local NVMe or in page cache, read a sharded sequential format, "
+        "prefetch more.",
+    ),
+    HostCheckSpec(
+        name="saturated disk",
+        dimension="input",
+        criterion=f"a disk at or over {_pct(DISK_BUSY)} busy and {_fmt(DISK_AWAIT * 1000)} ms"
+        " await",
+        why="`%util` alone is no limit for devices serving requests in parallel (NVMe); "
+        "busy nearly all the time *and* requests taking over 10 ms (NVMe answers in "
+        "0.1-1 ms, a disk seeks in 5-10 ms) means requests queue",
+        judge=_saturated_disk,
+        remedy="The device queues requests (`iostat -x 1`): spread reads over more disks, "
+        "stage the data on faster storage or in page cache, use large sequential reads "
+        "(WebDataset, TFRecord) instead of many small files.",
+    ),
+    HostCheckSpec(
+        name="cpu steal",
+        dimension="system",
+        criterion=f"steal at or over {_pct(STEAL)} of CPU time",
+        why="the hypervisor takes a tenth of the vCPUs' time, slowing every thread by as "
+        "much, in bursts the guest cannot schedule around; a dedicated host reads ~0",
+        judge=_steal,
+        remedy="The hypervisor is oversubscribed: ask for dedicated (pinned) vCPUs, a "
+        "larger or bare-metal instance, or move the VM.",
+    ),
+    HostCheckSpec(
+        name="irq storm",
+        dimension="system",
+        criterion="an IRQ line over the interrupts source's storm_threshold (default 10000/s)",
+        why="at a few microseconds of handler and softirq work each, such a line takes a "
+        "visible share of its CPU and trashes its caches; on the core that feeds the GPU, "
+        "feeding slows. The evidence names the busiest line and the CPU its class lands on",
+        judge=_irq_storm,
+        remedy="Find the line (`watch -d cat /proc/interrupts`); spread the device's queues "
+        "over more CPUs (irqbalance, set_irq_affinity), keep them off the cores that feed "
+        "the GPU, coalesce more interrupts (`ethtool -C DEV adaptive-rx on`).",
+    ),
+    HostCheckSpec(
+        name="memory pressure",
+        dimension="system",
+        criterion=f"PSI memory some avg10 at or over {_pct(MEMORY_PRESSURE)}",
+        why="at least one task stalled on memory (reclaim, swap-in, refaults) a tenth of "
+        "the last 10 s: the page cache holding the dataset is being evicted, loader "
+        "workers stall on allocation. Not checked without PSI (`/proc/pressure`)",
+        judge=_memory_pressure,
+        remedy="The kernel is reclaiming memory (`cat /proc/pressure/memory`, `vmstat 1` "
+        "si/so): fewer DataLoader workers or a lower prefetch_factor, stop what else "
+        "fills memory, or add memory.",
+    ),
+)
+
+
+def host_checks(latest: Latest, config: Config) -> list[HostCheck]:
+    checks = []
+    for spec in HOST_CHECKS:
+        status, evidence = spec.judge(latest, config)
+        checks.append(
+            HostCheck(spec.name, spec.dimension, status, evidence, spec.criterion, spec.remedy)
+        )
+    return checks
+
+
+# -- the report --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -70,14 +296,49 @@ class Report:
     sources_down: dict[str, str]
     dimensions: list[DimensionReport]
     findings: list[Finding]
+    host: list[HostCheck] = field(default_factory=list)
+
+    @property
+    def holding(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == HOLDS]
+
+    @property
+    def host_problems(self) -> list[HostCheck]:
+        return [c for c in self.host if c.status == PROBLEM]
 
     @property
     def holds(self) -> bool:
-        return any(f.status == HOLDS for f in self.findings)
+        return bool(self.holding or self.host_problems)
+
+    @property
+    def not_checked(self) -> list[str]:
+        """The GPU dimensions none of whose rules could be evaluated."""
+        return [d.dimension for d in self.dimensions if d.status == NOT_CHECKED]
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.holds else 0
+        if self.holds:
+            return EXIT_PROBLEM
+        return EXIT_NOT_CHECKED if self.not_checked else EXIT_OK
+
+    @property
+    def verdict(self) -> str:
+        """The result line, without its "result: " and exit code."""
+        unchecked = self._unchecked()
+        if not self.holds:
+            if unchecked:
+                return f"could not check {unchecked}; no cause holds on what was checked"
+            return "no cause holds"
+        causes = group_by_text((f.gpu, f.cause) for f in self.holding)
+        held = [f"{cause} on {gpu_list(gpus)}" for gpus, cause in causes]
+        held += [f"{c.check} on the host" for c in self.host_problems]
+        could_not = f"; could not check {unchecked}" if unchecked else ""
+        return f"a cause holds: {', '.join(held)}{could_not}"
+
+    def _unchecked(self) -> str:
+        if self.no_gpu is not None:
+            return "the GPUs"
+        return ", ".join(self.not_checked)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,24 +347,29 @@ class Report:
             "no_gpu": self.no_gpu,
             "sources_down": self.sources_down,
             "dimensions": [asdict(d) for d in self.dimensions],
+            "host_checks": [asdict(c) for c in self.host],
             "findings": [asdict(f) for f in self.findings],
+            "finding_groups": [
+                {"gpus": gpus, **{k: v for k, v in asdict(f).items() if k not in ("gpu", "uuid")}}
+                for gpus, f in finding_groups(self.findings)
+            ],
+            "not_checked": self.not_checked,
+            "result": self.verdict,
             "exit_code": self.exit_code,
         }
 
 
-def _fmt(value: float) -> str:
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return f"{value:.3g}"
+def _latest(store: Store, now: float) -> Latest:
+    latest: Latest = {}
+    for (name, labels), value in store.latest(now):
+        latest.setdefault(name, {})[labels] = value
+    return latest
 
 
-def _evidence(store: Store, now: float, dimension: str) -> list[str]:
-    latest: dict[str, list[float]] = {}
-    for (name, _labels), value in store.latest(now):
-        latest.setdefault(name, []).append(value)
+def _evidence(latest: Latest, dimension: str) -> list[str]:
     out = []
-    for label, series, scale, unit, aggregate in EVIDENCE[dimension]:
-        values = latest.get(series)
+    for label, series, scale, unit, aggregate in EVIDENCE.get(dimension, ()):
+        values = list(latest.get(series, {}).values())
         if values:
             prefix = f"{aggregate.__name__} " if len(values) > 1 else ""
             out.append(f"{label} {prefix}{_fmt(aggregate(values) * scale)}{unit}")
@@ -114,9 +380,46 @@ def _gpu_order(gpu: str) -> tuple[int, str]:
     return (int(gpu), "") if gpu.isdigit() else (1 << 30, gpu)
 
 
+def number_ranges(names: Sequence[str]) -> str:
+    """ "0-2, 4, 6-7" for indices; names that are not numbers follow as they are."""
+    numbers = sorted({int(n) for n in names if n.isdigit()})
+    others = sorted({n for n in names if not n.isdigit()})
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    parts = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
+    return ", ".join(parts + others)
+
+
+def gpu_list(gpus: Sequence[str]) -> str:
+    """ "GPU 3", "GPUs 0-7", "GPUs 0-2, 4-7"."""
+    return f"GPU{'s' if len(gpus) > 1 else ''} {number_ranges(gpus)}"
+
+
+def group_by_text(pairs: Iterable[tuple[str, str]]) -> list[tuple[list[str], str]]:
+    """(gpu, text) pairs -> (the GPUs, text) per distinct text, in order of first sight."""
+    groups: dict[str, list[str]] = {}
+    for gpu, text in pairs:
+        groups.setdefault(text, []).append(gpu)
+    return [(gpus, text) for text, gpus in groups.items()]
+
+
+def finding_groups(findings: list[Finding]) -> list[tuple[list[str], Finding]]:
+    """Findings equal but for their GPU, once each with the GPUs they hold on."""
+    groups: dict[tuple[str, ...], tuple[list[str], Finding]] = {}
+    for f in findings:
+        key = (f.cause, f.dimension, f.severity, f.status, f.detail, f.remedy)
+        groups.setdefault(key, ([], f))[0].append(f.gpu)
+    return list(groups.values())
+
+
 def build_report(pipeline: Pipeline, node: str) -> Report:
     now = pipeline.now()
     findings = pipeline.engine.diagnose(now)
+    latest = _latest(pipeline.store, now)
     down = {
         p.name: p.health.last_error or "no successful poll"
         for p in pipeline.pollers
@@ -134,13 +437,14 @@ def build_report(pipeline: Pipeline, node: str) -> Report:
         holding = [f for f in mine if f.status == HOLDS]
         evaluated = [f for f in mine if f.status != NOT_EVALUABLE]
         status = PROBLEM if holding else OK if evaluated else NOT_CHECKED
-        report = DimensionReport(dim, status, _evidence(pipeline.store, now, dim))
+        report = DimensionReport(dim, status, _evidence(latest, dim))
         report.causes = [
             {"gpu": f.gpu, "cause": f.cause, "summary": f.detail, "remedy": f.remedy}
             for f in holding
         ]
         dimensions.append(report)
-    return Report(node, gpus, no_gpu, down, dimensions, findings)
+    host = host_checks(latest, pipeline.config)
+    return Report(node, gpus, no_gpu, down, dimensions, findings, host)
 
 
 def diagnose_node(
@@ -159,20 +463,56 @@ def diagnose_node(
         pipeline.close()
 
 
+# A second before a fault ends every reading is still the fault's (the simulation steps
+# once per evaluation_interval, 1 s by default); at `ends` the repaired values arrive.
+FAULT_END_MARGIN = 1.0
+
+
+def _holding_window(expectation: Expectation, end: float) -> tuple[float, float]:
+    """From `by` (the cause must be firing, so its condition holds) to the fault's end."""
+    last = end if expectation.ends is None else expectation.ends - FAULT_END_MARGIN
+    by = last if expectation.by is None else expectation.by
+    return max(expectation.onset, min(by, last)), last
+
+
+def expected_moment(scenario: Scenario) -> float:
+    """When the scenario's expected causes hold: the latest `by` of its expectations that
+    must fire, kept inside the fault windows (before `ends`); where those windows do
+    not all overlap, the `by` inside the most of them. Its end if none must fire."""
+    end = scenario.duration
+    windows = [_holding_window(e, end) for e in scenario.expect if not e.never]
+    if not windows:
+        return end
+
+    def holding(t: float) -> int:
+        return sum(start <= t <= last for start, last in windows)
+
+    return max((start for start, _ in windows), key=lambda t: (holding(t), t))
+
+
 def diagnose_simulated(scenario: Scenario, config: Config, at: float | None) -> Report:
-    """Play `scenario` in virtual time up to `at` (default: its end), then diagnose."""
+    """Play `scenario` in virtual time up to `at` (default: `expected_moment`), then
+    diagnose."""
     from gpuwatchd.simulate import Simulation
 
+    why = ""
+    if at is None:
+        at = expected_moment(scenario)
+        firing = any(not e.never for e in scenario.expect)
+        why = ", when its expected causes hold" if firing else ", its end (no cause expected)"
     simulation = Simulation(scenario, config)
     try:
         result = simulation.run(until=at)
-        node = f"simulated node {scenario.name!r} at {result.simulated_seconds:.0f}s"
+        node = f"simulated node {scenario.name!r} at {result.simulated_seconds:.0f}s{why}"
         return build_report(simulation.pipeline, node)
     finally:
         simulation.close()
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+# -- text -----------------------------------------------------------------------------------
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
@@ -180,25 +520,48 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     ]
 
 
+def _dimension_rows(report: Report) -> list[tuple[str, str, str]]:
+    rows = []
+    for d in report.dimensions:
+        causes = group_by_text((c["gpu"], f"{c['cause']}: {c['summary']}") for c in d.causes)
+        evidence = [f"{gpu_list(gpus)} {text}" for gpus, text in causes] + d.evidence
+        rows.append((d.dimension, d.status, "; ".join(evidence) or "-"))
+    return rows
+
+
+def _finding_lines(report: Report) -> list[str]:
+    """Per GPU: the causes that hold, else "no cause holds", then what was not
+    evaluable; a line shared by several GPUs is printed once, with their list."""
+    holding = report.holding
+    quiet = [gpu for gpu in report.gpus if gpu not in {f.gpu for f in holding}]
+    unknown: dict[str, list[str]] = {}
+    for f in report.findings:
+        if f.status == NOT_EVALUABLE:
+            unknown.setdefault(f.gpu, []).append(f.cause)
+    pairs = [(f.gpu, f"{f.cause} ({f.dimension}, {f.severity}): {f.detail}") for f in holding]
+    pairs += [(gpu, "no cause holds") for gpu in quiet]
+    pairs += [(gpu, f"not evaluable: {', '.join(causes)}") for gpu, causes in unknown.items()]
+    return [f"  {gpu_list(gpus)}: {text}" for gpus, text in group_by_text(pairs)]
+
+
 def format_report(report: Report) -> str:
     lines = []
     if report.no_gpu is not None:
         lines.append(f"no NVIDIA GPU or driver found: {report.no_gpu}")
-        lines.append("GPU checks are not checked; host checks follow.")
+        lines.append("GPU checks could not run; host checks follow.")
         lines.append("")
-    gpus = ", ".join(report.gpus) if report.gpus else "none"
+    gpus = number_ranges(report.gpus) or "none"
     lines.append(f"gpuwatchd doctor: {report.node}, GPUs: {gpus}")
     if report.sources_down:
         lines.append("sources down:")
         lines += [f"  {name}: {why}" for name, why in sorted(report.sources_down.items())]
     lines.append("")
-    rows: list[tuple[str, ...]] = []
-    for d in report.dimensions:
-        evidence = [f"gpu {c['gpu']} {c['cause']}: {c['summary']}" for c in d.causes]
-        evidence += d.evidence
-        rows.append((d.dimension, d.status, "; ".join(evidence) or "-"))
-    lines += _table(("dimension", "status", "evidence"), rows)
+    lines += _table(("dimension", "status", "evidence"), _dimension_rows(report))
+    lines.append("")
+    host_rows = [(c.check, c.dimension, c.status, c.evidence) for c in report.host]
+    lines += _table(("host check", "dimension", "status", "evidence"), host_rows)
     remedies = {(c["cause"], c["remedy"]) for d in report.dimensions for c in d.causes}
+    remedies |= {(c.check, c.remedy) for c in report.host_problems}
     if remedies:
         lines.append("")
         lines.append("remedies:")
@@ -206,20 +569,7 @@ def format_report(report: Report) -> str:
     if report.gpus:
         lines.append("")
         lines.append("per-GPU findings:")
-        for gpu in report.gpus:
-            mine = [f for f in report.findings if f.gpu == gpu]
-            holding = [f for f in mine if f.status == HOLDS]
-            unknown = [f.cause for f in mine if f.status == NOT_EVALUABLE]
-            if holding:
-                for f in holding:
-                    lines.append(
-                        f"  gpu {gpu}: {f.cause} ({f.dimension}, {f.severity}): {f.detail}"
-                    )
-            else:
-                lines.append(f"  gpu {gpu}: no cause holds")
-            if unknown:
-                lines.append(f"  gpu {gpu}: not evaluable: {', '.join(unknown)}")
+        lines += _finding_lines(report)
     lines.append("")
-    verdict = "a cause holds (exit 1)" if report.holds else "no cause holds (exit 0)"
-    lines.append(f"result: {verdict}")
+    lines.append(f"result: {report.verdict} (exit {report.exit_code})")
     return "\n".join(lines)
