@@ -1,0 +1,814 @@
+"""gpuwatchd's Grafana dashboards as code (grafana-foundation-sdk), written as JSON.
+
+    python -m grafana.dashboards          # or: python grafana/dashboards.py
+    python -m grafana.dashboards --check  # exit 1 if a committed file is out of date
+
+writes grafana/fleet.json and grafana/node.json (sorted keys, stable panel ids), so a
+regenerated file differs from the committed one only where the code changed.
+tests/test_grafana.py keeps them equal and runs every query against a real Prometheus.
+
+Queries follow two rules: every target returns data on a healthy node (zeros rather
+than nothing: `sum by (cause) (gpuwatchd_starvation_active)`, not `== 1`), except the
+firing-causes tables, whose info series exists only while a cause fires; and every
+series is selected by the scrape's `job` and the `node` label a relabelling gives each
+target (docs/dashboards.md). The recording rules of deploy/prometheus/recording.yaml
+keep `cluster`, `job` and `instance` only, so the fleet view joins them to
+`gpuwatchd_build_info` on those to filter by node and show its name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import bargauge, stat, statetimeline, table, timeseries
+from grafana_foundation_sdk.builders import common as common_b
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders import prometheus as prom
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as model
+from grafana_foundation_sdk.models import prometheus as prom_model
+
+HERE = Path(__file__).resolve().parent
+DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
+FLEET_UID = "gpuwatchd-fleet"
+NODE_UID = "gpuwatchd-node"
+TAGS = ["gpuwatchd", "gpu"]
+
+# Units (Grafana's unit ids)
+RATIO = "percentunit"  # 0-1 shown as percent
+BYTES_PER_S = "Bps"
+BITS_PER_S = "bps"
+SECONDS = "s"
+PER_S = "cps"  # counts per second
+COUNT = "short"
+GPU_HOURS = "suffix:GPU-h"
+GPU_HOURS_PER_H = "suffix:GPU-h/h"
+
+# Label selectors. The fleet's recording rules have no `node`: see by_node().
+FLEET = 'cluster=~"$cluster", job=~"$job", node=~"$node"'
+FLEET_RULES = 'cluster=~"$cluster", job=~"$job"'
+NODE = 'job=~"$job", node=~"$node"'
+GPU = 'job=~"$job", node=~"$node", gpu=~"$gpu"'
+
+
+# --- building blocks -------------------------------------------------------------------
+
+
+def query(expr: str, legend: str = "", *, instant: bool = False) -> prom.Dataquery:
+    q = prom.Dataquery().expr(" ".join(expr.split())).datasource(DATASOURCE)
+    if legend:
+        q = q.legend_format(legend)
+    if instant:
+        q = q.instant().format(prom_model.PromQueryFormat.TABLE)
+    return q
+
+
+def _common(panel: Any, title: str, description: str, queries: list[prom.Dataquery],
+            unit: str, width: int, height: int) -> Any:
+    panel = panel.title(title).description(" ".join(description.split()))
+    panel = panel.datasource(DATASOURCE).unit(unit).span(width).height(height)
+    for ref, q in zip("ABCDEFGH", queries, strict=False):
+        panel = panel.with_target(q.ref_id(ref))
+    return panel
+
+
+def _legend() -> common_b.VizLegendOptions:
+    return (
+        common_b.VizLegendOptions()
+        .display_mode(common.LegendDisplayMode.TABLE)
+        .placement(common.LegendPlacement.BOTTOM)
+        .show_legend(True)
+        .calcs(["lastNotNull", "max"])
+    )
+
+
+def graph(title: str, description: str, queries: list[prom.Dataquery], unit: str, *,
+          width: int = 12, height: int = 8, stack: bool = False, max_val: float | None = None,
+          ) -> timeseries.Panel:
+    panel = _common(timeseries.Panel(), title, description, queries, unit, width, height)
+    panel = panel.min(0).fill_opacity(10).line_width(1).legend(_legend()).tooltip(
+        common_b.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
+        .sort(common.SortOrder.DESCENDING)
+    )
+    if max_val is not None:
+        panel = panel.max(max_val)
+    if stack:
+        panel = panel.fill_opacity(60).stacking(
+            common_b.StackingConfig().mode(common.StackingMode.NORMAL)
+        )
+    return panel
+
+
+def big_number(title: str, description: str, q: prom.Dataquery, unit: str, *,
+               width: int = 6, red_from: float | None = None) -> stat.Panel:
+    panel = _common(stat.Panel(), title, description, [q], unit, width, 4)
+    panel = panel.graph_mode(common.BigValueGraphMode.AREA).color_mode(
+        common.BigValueColorMode.VALUE
+    ).reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]))
+    steps = [model.Threshold(value=None, color="green")]
+    if red_from is not None:
+        steps.append(model.Threshold(value=red_from, color="red"))
+    return panel.thresholds(
+        dash.ThresholdsConfig().mode(model.ThresholdsMode.ABSOLUTE).steps(steps)
+    )
+
+
+def bars(title: str, description: str, q: prom.Dataquery, unit: str, *,
+         width: int = 12, height: int = 10) -> bargauge.Panel:
+    panel = _common(bargauge.Panel(), title, description, [q], unit, width, height)
+    return (
+        panel.orientation(common.VizOrientation.HORIZONTAL)
+        .display_mode(common.BarGaugeDisplayMode.BASIC)
+        .show_unfilled(True)
+        .min(0)
+        .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]))
+    )
+
+
+def timeline(title: str, description: str, queries: list[prom.Dataquery],
+             mappings: dict[int, tuple[str, str]], *, width: int = 12, height: int = 8,
+             ) -> statetimeline.Panel:
+    """A state timeline whose values are named and coloured by `mappings`."""
+    panel = _common(statetimeline.Panel(), title, description, queries, "none", width, height)
+    options = {
+        str(value): model.ValueMappingResult(text=text, color=color, index=i)
+        for i, (value, (text, color)) in enumerate(sorted(mappings.items()))
+    }
+    return (
+        panel.mappings([model.ValueMap(options=options)])
+        .show_value(common.VisibilityMode.NEVER)
+        .merge_values(True)
+        .row_height(0.9)
+        .fill_opacity(80)
+        .legend(common_b.VizLegendOptions().show_legend(False))
+        .color_scheme(dash.FieldColor().mode(model.FieldColorModeId.THRESHOLDS))
+    )
+
+
+def grid(title: str, description: str, queries: list[prom.Dataquery], *,
+         columns: list[str], display: dict[str, tuple[str, str]] | None = None,
+         width: int = 24, height: int = 8, link: dict[str, str] | None = None,
+         ) -> table.Panel:
+    """A table of instant queries: one row per label set, `columns` first, Time hidden.
+
+    `display` maps a value field ("Value #A") to (column title, unit); several queries
+    are merged on their labels.
+    """
+    panel = _common(table.Panel(), title, description, queries, "none", width, height)
+    if len(queries) > 1:
+        panel = panel.with_transformation(model.DataTransformerConfig(id_val="merge", options={}))
+    hidden = {"Time": True, "__name__": True}
+    if not display:
+        hidden["Value"] = True
+    order = {name: i for i, name in enumerate(columns)}
+    panel = panel.with_transformation(model.DataTransformerConfig(
+        id_val="organize", options={"excludeByName": hidden, "indexByName": order},
+    ))
+    for field, (name, unit) in (display or {}).items():
+        panel = panel.override_by_name(field, [
+            model.DynamicConfigValue(id_val="displayName", value=name),
+            model.DynamicConfigValue(id_val="unit", value=unit),
+        ])
+    for long_text in ("summary", "remedy"):
+        if long_text in columns:
+            panel = panel.override_by_name(long_text, [
+                model.DynamicConfigValue(id_val="custom.inspect", value=True),
+                model.DynamicConfigValue(id_val="custom.minWidth", value=300),
+            ])
+    if link is not None:
+        panel = panel.override_by_name(columns[0], [
+            model.DynamicConfigValue(id_val="links", value=[link]),
+        ])
+    return panel.sort_by([common_b.TableSortByFieldState().display_name(columns[0])])
+
+
+def row(title: str, panels: list[Any]) -> dash.Row:
+    r = dash.Row(title).collapsed(False)
+    for p in panels:
+        r = r.with_panel(p)
+    return r
+
+
+def datasource_variable() -> dash.DatasourceVariable:
+    return dash.DatasourceVariable("datasource").label("Data source").type("prometheus")
+
+
+def label_variable(name: str, label: str, source: str, *, multi: bool,
+                   sort: model.VariableSort = model.VariableSort.ALPHABETICAL_ASC,
+                   ) -> dash.QueryVariable:
+    v = (
+        dash.QueryVariable(name)
+        .label(label)
+        .datasource(DATASOURCE)
+        .query(f"label_values({source}, {name})")
+        .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(sort)
+    )
+    if multi:
+        v = v.multi(True).include_all(True).all_value(".*")
+    return v
+
+
+def new_dashboard(title: str, uid: str, description: str) -> dash.Dashboard:
+    return (
+        dash.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(TAGS)
+        .editable()
+        .tooltip(model.DashboardCursorSync.CROSSHAIR)
+        .time("now-3h", "now")
+        .refresh("1m")
+        .link(
+            dash.DashboardLink("gpuwatchd")
+            .type(model.DashboardLinkType.DASHBOARDS)
+            .tags(["gpuwatchd"])
+            .as_dropdown(True)
+            .include_vars(True)
+            .keep_time(True)
+        )
+    )
+
+
+# --- the fleet -------------------------------------------------------------------------
+
+
+def by_node(expr: str) -> str:
+    """`expr` (a recording rule: cluster, job, instance) restricted to $node, with `node`."""
+    return (
+        f"({expr}) * on (cluster, job, instance) group_left (node)"
+        f" max by (cluster, job, instance, node) (gpuwatchd_build_info{{{FLEET}}})"
+    )
+
+
+def fleet_now() -> dash.Row:
+    gpus = f"instance:gpuwatchd_gpus:count{{{FLEET_RULES}}}"
+    share = f"instance:gpuwatchd_gpu_starved:ratio_avg5m{{{FLEET_RULES}}}"
+    return row("Now", [
+        big_number(
+            "Nodes", """Nodes whose gpuwatchd reports (one per scrape target), for the
+            cluster, job and node selection.""",
+            query(f"count(max by (cluster, job, instance) (gpuwatchd_build_info{{{FLEET}}}))"),
+            COUNT),
+        big_number(
+            "GPUs", """GPUs on the selected nodes, as their gpuwatchd sees them
+            (instance:gpuwatchd_gpus:count). Fewer than the nodes should have means GPUs
+            NVML no longer lists.""",
+            query(f"sum({by_node(gpus)})"), COUNT),
+        big_number(
+            "Starved GPUs now", """GPUs on which at least one starvation cause fires now
+            (instance:gpuwatchd_gpus_starved:sum). Anything above 0 is a GPU waiting on
+            something: the table below says on what.""",
+            query(f"sum({by_node(f'instance:gpuwatchd_gpus_starved:sum{{{FLEET_RULES}}}')})"),
+            COUNT, red_from=1),
+        big_number(
+            "GPU time starved (5m)", """Share of the selected GPUs' time over the last 5
+            minutes during which any cause fired (instance:gpuwatchd_gpu_starved:ratio_avg5m,
+            weighted by GPUs). 0 % is a fleet where no GPU waits.""",
+            query(f"sum({by_node(f'{share} * {gpus}')}) / sum({by_node(gpus)})"),
+            RATIO, red_from=0.05),
+        bars(
+            "Starved GPUs now, by cause", """Per starvation cause, how many of the selected
+            GPUs it fires on now (sum of gpuwatchd_starvation_active), largest first. Every
+            cause is listed, at 0 while it fires nowhere.""",
+            query(f"sort_desc(sum by (cause) (gpuwatchd_starvation_active{{{FLEET}}}))",
+                  "{{cause}}", instant=True), COUNT, width=8, height=12),
+        grid(
+            "Firing causes", """One row per GPU and cause firing now
+            (gpuwatchd_starvation_info): the node, the GPU, the cause with its dimension and
+            severity, the evidence the daemon recorded when the cause started firing
+            (summary) and what to do about it (remedy). Empty while nothing fires; click a
+            node to open its dashboard.""",
+            [query(
+                "max by (node, gpu, cause, dimension, severity, summary, remedy, job, cluster)"
+                f" (gpuwatchd_starvation_info{{{FLEET}}})", instant=True)],
+            columns=["node", "gpu", "cause", "severity", "dimension", "summary", "remedy",
+                     "job", "cluster"],
+            width=16, height=12, link=node_link("${__data.fields.job}")),
+    ])
+
+
+def node_link(job: str) -> dict[str, str]:
+    """A data link from a `node` cell to that node's dashboard."""
+    return {
+        "title": "Node dashboard",
+        "url": f"/d/{NODE_UID}/gpuwatchd-node?${{datasource:queryparam}}&var-job={job}"
+        "&var-node=${__value.raw}&${__url_time_range}",
+    }
+
+
+def fleet_lost() -> dash.Row:
+    return row("GPU-hours lost", [
+        graph(
+            "GPU-hours lost per hour, by cause", """Starved GPU-seconds per second per
+            cause over the last 5 minutes (instance_cause:gpuwatchd_starvation_seconds:rate5m)
+            for the selected nodes, stacked: the number of GPUs starved on each cause on
+            average, which is also the GPU-hours lost per hour of wall time.""",
+            [query(
+                "sum by (cause) ("
+                + by_node(f"instance_cause:gpuwatchd_starvation_seconds:rate5m{{{FLEET_RULES}}}")
+                + ")", "{{cause}}")],
+            GPU_HOURS_PER_H, stack=True),
+        graph(
+            "GPU-hours lost in the last hour, by cause", """GPU-hours each cause cost over
+            the preceding hour (job_cause:gpuwatchd_starvation_gpu_hours:increase1h), summed
+            over the selected clusters and jobs; the node selection does not apply (the rule
+            is per job).""",
+            [query(f"sum by (cause) (job_cause:gpuwatchd_starvation_gpu_hours:increase1h"
+                   f"{{{FLEET_RULES}}})", "{{cause}}")],
+            GPU_HOURS, stack=True),
+        graph(
+            "Share of GPU time starved, by job", """Per job (and cluster), the share of its
+            GPUs' time over the last 5 minutes during which any cause fired
+            (job:gpuwatchd_gpu_starved:ratio_avg5m); the node selection does not apply.""",
+            [query(f"sum by (cluster, job) (job:gpuwatchd_gpu_starved:ratio_avg5m"
+                   f"{{{FLEET_RULES}}})", "{{job}} {{cluster}}")],
+            RATIO, max_val=1),
+        bars(
+            "GPU-hours lost in the time range, by cause", """GPU-hours lost to each cause
+            over the dashboard's time range on the selected nodes (increase of
+            gpuwatchd_starvation_seconds_total / 3600), largest first: where to spend
+            effort.""",
+            query(f"sort_desc(sum by (cause) (increase(gpuwatchd_starvation_seconds_total"
+                  f"{{{FLEET}}}[$__range])) / 3600)", "{{cause}}", instant=True),
+            GPU_HOURS, height=8),
+    ])
+
+
+def fleet_worst() -> dash.Row:
+    ratio1h = by_node(f"instance:gpuwatchd_gpu_starved:ratio_avg1h{{{FLEET_RULES}}}")
+    ratio5m = by_node(f"instance:gpuwatchd_gpu_starved:ratio_avg5m{{{FLEET_RULES}}}")
+    top = f"topk(10, {ratio1h})"
+
+    def in_top(expr: str) -> str:
+        return f"{by_node(expr)} and on (cluster, job, instance) {top}"
+
+    return row("Worst nodes and jobs", [
+        grid(
+            "Worst nodes", """The 10 selected nodes whose GPUs were starved the largest
+            share of the last hour (instance:gpuwatchd_gpu_starved:ratio_avg1h), with the
+            share over the last 5 minutes, the GPUs starved now and the node's GPUs. Click
+            a node to open its dashboard.""",
+            [
+                query(top, instant=True),
+                query(in_top(f"instance:gpuwatchd_gpu_starved:ratio_avg5m{{{FLEET_RULES}}}"),
+                      instant=True),
+                query(in_top(f"instance:gpuwatchd_gpus_starved:sum{{{FLEET_RULES}}}"),
+                      instant=True),
+                query(in_top(f"instance:gpuwatchd_gpus:count{{{FLEET_RULES}}}"), instant=True),
+            ],
+            columns=["node", "job", "cluster", "instance"],
+            display={
+                "Value #A": ("Starved (1h)", RATIO),
+                "Value #B": ("Starved (5m)", RATIO),
+                "Value #C": ("Starved GPUs now", COUNT),
+                "Value #D": ("GPUs", COUNT),
+            },
+            width=12, height=9, link=node_link("${__data.fields.job}"),
+        ),
+        bars(
+            "Worst jobs and causes", """The 10 job × cause pairs that starve the most GPUs
+            over the last 5 minutes (job_cause:gpuwatchd_starvation_seconds:rate5m: GPUs of
+            the job starved on the cause, on average), largest first; the node selection
+            does not apply (the rule is per job).""",
+            query(f"sort_desc(topk(10, sum by (cluster, job, cause)"
+                  f" (job_cause:gpuwatchd_starvation_seconds:rate5m{{{FLEET_RULES}}})))",
+                  "{{job}} {{cluster}}: {{cause}}", instant=True),
+            COUNT, height=9),
+        graph(
+            "Share of GPU time starved, worst nodes", """The nodes whose GPUs were starved
+            the largest share of the last 5 minutes
+            (topk(10, instance:gpuwatchd_gpu_starved:ratio_avg5m)), over time: a node that
+            stays on top has a persistent problem, one that blips had a transient.""",
+            [query(f"topk(10, {ratio5m})", "{{node}}")],
+            RATIO, width=24, height=9, max_val=1),
+    ])
+
+
+def fleet() -> dash.Dashboard:
+    d = new_dashboard(
+        "gpuwatchd / Fleet", FLEET_UID,
+        "Which GPUs in the fleet are starved, on what, and what it costs (gpuwatchd).",
+    ).with_variable(datasource_variable())
+    d = d.with_variable(label_variable("cluster", "Cluster", "gpuwatchd_build_info", multi=True))
+    d = d.with_variable(label_variable(
+        "job", "Job", 'gpuwatchd_build_info{cluster=~"$cluster"}', multi=True))
+    d = d.with_variable(label_variable(
+        "node", "Node", 'gpuwatchd_build_info{cluster=~"$cluster", job=~"$job"}', multi=True))
+    for r in (fleet_now(), fleet_lost(), fleet_worst()):
+        d = d.with_row(r)
+    return d
+
+
+# --- one node --------------------------------------------------------------------------
+
+# PCIe series are labelled by the GPU's PCI address (gpu_bus_id); gpu_info carries the same
+# address as pci_bus_id, so this gives each of them the `gpu` index and applies $gpu.
+GPU_OF_BUS = (
+    f"label_replace(max by (job, instance, gpu, pci_bus_id) (gpuwatchd_gpu_info{{{GPU}}}),"
+    ' "gpu_bus_id", "$1", "pci_bus_id", "(.+)")'
+)
+
+
+def pcie(metric: str, by: str = "gpu, role, device") -> str:
+    return (
+        f"max by ({by}) (gpuwatchd_{metric}{{{NODE}}}"
+        f" * on (job, instance, gpu_bus_id) group_left (gpu) {GPU_OF_BUS})"
+    )
+
+
+def per_gpu(metric: str, how: str = "max", extra: str = "") -> str:
+    selector = GPU + (f", {extra}" if extra else "")
+    return f"{how} by (gpu) (gpuwatchd_{metric}{{{selector}}})"
+
+
+def rate_per_gpu(metric: str) -> str:
+    return f"sum by (gpu) (rate(gpuwatchd_{metric}{{{GPU}}}[$__rate_interval]))"
+
+
+def host(metric: str, by: str, how: str = "max", extra: str = "") -> str:
+    selector = NODE + (f", {extra}" if extra else "")
+    return f"{how} by ({by}) (gpuwatchd_{metric}{{{selector}}})"
+
+
+STATES = {  # the cause matrix's values
+    0: ("ok", "green"),
+    1: ("pending", "yellow"),
+    2: ("firing", "red"),
+    3: ("not evaluable", "text"),
+}
+
+
+def node_causes() -> dash.Row:
+    states = (
+        f"max by (gpu, cause) (2 * gpuwatchd_starvation_active{{{GPU}}})"
+        f" + max by (gpu, cause) (gpuwatchd_starvation_pending{{{GPU}}})"
+        f" + 3 * max by (gpu, cause) (gpuwatchd_starvation_not_evaluable{{{GPU}}})"
+    )
+    firing = timeline(
+        "Causes firing per GPU", """Per GPU, how many starvation causes fire
+        (sum of gpuwatchd_starvation_active): green while none does, red with the count
+        while one or more do. The per-GPU matrices below say which.""",
+        [query(per_gpu("starvation_active", "sum"), "GPU {{gpu}}")],
+        {0: ("none", "green")}, width=24, height=6,
+    ).thresholds(dash.ThresholdsConfig().mode(model.ThresholdsMode.ABSOLUTE).steps([
+        model.Threshold(value=None, color="green"), model.Threshold(value=1, color="red"),
+    ])).show_value(common.VisibilityMode.AUTO)
+    matrix = timeline(
+        "Causes on GPU $gpu", """Every starvation rule on this GPU over time, one row per
+        cause: ok (green), pending (yellow: its condition holds, waiting out its `for`),
+        firing (red), or not evaluable (grey: an input is missing, e.g. no DCGM profiling
+        or no probe). Repeated for each selected GPU.""",
+        [query(states, "{{cause}}")], STATES, height=14,
+    ).repeat("gpu").repeat_direction("h")
+    table_ = grid(
+        "Firing causes on this node", """One row per GPU and cause firing now
+        (gpuwatchd_starvation_info): the evidence recorded when it started firing
+        (summary) and what to do (remedy). Empty while nothing fires.""",
+        [query("max by (gpu, cause, dimension, severity, summary, remedy)"
+               f" (gpuwatchd_starvation_info{{{GPU}}})", instant=True)],
+        columns=["gpu", "cause", "severity", "dimension", "summary", "remedy"], height=6,
+    )
+    return row("Causes", [firing, table_, matrix])
+
+
+def node_pcie() -> dash.Row:
+    per_function = "GPU {{gpu}} {{role}} {{device}}"
+    return row("PCIe", [
+        grid(
+            "PCIe links: generation and width vs maximum", """Every PCIe function on each
+            GPU's path to the CPU (role gpu: the GPU's own link; bridge: the switch and root
+            ports above it), its link's current generation and width next to the most it
+            supports, and whether it runs below them (degraded = 1). A degraded bridge
+            slows every GPU behind it.""",
+            [query(pcie(m), instant=True) for m in (
+                "pcie_link_generation", "pcie_link_generation_max", "pcie_link_width",
+                "pcie_link_width_max", "pcie_link_degraded")],
+            columns=["gpu", "role", "device"],
+            display={
+                "Value #A": ("Generation", "none"),
+                "Value #B": ("Max generation", "none"),
+                "Value #C": ("Width (lanes)", "none"),
+                "Value #D": ("Max width", "none"),
+                "Value #E": ("Degraded", "none"),
+            },
+            width=24, height=8,
+        ),
+        graph(
+            "PCIe link generation per GPU and bridge", """Current PCIe generation of each
+            function on the GPUs' paths (gpuwatchd_pcie_link_generation). A step down
+            under load is a link that retrained lower (the table above gives the maximum);
+            idle GPUs train down on purpose.""",
+            [query(pcie("pcie_link_generation"), per_function)], COUNT),
+        graph(
+            "PCIe link width per GPU and bridge", """Current PCIe lanes of each function
+            on the GPUs' paths (gpuwatchd_pcie_link_width); below the maximum in the table
+            above means a narrowed link (a bad slot, riser or seating).""",
+            [query(pcie("pcie_link_width"), per_function)], COUNT),
+        graph(
+            "PCIe throughput per GPU", """Bytes per second over each GPU's PCIe link as
+            NVML measures it: host to GPU (input batches, weights) and GPU to host. A GPU
+            starved on a degraded link shows less host-to-GPU traffic than its peers.""",
+            [query(per_gpu("gpu_pcie_rx_bytes_per_second"), "GPU {{gpu}} host→GPU"),
+             query(per_gpu("gpu_pcie_tx_bytes_per_second"), "GPU {{gpu}} GPU→host")],
+            BYTES_PER_S),
+        graph(
+            "PCIe replays and AER errors", """Per second: link-level retransmissions
+            (replays) NVML counts per GPU, and AER errors the kernel counts per severity on
+            the GPU's path. Sustained replays mean a marginal link.""",
+            [query(rate_per_gpu("gpu_pcie_replay_errors_total"), "GPU {{gpu}} replays"),
+             query(f"sum by (gpu, severity) (rate(gpuwatchd_pcie_aer_errors_total{{{NODE}}}"
+                   "[$__rate_interval]) * on (job, instance, gpu_bus_id) group_left (gpu) "
+                   f"{GPU_OF_BUS})", "GPU {{gpu}} AER {{severity}}")],
+            PER_S),
+    ])
+
+
+def node_compute() -> dash.Row:
+    return row("Compute", [
+        graph(
+            "GPU utilization (NVML)", """Share of time a kernel was running on each GPU
+            (gpuwatchd_gpu_utilization_ratio). Low utilization with a cause firing is
+            starvation; 100 % says only that a kernel ran, not how much of the GPU it used
+            (see the activity panel).""",
+            [query(per_gpu("gpu_utilization_ratio"), "GPU {{gpu}}")], RATIO, max_val=1),
+        graph(
+            "SM, tensor and DRAM activity (DCGM)", """DCGM profiling per GPU: share of
+            cycles an SM had work (SM), a tensor pipe was busy (tensor), device memory was
+            transferring (DRAM). High DRAM with low SM is memory-bound; low everything while
+            utilization is high is waiting (NCCL, launches).""",
+            [query(per_gpu("gpu_sm_active_ratio"), "GPU {{gpu}} SM"),
+             query(per_gpu("gpu_tensor_active_ratio"), "GPU {{gpu}} tensor"),
+             query(per_gpu("gpu_dram_active_ratio"), "GPU {{gpu}} DRAM")],
+            RATIO, max_val=1),
+        graph(
+            "SM clock, share of maximum", """Each GPU's SM clock over its maximum. Under
+            load it should sit near 100 %; lower with a clock event reason active (next
+            panel) is throttling.""",
+            [query(f"{per_gpu('gpu_sm_clock_hertz')} / {per_gpu('gpu_sm_clock_max_hertz')}",
+                   "GPU {{gpu}}")], RATIO, max_val=1),
+        graph(
+            "Clock event reasons active", """How many of the selected GPUs each clock event
+            reason holds down (gpuwatchd_gpu_clock_event_reason_active): thermal, power
+            caps and hardware slowdowns under load starve the GPU of clock; gpu_idle is
+            normal when idle.""",
+            [query(host("gpu_clock_event_reason_active", "reason", "sum", 'gpu=~"$gpu"'),
+                   "{{reason}}")], COUNT),
+    ])
+
+
+def node_input() -> dash.Row:
+    return row("Input", [
+        graph(
+            "Loader wait vs compute (probe)", """From gpuwatchd.probe in the training loop:
+            share of wall time the process waited for its next batch versus computed
+            (rates of gpuwatchd_probe_wait_seconds_total and _compute_seconds_total). Wait
+            above a few percent while the GPU is not saturated is an input-pipeline stall.
+            Empty for processes without the probe.""",
+            [query(rate_per_gpu("probe_wait_seconds_total"), "GPU {{gpu}} waiting"),
+             query(rate_per_gpu("probe_compute_seconds_total"), "GPU {{gpu}} computing")],
+            RATIO, max_val=1),
+        graph(
+            "GPU process: cgroup throttling and busiest thread", """For each GPU's main
+            process: the share of its cgroup's CPU periods throttled by the CPU limit, and
+            how busy its busiest thread is (share of one core). Throttling, or one thread at
+            100 % with no DataLoader workers, starves the input pipeline.""",
+            [query(per_gpu("gpu_process_throttled_ratio"), "GPU {{gpu}} throttled"),
+             query(per_gpu("gpu_process_busiest_thread_cpu_ratio"),
+                   "GPU {{gpu}} busiest thread")],
+            RATIO),
+        graph(
+            "GPU process CPU (cores)", """CPU used by each GPU's main process and by its
+            child processes (DataLoader workers), in cores, next to the cgroup limit where
+            there is one.""",
+            [query(per_gpu("gpu_process_cpu_cores"), "GPU {{gpu}} main process"),
+             query(per_gpu("gpu_process_workers_cpu_cores"), "GPU {{gpu}} workers"),
+             query(per_gpu("gpu_process_cpu_quota_cpus"), "GPU {{gpu}} limit")],
+            COUNT),
+        graph(
+            "Disk utilization", """Share of time each disk had I/O in flight (iostat
+            %util). A disk near 100 % while GPUs wait is storage-bound input.""",
+            [query(host("disk_utilization_ratio", "device"), "{{device}}")], RATIO, max_val=1),
+        graph(
+            "Disk await", """Average time a read and a write took on each disk, queueing
+            included (iostat r_await / w_await). Rising await with high utilization is a
+            saturated disk.""",
+            [query(host("disk_read_await_seconds", "device"), "{{device}} read"),
+             query(host("disk_write_await_seconds", "device"), "{{device}} write")],
+            SECONDS),
+    ])
+
+
+IB_STATES = {
+    0: ("NOP", "text"),
+    1: ("DOWN", "red"),
+    2: ("INIT", "orange"),
+    3: ("ARMED", "yellow"),
+    4: ("ACTIVE", "green"),
+    5: ("ACTIVE_DEFER", "green"),
+}
+
+
+def node_communication() -> dash.Row:
+    port = "{{device}}/{{port}}"
+    return row("Communication", [
+        graph(
+            "NVLink throughput per GPU (DCGM)", """Bytes per second each GPU sends and
+            receives over all its NVLinks. Traffic that stops on every GPU of a job while
+            utilization stays high is a collective (NCCL) stall.""",
+            [query(per_gpu("gpu_nvlink_tx_bytes_per_second"), "GPU {{gpu}} tx"),
+             query(per_gpu("gpu_nvlink_rx_bytes_per_second"), "GPU {{gpu}} rx")],
+            BYTES_PER_S),
+        graph(
+            "NVLinks active per GPU", """Active NVLinks of each GPU
+            (sum of gpuwatchd_gpu_nvlink_active). A drop means links went down and traffic
+            falls back to fewer links or PCIe.""",
+            [query(per_gpu("gpu_nvlink_active", "sum"), "GPU {{gpu}}")], COUNT),
+        timeline(
+            "InfiniBand port state", """Logical state of each InfiniBand/RoCE port: ACTIVE
+            (green) carries traffic; DOWN, INIT or ARMED cut the node off its peers.""",
+            [query(host("ib_port_state", "device, port"), port)], IB_STATES),
+        graph(
+            "InfiniBand port rate vs best", """Each port's current rate and its best (the
+            configured expected rate, else the highest seen). Current below best is a port
+            that retrained slower: a marginal cable or transceiver.""",
+            [query(host("ib_port_rate_bits_per_second", "device, port"), f"{port} rate"),
+             query(host("ib_port_rate_max_bits_per_second", "device, port"), f"{port} best")],
+            BITS_PER_S),
+        graph(
+            "InfiniBand throughput", """Bytes per second received and transmitted on each
+            port.""",
+            [query(host("ib_port_receive_bytes_per_second", "device, port"), f"{port} rx"),
+             query(host("ib_port_transmit_bytes_per_second", "device, port"), f"{port} tx")],
+            BYTES_PER_S),
+        graph(
+            "InfiniBand transmit wait", """Share of each port's time it had data to send
+            but could not (port_xmit_wait): congestion or a slow peer.""",
+            [query(host("ib_port_transmit_wait_ratio", "device, port"), port)],
+            RATIO, max_val=1),
+    ])
+
+
+def node_driver() -> dash.Row:
+    xid = (
+        f"sum by (gpu, xid) (gpuwatchd_gpu_xid_errors_total{{{GPU}}}) or on (gpu)"
+        f' label_replace(0 * {per_gpu("gpu_info", "sum")}, "xid", "none", "", "")'
+    )
+    return row("Driver", [
+        graph(
+            "Xid errors per GPU", """Xid errors the driver reported on each GPU since the
+            daemon started, by Xid code (0, code none, while there has been none): each
+            step up is an event. 13/31/43 point at the application, 48/63/64/94/95 at
+            memory, 79 at the bus or power.""",
+            [query(xid, "GPU {{gpu}} Xid {{xid}}")], COUNT),
+        graph(
+            "ECC errors per GPU", """ECC errors over each GPU's lifetime: corrected
+            (single-bit, fixed by ECC) and uncorrected (double-bit: drain and reset the
+            GPU).""",
+            [query(f"sum by (gpu, type) (gpuwatchd_gpu_ecc_errors_total{{{GPU}}})",
+                   "GPU {{gpu}} {{type}}")], COUNT),
+        timeline(
+            "GPU lost", """Whether NVML reports each GPU lost (fallen off the bus): red
+            needs a reboot and a hardware check.""",
+            [query(per_gpu("gpu_lost"), "GPU {{gpu}}")],
+            {0: ("ok", "green"), 1: ("lost", "red")}),
+    ])
+
+
+def node_system() -> dash.Row:
+    return row("System", [
+        graph(
+            "Node CPU: busy, iowait, steal", """The node's CPUs: average busy share, the
+            busiest core, time in iowait, and time stolen by the hypervisor. A core at
+            100 % can starve a single-threaded loader while the average looks fine; steal
+            above a few percent is a noisy VM neighbour.""",
+            [query(host("cpu_busy_ratio_avg", "job"), "busy (average)"),
+             query(host("cpu_busy_ratio_max", "job"), "busiest core"),
+             query(host("cpu_iowait_ratio", "job"), "iowait"),
+             query(host("cpu_steal_ratio", "job"), "steal")],
+            RATIO, max_val=1),
+        graph(
+            "Interrupts per second by device class", """Interrupt rate summed per device
+            class (nvidia, nvme, nic, usb, other; system = timer and IPI rows).""",
+            [query(host("interrupts_per_second", "class", "sum"), "{{class}}")], PER_S),
+        graph(
+            "Busiest IRQ line per class", """Rate of the busiest single IRQ line of each
+            device class; one line far above the storm threshold (10000/s by default) pins
+            a core.""",
+            [query(host("interrupt_max_line_per_second", "class"), "{{class}}")], PER_S),
+        graph(
+            "Pressure stall (PSI, 10 s)", """Share of the last 10 seconds some task stalled
+            waiting for CPU, I/O or memory (Linux PSI). Rising I/O pressure while GPUs wait
+            points at storage; CPU pressure at too few cores.""",
+            [query(host("pressure_ratio", "resource", extra='kind="some", window="10s"'),
+                   "{{resource}}")],
+            RATIO, max_val=1),
+    ])
+
+
+def node_self() -> dash.Row:
+    return row("gpuwatchd", [
+        timeline(
+            "Sources up", """Whether each gpuwatchd source's last poll succeeded
+            (gpuwatchd_source_up). A source down leaves its panels empty and the rules
+            that read it not evaluable.""",
+            [query(host("source_up", "source"), "{{source}}")],
+            {0: ("down", "red"), 1: ("up", "green")}),
+        graph(
+            "Rules not evaluable per GPU", """How many starvation rules cannot be evaluated
+            on each GPU (an input is missing: no DCGM profiling, no probe, a source down).
+            Those causes can be neither confirmed nor ruled out.""",
+            [query(per_gpu("starvation_not_evaluable", "sum"), "GPU {{gpu}}")], COUNT),
+    ])
+
+
+def node() -> dash.Dashboard:
+    d = new_dashboard(
+        "gpuwatchd / Node", NODE_UID,
+        "One node's GPUs: which starvation causes fire, and each dimension's evidence.",
+    ).with_variable(datasource_variable())
+    d = d.with_variable(label_variable("job", "Job", "gpuwatchd_build_info", multi=False))
+    d = d.with_variable(label_variable(
+        "node", "Node", 'gpuwatchd_build_info{job=~"$job"}', multi=False))
+    d = d.with_variable(label_variable(
+        "gpu", "GPU", 'gpuwatchd_gpu_info{job=~"$job", node=~"$node"}', multi=True,
+        sort=model.VariableSort.NUMERICAL_ASC))
+    for r in (node_causes(), node_pcie(), node_compute(), node_input(),
+              node_communication(), node_driver(), node_system(), node_self()):
+        d = d.with_row(r)
+    return d
+
+
+# --- JSON ------------------------------------------------------------------------------
+
+DASHBOARDS = {"fleet.json": fleet, "node.json": node}
+
+
+def _prune(value: Any) -> Any:
+    """Drop None values (Grafana fills its defaults in)."""
+    if isinstance(value, dict):
+        # a threshold's base step keeps "value": null (Grafana reads it as -Infinity)
+        return {k: _prune(v) for k, v in value.items() if v is not None or k == "value"}
+    if isinstance(value, list):
+        return [_prune(v) for v in value]
+    return value
+
+
+def _finish(d: dict[str, Any]) -> dict[str, Any]:
+    """Rows expanded (their panels follow them), stable ids, tidy variables."""
+    panels: list[dict[str, Any]] = []
+    for p in d.get("panels", []):
+        nested = p.pop("panels", None) if p.get("type") == "row" else None
+        panels.append(p)
+        if nested is not None:
+            p["panels"] = []
+            p["collapsed"] = False
+            panels.extend(nested)
+    for i, p in enumerate(panels, 1):
+        p["id"] = i
+    d["panels"] = panels
+    for v in d.get("templating", {}).get("list", []):
+        v.pop("id", None)  # Grafana keys variables by name
+        for key in ("auto", "auto_count", "auto_min"):  # interval variables only
+            v.pop(key, None)
+    return d
+
+
+def render(name: str) -> str:
+    """The JSON text of dashboard file `name` (fleet.json, node.json)."""
+    built = DASHBOARDS[name]().build()
+    data = _finish(_prune(json.loads(JSONEncoder().encode(built))))
+    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grafana.dashboards", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=HERE, help="folder (default: grafana/)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if a file differs from the generator's")
+    args = parser.parse_args(argv)
+    stale = []
+    for name in DASHBOARDS:
+        path = args.out / name
+        text = render(name)
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(str(path))
+        else:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}")
+    if stale:
+        print("out of date: " + ", ".join(stale) + " (run python -m grafana.dashboards)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
