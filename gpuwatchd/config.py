@@ -137,12 +137,31 @@ def _check_hostengine(value: Any) -> Any:
     return value.strip()
 
 
+# DCGM's text and binary fields (dcgm_fields.cpp, DCGM 3.3 to 4.6; an id keeps its type):
+# their values are strings or structs, not numbers
+DCGM_TEXT_FIELDS = frozenset(
+    {1, 2, 3, 50, 51, 53, 54, 56, 57, 68, 80, 81, 82, 85, 172, 520, 521, 523, 524, 532, 533}
+    | {571, 572, 877, 878, 1140, 1141, 1502, 1524}
+)
+DCGM_BINARY_FIELDS = frozenset(
+    {60, 61, 62, 75, 76, 77, 91, 130, 165, 166, 167, 205, 220, 221, 362, *range(501, 514)}
+    | {528, 529, 530, 531}
+)
+
+
 def _check_fields(value: Any) -> Any:
     if isinstance(value, list):
         seen: list[int] = []
         for item in value:
             if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= 65535:
                 raise ValueError(f"expected DCGM field ids (1-65535), got {item!r}")
+            if item in DCGM_TEXT_FIELDS or item in DCGM_BINARY_FIELDS:
+                kind = "text field (DCGM_FT_STRING)"
+                if item in DCGM_BINARY_FIELDS:
+                    kind = "binary field (DCGM_FT_BINARY)"
+                raise ValueError(
+                    f"field {item} is a {kind}; expected numeric DCGM fields (int64 or double)"
+                )
             if item not in seen:
                 seen.append(item)
         return seen

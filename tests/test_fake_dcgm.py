@@ -274,7 +274,7 @@ def test_groups_and_field_groups(node: Node):
     assert system.GetFieldGroupIdByName("theirs") is not None
     assert system.GetFieldGroupIdByName("DCGM_INTERNAL_30SEC") is not None
     assert system.GetFieldGroupIdByName("nope") is None
-    with pytest.raises(node.error("DCGMError_UnknownField")):
+    with pytest.raises(node.error("DCGMError_Badparam")):  # as nv-hostengine answers
         node.pydcgm.DcgmFieldGroup(handle, "bad", [9999])
     fg.Delete()
     assert system.GetFieldGroupIdByName("mine") is None
@@ -572,3 +572,62 @@ def test_sim_node_installs_the_bindings_where_dcgm_does(tmp_path: Path, version:
     finally:
         sim.close()
     assert simdcgm.lookup(extras["dcgm_hostengine"]) is None
+
+
+# -- what hid issue 13's findings: the real bindings' behaviour, modelled ------------------------
+
+
+def test_shutdown_leaves_the_handle_in_the_bindings_registry(node: Node):
+    """DCGM 4.5+'s DcgmHandle tracks every handle it connects and Shutdown never untracks it."""
+    handles = node.pydcgm.DcgmHandle.handles
+    first, second = node.connect(), node.connect()
+    first.Shutdown()
+    second.Shutdown()
+    assert handles == [first, second] and first.handle is None and second.handle is None
+
+
+def test_a_field_group_holds_at_most_127_fields(node: Node):
+    handle = node.connect()
+    numeric = sorted(f for f, info in simdcgm.FIELDS.items() if info.type in "di")
+    assert len(numeric) >= 128
+    with pytest.raises(node.error("DCGMError_Badparam")):  # DCGM_MAX_FIELD_IDS_PER_FIELD_GROUP
+        node.pydcgm.DcgmFieldGroup(handle, "too many", numeric[:128])
+    assert len(node.pydcgm.DcgmFieldGroup(handle, "most", numeric[:127]).fieldIds) == 127
+    with pytest.raises(node.error("DCGMError_Badparam")):
+        node.pydcgm.DcgmFieldGroup(handle, "none", [])
+
+
+def test_text_fields_read_as_str_and_blobs_fail_inside_the_bindings(node: Node, monkeypatch):
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    group, fg = watch(node, node.connect(), [50, 54, 57, 155])
+    v = latest(group, fg)[1]
+    assert (v[50].value, v[54].value) == ("NVIDIA A100-SXM4-80GB", gpu_uuid("sim-node", 1))
+    assert isinstance(v[57].value, str) and v[57].value.startswith("00000000:")
+    assert not unraisable
+    # a binary field: DcgmFieldValue raises in the enumeration callback, which ctypes
+    # reports and swallows, once per GPU and read; the rest of that GPU's values are lost
+    group, fg = watch(node, node.connect(), [155, 130, 150], "blob")
+    values = latest(group, fg)
+    assert len(unraisable) == 2 and "Blobs not handled" in str(unraisable[0].exc_value)
+    assert set(values[0]) == {155}
+
+
+def test_dcgm_gpu_ids_need_not_be_nvml_indices():
+    n = Node(scenario(gpu_count=4))
+    try:
+        # DCGM re-detected the GPUs and kept their ids by UUID; NVML renumbered them
+        n.engine.set_gpu_ids([2, 0, 3, 5])  # the DCGM id of NVML index 0, 1, 2, 3
+        n.engine.set_value(155, 111.0, gpu=3)  # NVML index 3
+        handle = n.connect()
+        discovery = handle.GetSystem().discovery
+        assert discovery.GetAllSupportedGpuIds() == [0, 2, 3, 5]
+        assert discovery.GetGpuAttributes(5).identifiers.uuid == gpu_uuid("sim-node", 3)
+        group, fg = watch(n, handle, [52, 155], gpus=(0, 5))
+        v = latest(group, fg)
+        assert (v[0][52].value, v[5][52].value) == (1, 3)  # DCGM_FI_DEV_NVML_INDEX
+        assert v[5][155].value == 111.0 and v[0][155].value == 300.0
+        with pytest.raises(n.error("DCGMError_Badparam")):
+            handle.GetSystem().GetGroupWithGpuIds("no such gpu", [1])
+    finally:
+        n.close()

@@ -1,4 +1,8 @@
-"""Fake DCGM bindings: DcgmFieldGroup, a named set of field ids in the host engine."""
+"""Fake DCGM bindings: DcgmFieldGroup, a named set of field ids in the host engine.
+
+Like DCGM 4.5+'s, every field group it creates is kept in `DcgmFieldGroup.groups` until
+`Delete()`: one that is never deleted (say, after its watch failed) stays for good.
+"""
 
 import contextlib
 import threading
@@ -8,7 +12,7 @@ import dcgm_structs
 
 
 class DcgmFieldGroup:
-    groups: dict = {}
+    groups: dict = {}  # field group id -> the object that created it, until Delete()
     groupLock = threading.RLock()
 
     def __init__(self, dcgmHandle, name="", fieldIds=None, fieldGroupId=None):

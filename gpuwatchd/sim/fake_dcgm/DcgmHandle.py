@@ -1,4 +1,8 @@
-"""Fake DCGM bindings: DcgmHandle, a connection to a host engine (or an embedded one)."""
+"""Fake DCGM bindings: DcgmHandle, a connection to a host engine (or an embedded one).
+
+Like DCGM 4.5+'s, every handle it connects is appended to `DcgmHandle.handles` and
+stays there after `Shutdown()`: a client that reconnects must untrack old handles itself.
+"""
 
 import contextlib
 import threading
@@ -10,7 +14,7 @@ import pydcgm
 
 class DcgmHandle:
     handleLock = threading.Lock()
-    handles: list = []
+    handles: list = []  # every handle this class connected, never removed by Shutdown()
 
     def __init__(
         self,
@@ -92,9 +96,7 @@ class DcgmHandle:
             self.__StopDcgm__()
         self._handleCreated = False
         self.handle = None
-        with DcgmHandle.handleLock:
-            if self in DcgmHandle.handles:
-                DcgmHandle.handles.remove(self)
+        # as in DCGM 4.5+: the handle stays in DcgmHandle.handles (only reset() empties it)
 
     @staticmethod
     def Unload():

@@ -1,0 +1,589 @@
+"""The simulated nv-hostengine: groups, field groups, watches and values from the timeline.
+
+A `SimHostengine` registers itself under an address `sim://<n>` (`register`); the fake
+client library (library.py) finds it there with `lookup`. The registry lives in this
+normally imported module, so every private copy of the fake bindings reaches the same
+host engines. Embedded mode (`dcgmStartEmbedded`) attaches to the host engine passed to
+`use_for_embedded`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatchd.sim.clock import SimClock
+from gpuwatchd.sim.dcgm.fields import (
+    FB_RESERVED_FRACTION,
+    FE_GPU,
+    FIELDS,
+    GPM_PCI_DEVICE_IDS,
+    GROUP_ALL_GPUS,
+    GROUP_DEFAULT,
+    MAX_FIELD_IDS_PER_FIELD_GROUP,
+    MAX_NUM_DEVICES,
+    MAX_NUM_FIELD_GROUPS,
+    MAX_NUM_GROUPS,
+    METRIC_GROUPS,
+    NOT_FOUND,
+    NOT_SUPPORTED,
+    NVLINK_LINK_FIELDS,
+    NVLINK_MAX_LINKS,
+    NVLINK_PROFILING_FIELDS,
+    PROFILING_VALUES,
+    REAL_TIME_RESOLUTION,
+    ST_BADPARAM,
+    ST_DUPLICATE_KEY,
+    ST_GPU_IS_LOST,
+    ST_IN_USE,
+    ST_MAX_LIMIT,
+    ST_NOT_SUPPORTED,
+    ST_NOT_WATCHED,
+    ST_OK,
+    ST_PROFILING_NOT_SUPPORTED,
+    SUPPORTED_CLOCKS_BLOB,
+    VBIOS,
+    VERSIONS,
+    VIOLATIONS,
+    FieldInfo,
+    Status,
+    blank,
+    brand,
+    nvlink_link_field,
+    profiling_defaults,
+    serial,
+)
+from gpuwatchd.sim.dcgm.values import Integrals, sample_time
+from gpuwatchd.sim.fake_nvml import gpu_uuid, nvml_bus_id
+from gpuwatchd.sim.scenario import Timeline
+
+# -- the registry ------------------------------------------------------------------------
+
+_REGISTRY: dict[str, SimHostengine] = {}
+_REGISTRY_LOCK = threading.Lock()
+_EMBEDDED: list[SimHostengine] = []
+_ids = itertools.count(1)
+
+
+def register(engine: SimHostengine) -> str:
+    """Make `engine` reachable at a new `sim://<n>` address; returns the address."""
+    with _REGISTRY_LOCK:
+        address = f"sim://{next(_ids)}"
+        _REGISTRY[address] = engine
+    return address
+
+
+def unregister(address: str) -> None:
+    with _REGISTRY_LOCK:
+        engine = _REGISTRY.pop(address, None)
+        if engine is not None and engine in _EMBEDDED:
+            _EMBEDDED.remove(engine)
+
+
+def lookup(address: str) -> SimHostengine | None:
+    """The host engine listening at a dcgmConnect address ("tcp://sim://3", "sim://3")."""
+    address = address.removeprefix("tcp://")
+    with _REGISTRY_LOCK:
+        return _REGISTRY.get(address)
+
+
+def embedded() -> SimHostengine | None:
+    """The host engine dcgmStartEmbedded attaches to, if any."""
+    with _REGISTRY_LOCK:
+        return _EMBEDDED[0] if _EMBEDDED else None
+
+
+def use_for_embedded(engine: SimHostengine | None) -> None:
+    """dcgmStartEmbedded attaches to `engine` (None: embedded mode fails to start)."""
+    with _REGISTRY_LOCK:
+        _EMBEDDED.clear()
+        if engine is not None:
+            _EMBEDDED.append(engine)
+
+
+# -- the host engine ------------------------------------------------------------------
+
+
+@dataclass
+class Group:
+    name: str
+    entities: list[tuple[int, int]]  # (entityGroupId, entityId)
+    owner: int  # connection id; 0: the host engine's own
+
+
+@dataclass
+class FieldGroup:
+    name: str
+    field_ids: list[int]
+    owner: int
+
+
+@dataclass
+class Watch:
+    group: int
+    field_group: int
+    interval: float  # seconds
+    since: float  # elapsed seconds when it was set up
+    owner: int
+
+
+@dataclass
+class State:
+    """What one run of nv-hostengine holds; a restart starts a new one."""
+
+    generation: int
+    groups: dict[int, Group] = field(default_factory=dict)
+    field_groups: dict[int, FieldGroup] = field(default_factory=dict)
+    watches: dict[tuple[int, int, int], Watch] = field(default_factory=dict)
+    profiling_paused: bool = False
+    next_group: int = 1
+    next_field_group: int = 1
+    watched: dict[tuple[int, int], Watch] | None = None  # (gpu, field) -> watch, cached
+
+
+class HostengineDown(Exception):
+    pass
+
+
+class SimHostengine:
+    """nv-hostengine on a simulated node: groups, watches, and values from the timeline."""
+
+    def __init__(
+        self, timeline: Timeline, clock: SimClock, version: str = "4", register_it: bool = True
+    ) -> None:
+        self.timeline = timeline
+        self.clock = clock
+        self.node = timeline.scenario.node
+        self.model = self.node.model()
+        self.version = VERSIONS.get(version, version)
+        self.gpu_count = min(self.node.gpu_count, MAX_NUM_DEVICES)  # DCGM's limit per node
+        self.uuids = [gpu_uuid(self.node.hostname, i) for i in range(self.gpu_count)]
+        self.bus_ids = [nvml_bus_id(timeline.topology.gpu(i).bdf)[0] for i in range(self.gpu_count)]
+        self.set_gpu_ids(list(range(self.gpu_count)))
+        self.calls: Counter[str] = Counter()
+        self.unsupported_profiling = "error"  # or "empty": no metric groups, no error
+        self.profiling_held = False  # another profiler (Nsight) holds the counters
+        self.connect_timeouts_ms: list[int] = []  # timeoutMs of each connect attempt
+        self._overrides: dict[tuple[int | None, int], Any] = {}
+        self._xids: list[tuple[float, int, int]] = []  # injected (elapsed, gpu, xid)
+        self._forced: bool | None = None  # stop()/start() override of the timeline
+        self._manual_restarts = 0
+        self._lock = threading.RLock()
+        self._up_changes = self._hostengine_changes()
+        self._state = State(self._generation(0.0))
+        self._add_internal_field_groups()
+        self._integrals = Integrals(timeline)
+        self._getters = self._build_getters()
+        self._profiling_supported = {
+            fid for _, _, ids in self.supported_profiling_fields(0) for fid in ids
+        }
+        self.address = register(self) if register_it else ""
+
+    def close(self) -> None:
+        if self.address:
+            unregister(self.address)
+
+    # -- test hooks -------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """nv-hostengine stops (until `start()`), whatever the timeline says."""
+        self._forced = False
+
+    def start(self) -> None:
+        """nv-hostengine runs again: a new process, nothing of the old one survives."""
+        if not self.up(self.now()):
+            self._manual_restarts += 1
+        self._forced = True
+
+    def restart(self) -> None:
+        """Stop and start at once: existing connections become invalid."""
+        self._manual_restarts += 1
+
+    def set_gpu_ids(self, ids: list[int]) -> None:
+        """Give NVML index i the DCGM GPU id `ids[i]`, as after DCGM re-detected the GPUs and
+        kept their ids by UUID while NVML renumbered them (by default the two agree)."""
+        if len(ids) != self.gpu_count or len(set(ids)) != len(ids):
+            raise ValueError(f"expected {self.gpu_count} distinct DCGM GPU ids, got {ids}")
+        self.gpu_ids = list(ids)
+        self._index = {gpu_id: i for i, gpu_id in enumerate(ids)}
+
+    def nvml_index(self, gpu_id: int) -> int | None:
+        """The NVML index (the scenario's GPU) DCGM's GPU `gpu_id` is; None if no such GPU."""
+        return self._index.get(gpu_id)
+
+    def gpus(self) -> list[tuple[int, int]]:
+        """(DCGM_FE_GPU, DCGM GPU id) of every GPU, in id order."""
+        return [(FE_GPU, gpu_id) for gpu_id in sorted(self.gpu_ids)]
+
+    def follow_timeline(self) -> None:
+        self._forced = None
+
+    def hold_profiling(self, held: bool = True) -> None:
+        """Another profiler takes (or gives back) the counters: blanks, and new watches fail."""
+        self.profiling_held = held
+
+    def set_value(self, field_id: int, value: Any, gpu: int | None = None) -> None:
+        """Answer `value` (a number, a string or a blank sentinel) for a field of the GPU
+        with NVML index `gpu` (None: every GPU). A string arrives as a string value even
+        for a numeric field, as from a host engine of another DCGM version than the client."""
+        self._overrides[(gpu, field_id)] = value
+
+    def clear_values(self) -> None:
+        self._overrides.clear()
+
+    def inject_xid(self, gpu: int, xid: int) -> None:
+        """An Xid on the GPU with NVML index `gpu`."""
+        self._xids.append((self.now(), gpu, xid))
+
+    @property
+    def profiling_paused(self) -> bool:
+        return self._state.profiling_paused
+
+    def groups(self) -> dict[str, list[int]]:
+        """Group name -> GPU ids, of the current host engine process."""
+        return {
+            g.name: [e for kind, e in g.entities if kind == FE_GPU]
+            for g in self._state.groups.values()
+        }
+
+    def field_groups(self) -> dict[str, list[int]]:
+        return {fg.name: list(fg.field_ids) for fg in self._state.field_groups.values()}
+
+    def watched_fields(self) -> set[tuple[int, int]]:
+        """(gpu, field id) pairs being sampled."""
+        return set(self._watched())
+
+    # -- time and lifecycle -------------------------------------------------------------
+
+    def now(self) -> float:
+        t = self.clock.elapsed()
+        if not self.clock.virtual:
+            t = math.floor(t / REAL_TIME_RESOLUTION) * REAL_TIME_RESOLUTION
+        return t
+
+    def _hostengine_changes(self) -> list[tuple[float, bool]]:
+        """(phase start, host engine up) for one pass of the timeline."""
+        return [
+            (start, bool(self.timeline.host_state(start).get("dcgm_hostengine_up", True)))
+            for start, _ in self.timeline.phases()
+        ]
+
+    def _timeline_up(self, t: float) -> bool:
+        local = self.timeline._local(t)
+        starts = [s for s, _ in self._up_changes]
+        i = bisect.bisect_right(starts, local) - 1
+        return self._up_changes[max(i, 0)][1] if self._up_changes else True
+
+    def up(self, t: float) -> bool:
+        return self._forced if self._forced is not None else self._timeline_up(t)
+
+    def _generation(self, t: float) -> int:
+        """How many times the host engine has (re)started by time t."""
+        changes = self._up_changes
+        restarts_in = [
+            start
+            for (start, up), (_, before) in zip(changes[1:], changes, strict=False)
+            if up and not before
+        ]
+        count = 0
+        local = t
+        if self.timeline.loop and self.timeline.duration > 0:
+            cycles = int(t // self.timeline.duration)
+            wrap = 1 if changes and changes[0][1] and not changes[-1][1] else 0
+            count += cycles * (len(restarts_in) + wrap)
+            local = t - cycles * self.timeline.duration
+        count += sum(1 for start in restarts_in if start <= local)
+        return count + self._manual_restarts
+
+    def _current(self, t: float) -> State:
+        """The running host engine's state at t; raises HostengineDown if it is not running."""
+        if not self.up(t):
+            raise HostengineDown
+        generation = self._generation(t)
+        if generation != self._state.generation:
+            self._state = State(generation)
+            self._add_internal_field_groups()
+        return self._state
+
+    def _add_internal_field_groups(self) -> None:
+        for name in ("DCGM_INTERNAL_30SEC", "DCGM_INTERNAL_HOURLY", "DCGM_INTERNAL_JOB"):
+            self._new_field_group(self._state, name, [150, 155, 203], owner=0)
+
+    def _new_field_group(self, state: State, name: str, ids: list[int], owner: int) -> int:
+        fg_id = state.next_field_group
+        state.next_field_group += 1
+        state.field_groups[fg_id] = FieldGroup(name, ids, owner)
+        return fg_id
+
+    # -- the API the client library forwards ----------------------------------------------
+
+    def connect(self, connection: int) -> int:
+        """A new client connection: returns the generation it belongs to."""
+        with self._lock:
+            return self._current(self.now()).generation
+
+    def disconnect(self, connection: int, generation: int, persist: bool) -> None:
+        """The client went away: unless it asked to persist, drop what it created."""
+        with self._lock:
+            state = self._state
+            if persist or state.generation != generation:
+                return
+            state.watches = {k: w for k, w in state.watches.items() if w.owner != connection}
+            state.groups = {k: g for k, g in state.groups.items() if g.owner != connection}
+            state.field_groups = {
+                k: fg for k, fg in state.field_groups.items() if fg.owner != connection
+            }
+            state.watched = None
+
+    def check(self, generation: int) -> State:
+        """The state a connection of `generation` may use (raises HostengineDown)."""
+        state = self._current(self.now())
+        if state.generation != generation:
+            raise HostengineDown
+        return state
+
+    def group_entities(self, state: State, group_id: int) -> list[tuple[int, int]] | None:
+        if group_id == GROUP_ALL_GPUS:
+            return self.gpus()
+        group = state.groups.get(group_id)
+        return None if group is None else group.entities
+
+    def group_create(self, state: State, kind: int, name: str, owner: int) -> int:
+        if len(state.groups) >= MAX_NUM_GROUPS:
+            raise Status(ST_MAX_LIMIT)
+        group_id = state.next_group
+        state.next_group += 1
+        entities = self.gpus() if kind == GROUP_DEFAULT else []
+        state.groups[group_id] = Group(name, entities, owner)
+        return group_id
+
+    def field_group_create(self, state: State, ids: list[int], name: str, owner: int) -> int:
+        """As DCGM checks, in its order: the count (the client library: 1 to 127, the
+        array's size less one), unknown ids, the number of field groups, the name."""
+        if not 0 < len(ids) < MAX_FIELD_IDS_PER_FIELD_GROUP or any(f not in FIELDS for f in ids):
+            raise Status(ST_BADPARAM)
+        if len(state.field_groups) >= MAX_NUM_FIELD_GROUPS:
+            raise Status(ST_MAX_LIMIT)
+        if any(fg.name == name for fg in state.field_groups.values()):
+            raise Status(ST_DUPLICATE_KEY)
+        return self._new_field_group(state, name, list(ids), owner)
+
+    def supported_profiling_fields(self, gpu: int) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        if not self.model.dcgm_profiling:
+            return ()
+        groups = METRIC_GROUPS
+        if self.model.nvlinks == 0:
+            groups = tuple(g for g in groups if not set(g[2]) & NVLINK_PROFILING_FIELDS)
+        return groups
+
+    def watch(self, state: State, group_id: int, fg_id: int, interval: float, owner: int) -> None:
+        entities = self.group_entities(state, group_id)
+        fg = state.field_groups.get(fg_id)
+        if entities is None or fg is None:
+            raise Status(ST_BADPARAM)
+        profiling = [fid for fid in fg.field_ids if FIELDS[fid].profiling]
+        if profiling:
+            for kind, gpu in entities:
+                if kind != FE_GPU:
+                    continue
+                groups = self.supported_profiling_fields(gpu)
+                if not groups:
+                    raise Status(ST_PROFILING_NOT_SUPPORTED)
+                supported = {fid for _, _, ids in groups for fid in ids}
+                if not set(profiling) <= supported:
+                    raise Status(ST_NOT_SUPPORTED)
+            if self.profiling_held:
+                raise Status(ST_IN_USE)
+        key = (owner, group_id, fg_id)
+        state.watches[key] = Watch(group_id, fg_id, max(interval, 0.001), self.now(), owner)
+        state.watched = None
+
+    def unwatch(self, state: State, group_id: int, fg_id: int, owner: int) -> None:
+        state.watches.pop((owner, group_id, fg_id), None)
+        state.watched = None
+
+    def _watched(self) -> dict[tuple[int, int], Watch]:
+        state = self._state
+        if state.watched is None:
+            watched: dict[tuple[int, int], Watch] = {}
+            for watch in state.watches.values():
+                entities = self.group_entities(state, watch.group) or []
+                fg = state.field_groups.get(watch.field_group)
+                if fg is None:
+                    continue
+                for kind, gpu in entities:
+                    if kind != FE_GPU:
+                        continue
+                    for fid in fg.field_ids:
+                        best = watched.get((gpu, fid))
+                        if best is None or watch.interval < best.interval:
+                            watched[(gpu, fid)] = watch
+            state.watched = watched
+        return state.watched
+
+    def values(
+        self, entities: Iterable[tuple[int, int]], field_ids: list[int], live: bool = False
+    ) -> list[tuple[int, int, int, str, Any, int, int]]:
+        """(entity group, entity, field, type, value, status, ts µs) per entity and field.
+
+        Watched fields answer their latest sample (taken on the watch's interval);
+        unwatched ones answer DCGM_ST_NOT_WATCHED, unless `live` (read now).
+        """
+        t = self.now()
+        watched = self._watched()
+        out = []
+        for kind, gpu in entities:
+            index = self.nvml_index(gpu) if kind == FE_GPU else None
+            for fid in field_ids:
+                info = FIELDS.get(fid)
+                ft = info.type if info is not None else "i"
+                if index is None or info is None:
+                    out.append((kind, gpu, fid, ft, blank(ft, NOT_FOUND), ST_OK, 0))
+                    continue
+                watch = watched.get((gpu, fid))
+                if watch is None and not live:
+                    out.append((kind, gpu, fid, ft, blank(ft), ST_NOT_WATCHED, 0))
+                    continue
+                at = t if watch is None else sample_time(t, watch.since, watch.interval)
+                value, status = self._value(index, info, at)
+                ft = "s" if isinstance(value, str) else ft  # set_value may give a text
+                ts = round((self.clock.start_wall + at) * 1e6)
+                out.append((kind, gpu, fid, ft, value, status, ts))
+        return out
+
+    # -- values -----------------------------------------------------------------------------
+
+    def _value(self, gpu: int, info: FieldInfo, t: float) -> tuple[Any, int]:
+        """Field `info` of the scenario's GPU `gpu` (its NVML index) at t."""
+        if self._overrides:
+            override = self._overrides.get((gpu, info.id), self._overrides.get((None, info.id)))
+            if override is not None:
+                return override, ST_OK
+        values = self.timeline.state(t)[0][gpu]
+        if values.get("lost"):
+            return blank(info.type), ST_GPU_IS_LOST
+        if info.profiling:
+            if self._state.profiling_paused or self.profiling_held:
+                return blank(info.type), ST_OK
+            if info.id not in self._profiling_supported:
+                return blank(info.type, NOT_SUPPORTED), ST_OK
+        getter = self._getters.get(info.id)
+        value = getter(gpu, values, t) if getter is not None else None
+        if value is None:
+            return blank(info.type, NOT_SUPPORTED), ST_OK
+        if info.type == "i":
+            return int(round(value)), ST_OK
+        return value, ST_OK
+
+    def _build_getters(self) -> dict[int, Callable[[int, dict[str, Any], float], Any]]:
+        """Field id -> f(gpu, scenario values at t, t): the value in DCGM's unit, or None
+        where this GPU model does not support the field."""
+        model, node, integrals = self.model, self.node, self._integrals
+        total = model.memory_total_mib
+        reserved = round(total * FB_RESERVED_FRACTION)
+
+        def used(v: dict[str, Any]) -> float:
+            return min(float(v["memory_used_mib"]), total - reserved)
+
+        def profiling(key: str) -> Callable[[int, dict[str, Any], float], Any]:
+            def get(gpu: int, v: dict[str, Any], t: float) -> Any:
+                value = v.get(key)
+                return profiling_defaults(v)[key] if value is None else value
+
+            return get
+
+        def rate(key: str, scale: float) -> Callable[[int, dict[str, Any], float], Any]:
+            return lambda gpu, v, t: (v.get(key) or 0.0) * scale
+
+        def violation(fid: int) -> Callable[[int, dict[str, Any], float], Any]:
+            return lambda gpu, v, t: integrals.violation_s(gpu, fid, t) * 1e9  # ns
+
+        ecc = "nvmlDeviceGetTotalEccErrors" not in model.unsupported
+        datacenter = model.datacenter
+        nvlinks = model.nvlinks > 0
+        getters: dict[int, Callable[[int, dict[str, Any], float], Any]] = {
+            1: lambda gpu, v, t: node.driver_version,
+            2: lambda gpu, v, t: f"{node.cuda_driver_version // 1000}.{node.driver_version}",
+            4: lambda gpu, v, t: self.gpu_count,
+            50: lambda gpu, v, t: model.name,
+            51: lambda gpu, v, t: brand(model.datacenter),
+            52: lambda gpu, v, t: gpu,  # the NVML index, whatever DCGM's id
+            53: lambda gpu, v, t: serial(gpu),
+            54: lambda gpu, v, t: self.uuids[gpu],
+            57: lambda gpu, v, t: self.bus_ids[gpu],
+            85: lambda gpu, v, t: VBIOS,
+            100: lambda gpu, v, t: v["sm_clock_mhz"],
+            101: lambda gpu, v, t: v["mem_clock_mhz"],
+            130: lambda gpu, v, t: SUPPORTED_CLOCKS_BLOB,
+            140: lambda gpu, v, t: v["temperature_c"] + 3 if datacenter else None,
+            150: lambda gpu, v, t: v["temperature_c"],
+            155: lambda gpu, v, t: v["power_w"],
+            156: lambda gpu, v, t: integrals.energy_j(gpu, t) * 1000,  # mJ
+            190: lambda gpu, v, t: v["pstate"],
+            200: rate("pcie_tx_mb_s", 1e6 / 1024),  # KB/s
+            201: rate("pcie_rx_mb_s", 1e6 / 1024),
+            202: lambda gpu, v, t: v["pcie_replay_count"],
+            203: lambda gpu, v, t: v["utilization_gpu"],
+            204: lambda gpu, v, t: v["utilization_memory"],
+            206: lambda gpu, v, t: 0,
+            207: lambda gpu, v, t: 0,
+            230: lambda gpu, v, t: self._last_xid(gpu, t),
+            250: lambda gpu, v, t: total,
+            251: lambda gpu, v, t: total - reserved - used(v),
+            252: lambda gpu, v, t: used(v),
+            253: lambda gpu, v, t: reserved,
+            310: lambda gpu, v, t: v["ecc_corrected_total"] if ecc else None,
+            311: lambda gpu, v, t: v["ecc_uncorrected_total"] if ecc else None,
+            312: lambda gpu, v, t: v["ecc_corrected_total"] if ecc else None,
+            313: lambda gpu, v, t: v["ecc_uncorrected_total"] if ecc else None,
+            449: lambda gpu, v, t: integrals.nvlink_bytes(gpu, t) / 1024 if nvlinks else None,
+            1009: rate("pcie_tx_mb_s", 1e6),  # bytes per second
+            1010: rate("pcie_rx_mb_s", 1e6),
+            1011: rate("nvlink_tx_mb_s", 1e6),
+            1012: rate("nvlink_rx_mb_s", 1e6),
+        }
+        for fid, key in PROFILING_VALUES.items():
+            getters[fid] = profiling(key)
+        for fid in VIOLATIONS:
+            getters[fid] = violation(fid)
+        for fid in range(390, 397):  # retired pages and row remapping: Ampere-class and newer
+            getters[fid] = lambda gpu, v, t: 0 if datacenter else None
+        for fid in (409, 419, 429, 439):
+            getters[fid] = lambda gpu, v, t: 0 if nvlinks else None
+        for kind in NVLINK_LINK_FIELDS:  # per link: 0 errors on the model's links
+            for link in range(NVLINK_MAX_LINKS):
+                count = 0 if link < model.nvlinks else None
+                getters[nvlink_link_field(kind, link)] = _constant(count)
+        for link in range(model.nvlinks):  # traffic: an equal share of all links'
+            getters[nvlink_link_field("nvlink_throughput", link)] = lambda gpu, v, t: (
+                integrals.nvlink_bytes(gpu, t) / 1024 / model.nvlinks
+            )
+        return getters  # 526 (vGPU licence) and anything else: not supported here
+
+    def _last_xid(self, gpu: int, t: float) -> int:
+        timeline = self.timeline
+        period = timeline.duration if timeline.loop and timeline.duration > 0 else None
+        since = max(-1.0, t - period) if period else -1.0
+        last: tuple[float, int] = (-math.inf, 0)
+        for event in timeline.xid_events(since, t):
+            if event.gpu == gpu and event.time >= last[0]:
+                last = (event.time, event.xid)
+        for at, g, xid in self._xids:
+            if g == gpu and at <= t and at >= last[0]:
+                last = (at, xid)
+        return last[1]
+
+    # -- profiling pause ----------------------------------------------------------------------
+
+    def gpm(self) -> bool:
+        return self.model.pci_device_id in GPM_PCI_DEVICE_IDS
+
+
+def _constant(value: Any) -> Callable[[int, dict[str, Any], float], Any]:
+    return lambda gpu, v, t: value

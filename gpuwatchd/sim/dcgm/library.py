@@ -1,0 +1,587 @@
+"""The fake libdcgm client library: DCGM's C symbols for the fake bindings.
+
+The fake bindings' `dcgm_structs._dcgmInit()` asks their `_sim` module for a library;
+that is `load_library` here, which returns a `FakeDcgmLib`: every DCGM C symbol the
+bindings call, taking the C arguments (`byref(struct)`, `c_void_p` handles, ctypes
+arrays, enumeration callbacks) and returning a `dcgmReturn_t`. Calls on a connection
+reach the `SimHostengine` it was opened to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatchd.sim.dcgm.fields import (
+    FE_GPU,
+    FIELDS,
+    MAX_BLOB_LENGTH,
+    MAX_STR_LENGTH,
+    ST_BADPARAM,
+    ST_CONNECTION_NOT_VALID,
+    ST_DUPLICATE_KEY,
+    ST_INIT_ERROR,
+    ST_NO_DATA,
+    ST_NOT_CONFIGURED,
+    ST_NOT_SUPPORTED,
+    ST_OK,
+    ST_PROFILING_NOT_SUPPORTED,
+    ST_UNINITIALIZED,
+    TAGS,
+    VBIOS,
+    VERSIONS,
+    FieldInfo,
+    Status,
+    brand,
+    serial,
+)
+from gpuwatchd.sim.dcgm.hostengine import (
+    FieldGroup,
+    Group,
+    HostengineDown,
+    SimHostengine,
+    State,
+    embedded,
+    lookup,
+)
+from gpuwatchd.sim.fakelib import install_symbols, symbol
+
+_LIBRARY: dict[str, bool] = {"missing": False}
+
+
+@contextmanager
+def library_missing() -> Iterator[None]:
+    """While active, the fake bindings cannot load libdcgm (as with bindings but no DCGM)."""
+    _LIBRARY["missing"] = True
+    try:
+        yield
+    finally:
+        _LIBRARY["missing"] = False
+
+
+def load_library(lib_path: str | None = None) -> FakeDcgmLib | None:
+    """What `CDLL("libdcgm.so.4")` gives the fake bindings; None: not found."""
+    if _LIBRARY["missing"]:
+        return None
+    return FakeDcgmLib()
+
+
+# -- the client library ---------------------------------------------------------------------
+
+
+@dataclass
+class _Connection:
+    engine: SimHostengine
+    generation: int
+    persist: bool
+    embedded: bool
+
+
+def _int(arg: Any) -> int:
+    """An integer argument as C sees it (ctypes scalar, c_void_p, or Python int)."""
+    value = getattr(arg, "value", arg)
+    return int(value or 0)
+
+
+def _text(arg: Any) -> str:
+    value = getattr(arg, "value", arg)
+    if isinstance(value, bytes):
+        return value.decode()
+    return str(value or "")
+
+
+class FakeDcgmLib:
+    """libdcgm.so's symbols as Python callables with the C signatures (a DCGM client)."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self._initialized = 0
+        self._connections: dict[int, _Connection] = {}
+        self._next_handle = 0x5000
+        self._keep: list[Any] = []  # field metadata handed out by pointer
+        self._version = VERSIONS["4"]
+        self._symbols = install_symbols(self)
+
+    def symbols(self) -> list[str]:
+        return sorted(self._symbols)
+
+    def _invoke(self, name: str, impl: Callable[..., Any], kind: str, args: tuple[Any, ...]) -> Any:
+        self.calls[name] += 1
+        if kind == "noinit":
+            return impl(*args)
+        if not self._initialized:
+            return ST_UNINITIALIZED
+        if kind == "lib":
+            return impl(*args)
+        conn = self._connections.get(_int(args[0]))
+        if conn is None:
+            return ST_BADPARAM
+        conn.engine.calls[name] += 1
+        with conn.engine._lock:
+            try:
+                state = (
+                    conn.engine.check(conn.generation)
+                    if not conn.embedded
+                    else (conn.engine._state)
+                )
+                return impl(conn, state, *args[1:])
+            except HostengineDown:
+                return ST_CONNECTION_NOT_VALID
+            except Status as e:
+                return e.code
+
+    # -- init and connections ------------------------------------------------------------
+
+    @symbol("noinit")
+    def _dcgmInit(self, handle: Any = None) -> int:
+        self._initialized += 1
+        return ST_OK
+
+    @symbol("lib")
+    def _dcgmShutdown(self) -> int:
+        self._initialized = max(0, self._initialized - 1)
+        return ST_OK
+
+    def _new_handle(self, out: Any, conn: _Connection) -> int:
+        self._next_handle += 1
+        self._connections[self._next_handle] = conn
+        out._obj.value = self._next_handle
+        self._version = conn.engine.version
+        return ST_OK
+
+    def _connect(self, address: str, params: Any, out: Any) -> int:
+        engine = lookup(address)
+        timeout = int(getattr(params._obj, "timeoutMs", 0) or 0) if params is not None else 0
+        persist = bool(getattr(params._obj, "persistAfterDisconnect", 0)) if params else False
+        if engine is None:
+            return ST_CONNECTION_NOT_VALID
+        engine.calls["dcgmConnect"] += 1
+        engine.connect_timeouts_ms.append(timeout)
+        try:
+            generation = engine.connect(self._next_handle + 1)
+        except HostengineDown:
+            return ST_CONNECTION_NOT_VALID
+        return self._new_handle(out, _Connection(engine, generation, persist, embedded=False))
+
+    @symbol("lib")
+    def _dcgmConnect(self, address: Any, out: Any) -> int:
+        return self._connect(_text(address), None, out)
+
+    @symbol("lib")
+    def _dcgmConnect_v2(self, address: Any, params: Any, out: Any) -> int:
+        text = _text(address)
+        if getattr(params._obj, "addressIsUnixSocket", 0):
+            text = "unix://" + text
+        return self._connect(text, params, out)
+
+    @symbol("lib")
+    def _dcgmConnect_v3(self, address: Any, params: Any, out: Any) -> int:
+        return self._connect(_text(address), params, out)
+
+    @symbol("lib")
+    def _dcgmStartEmbedded(self, op_mode: Any, out: Any) -> int:
+        engine = embedded()
+        if engine is None:
+            return ST_INIT_ERROR
+        generation = engine._state.generation
+        return self._new_handle(out, _Connection(engine, generation, False, embedded=True))
+
+    @symbol("lib")
+    def _dcgmStopEmbedded(self, handle: Any) -> int:
+        return self._dcgmDisconnect(handle)
+
+    @symbol("lib")
+    def _dcgmDisconnect(self, handle: Any) -> int:
+        conn = self._connections.pop(_int(handle), None)
+        if conn is None:
+            return ST_BADPARAM
+        conn.engine.disconnect(_int(handle), conn.generation, conn.persist)
+        return ST_OK
+
+    @symbol("noinit")
+    def _dcgmErrorString(self, result: Any) -> bytes:
+        return f"DCGM error {_int(result)}".encode()
+
+    @symbol("noinit")
+    def _dcgmVersionInfo(self, out: Any) -> int:
+        out._obj.rawBuildInfoString = (
+            f"version:{self._version};arch:x86_64;buildtype:Release;buildid:sim;"
+            f"commit:sim;branch:rel_dcgm_{self._version.split('.')[0]};buildplatform:Linux;"
+        ).encode()
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmHostengineIsHealthy(self, conn: _Connection, state: State, out: Any) -> int:
+        out._obj.overallHealth = 0
+        return ST_OK
+
+    # -- field metadata (DcgmFieldGetById and friends live in libdcgm too) ---------------------
+
+    @symbol("noinit")
+    def _DcgmFieldsInit(self) -> int:
+        return ST_OK
+
+    def _meta(self, restype: Any, info: FieldInfo | None) -> Any:
+        if info is None:
+            return None
+        struct_type = getattr(restype, "_type_", None)
+        if struct_type is None:
+            return None
+        meta = struct_type()
+        meta.fieldId = info.id
+        meta.fieldType = info.type.encode()
+        meta.size = 8 if info.type != "s" else 0
+        meta.tag = info.tag.encode()
+        meta.scope = 1
+        meta.entityLevel = FE_GPU
+        self._keep.append(meta)
+        return ctypes.pointer(meta)
+
+    def _DcgmFieldGetById(self, field_id: Any) -> Any:  # wrapped below (needs restype)
+        return self._meta(self._symbols["DcgmFieldGetById"].restype, FIELDS.get(_int(field_id)))
+
+    def _DcgmFieldGetByTag(self, tag: Any) -> Any:
+        fid = TAGS.get(_text(tag))
+        return self._meta(self._symbols["DcgmFieldGetByTag"].restype, FIELDS.get(fid or -1))
+
+    symbol("noinit")(_DcgmFieldGetById)
+    symbol("noinit")(_DcgmFieldGetByTag)
+
+    # -- discovery ----------------------------------------------------------------------------
+
+    def _device_list(self, conn: _Connection, ids: Any, count: Any) -> int:
+        gpus = conn.engine.gpus()
+        for i, (_, gpu_id) in enumerate(gpus):
+            ids[i] = gpu_id
+        count._obj.value = len(gpus)
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmGetAllDevices(self, conn: _Connection, state: State, ids: Any, count: Any) -> int:
+        return self._device_list(conn, ids, count)
+
+    @symbol("handle")
+    def _dcgmGetAllSupportedDevices(
+        self, conn: _Connection, state: State, ids: Any, count: Any
+    ) -> int:
+        return self._device_list(conn, ids, count)
+
+    @symbol("handle")
+    def _dcgmGetDeviceAttributes(
+        self, conn: _Connection, state: State, gpu_id: Any, out: Any
+    ) -> int:
+        engine = conn.engine
+        gpu = engine.nvml_index(_int(gpu_id))
+        if gpu is None:
+            return ST_BADPARAM
+        attrs = out._obj
+        model = engine.model
+        ident = attrs.identifiers
+        ident.brandName = brand(model.datacenter).encode()
+        ident.deviceName = model.name.encode()
+        ident.pciBusId = engine.bus_ids[gpu].encode()
+        ident.serial = serial(gpu).encode()
+        ident.uuid = engine.uuids[gpu].encode()
+        ident.vbios = VBIOS.encode()
+        ident.pciDeviceId = (model.pci_device_id << 16) | 0x10DE
+        ident.pciSubSystemId = (model.pci_device_id << 16) | 0x10DE
+        ident.driverVersion = engine.node.driver_version.encode()
+        attrs.powerLimits.enforcedPowerLimit = round(model.power_limit_w)
+        attrs.powerLimits.defaultPowerLimit = round(model.power_limit_w)
+        attrs.memoryUsage.fbTotal = model.memory_total_mib
+        attrs.settings.persistenceModeEnabled = 1
+        return ST_OK
+
+    # -- groups ---------------------------------------------------------------------------------
+
+    @symbol("handle")
+    def _dcgmGroupCreate(
+        self, conn: _Connection, state: State, kind: Any, name: Any, out: Any
+    ) -> int:
+        owner = self._owner(conn)
+        out._obj.value = conn.engine.group_create(state, _int(kind), _text(name), owner)
+        return ST_OK
+
+    def _owner(self, conn: _Connection) -> int:
+        return next(h for h, c in self._connections.items() if c is conn)
+
+    def _group(self, state: State, group_id: Any) -> Group:
+        group = state.groups.get(_int(group_id))
+        if group is None:
+            raise Status(ST_NOT_CONFIGURED)
+        return group
+
+    @symbol("handle")
+    def _dcgmGroupDestroy(self, conn: _Connection, state: State, group_id: Any) -> int:
+        self._group(state, group_id)
+        del state.groups[_int(group_id)]
+        state.watches = {k: w for k, w in state.watches.items() if w.group != _int(group_id)}
+        state.watched = None
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmGroupAddDevice(self, conn: _Connection, state: State, group_id: Any, gpu: Any) -> int:
+        return self._add_entity(conn, state, group_id, FE_GPU, _int(gpu))
+
+    @symbol("handle")
+    def _dcgmGroupAddEntity(
+        self, conn: _Connection, state: State, group_id: Any, kind: Any, entity: Any
+    ) -> int:
+        return self._add_entity(conn, state, group_id, _int(kind), _int(entity))
+
+    def _add_entity(
+        self, conn: _Connection, state: State, group_id: Any, kind: int, entity: int
+    ) -> int:
+        group = self._group(state, group_id)
+        if kind != FE_GPU or conn.engine.nvml_index(entity) is None:
+            return ST_BADPARAM
+        if (kind, entity) in group.entities:
+            return ST_DUPLICATE_KEY
+        group.entities.append((kind, entity))
+        state.watched = None
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmGroupGetInfo(self, conn: _Connection, state: State, group_id: Any, out: Any) -> int:
+        entities = conn.engine.group_entities(state, _int(group_id))
+        if entities is None:
+            return ST_NOT_CONFIGURED
+        info = out._obj
+        group = state.groups.get(_int(group_id))
+        info.groupName = (group.name if group else "DCGM_ALL_SUPPORTED_GPUS").encode()
+        info.count = len(entities)
+        for i, (kind, entity) in enumerate(entities):
+            info.entityList[i].entityGroupId = kind
+            info.entityList[i].entityId = entity
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmGroupGetAllIds(self, conn: _Connection, state: State, ids: Any, count: Any) -> int:
+        for i, group_id in enumerate(state.groups):
+            ids[i] = group_id
+        count._obj.value = len(state.groups)
+        return ST_OK
+
+    # -- field groups --------------------------------------------------------------------------
+
+    @symbol("handle")
+    def _dcgmFieldGroupCreate(
+        self, conn: _Connection, state: State, count: Any, ids: Any, name: Any, out: Any
+    ) -> int:
+        array = getattr(ids, "_obj", ids)
+        field_ids = [int(array[i]) for i in range(_int(count))]
+        owner = self._owner(conn)
+        out._obj.value = conn.engine.field_group_create(state, field_ids, _text(name), owner)
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmFieldGroupDestroy(self, conn: _Connection, state: State, fg_id: Any) -> int:
+        if state.field_groups.pop(_int(fg_id), None) is None:
+            return ST_NO_DATA
+        state.watches = {k: w for k, w in state.watches.items() if w.field_group != _int(fg_id)}
+        state.watched = None
+        return ST_OK
+
+    def _fill_field_group(self, info: Any, fg_id: int, fg: FieldGroup) -> None:
+        info.fieldGroupId = fg_id
+        info.fieldGroupName = fg.name.encode()
+        info.numFieldIds = len(fg.field_ids)
+        for i, fid in enumerate(fg.field_ids):
+            info.fieldIds[i] = fid
+
+    @symbol("handle")
+    def _dcgmFieldGroupGetInfo(self, conn: _Connection, state: State, out: Any) -> int:
+        info = out._obj
+        fg = state.field_groups.get(_int(info.fieldGroupId))
+        if fg is None:
+            return ST_NO_DATA
+        self._fill_field_group(info, _int(info.fieldGroupId), fg)
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmFieldGroupGetAll(self, conn: _Connection, state: State, out: Any) -> int:
+        info = out._obj
+        info.numFieldGroups = len(state.field_groups)
+        for i, (fg_id, fg) in enumerate(state.field_groups.items()):
+            self._fill_field_group(info.fieldGroups[i], fg_id, fg)
+        return ST_OK
+
+    # -- watches and values ----------------------------------------------------------------------
+
+    @symbol("handle")
+    def _dcgmWatchFields(
+        self,
+        conn: _Connection,
+        state: State,
+        group_id: Any,
+        fg_id: Any,
+        update_freq: Any,
+        max_keep_age: Any,
+        max_keep_samples: Any,
+    ) -> int:
+        interval = _int(update_freq) / 1e6
+        conn.engine.watch(state, _int(group_id), _int(fg_id), interval, self._owner(conn))
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmUnwatchFields(self, conn: _Connection, state: State, group_id: Any, fg_id: Any) -> int:
+        conn.engine.unwatch(state, _int(group_id), _int(fg_id), self._owner(conn))
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmUpdateAllFields(self, conn: _Connection, state: State, wait: Any) -> int:
+        return ST_OK  # samples exist from the moment a watch is set
+
+    def _latest(
+        self, conn: _Connection, state: State, group_id: Any, fg_id: Any
+    ) -> list[tuple[int, int, int, str, Any, int, int]]:
+        entities = conn.engine.group_entities(state, _int(group_id))
+        fg = state.field_groups.get(_int(fg_id))
+        if entities is None or fg is None:
+            raise Status(ST_BADPARAM)
+        return conn.engine.values(entities, fg.field_ids)
+
+    @staticmethod
+    def _fill_value(fv: Any, row: tuple[int, int, int, str, Any, int, int]) -> None:
+        """Write one value into the caller's struct, as C does: no Python-level setters."""
+        _, _, fid, ft, value, status, ts = row
+        put = ctypes.Structure.__setattr__
+        put(fv, "fieldId", fid)
+        put(fv, "fieldType", ord(ft))
+        put(fv, "status", status)
+        put(fv, "ts", ts)
+        union = ctypes.Structure.__getattribute__(fv, "value")
+        if ft == "d":
+            ctypes.Union.__setattr__(union, "dbl", float(value))
+        elif ft == "s":
+            ctypes.Union.__setattr__(union, "str", str(value).encode()[: MAX_STR_LENGTH - 1])
+        elif ft == "b":
+            if isinstance(value, bytes):
+                ctypes.memmove(ctypes.addressof(union), value, min(len(value), MAX_BLOB_LENGTH))
+        else:
+            ctypes.Union.__setattr__(union, "i64", int(value))
+
+    def _enumerate(self, callback: Any, user_data: Any, rows: list[Any], per_entity: bool) -> int:
+        """Call the enumeration callback once per entity, as libdcgm does."""
+        struct_type = callback.argtypes[2 if per_entity else 1]._type_
+        version = ctypes.sizeof(struct_type) | (1 << 24)  # dcgmFieldValue_version1
+        address = id(getattr(user_data, "value", user_data))
+        by_entity: dict[tuple[int, int], list[Any]] = {}
+        for row in rows:
+            by_entity.setdefault((row[0], row[1]), []).append(row)
+        for (kind, entity), entity_rows in by_entity.items():
+            array = (struct_type * len(entity_rows))()
+            for fv, row in zip(array, entity_rows, strict=True):
+                ctypes.Structure.__setattr__(fv, "version", version)
+                self._fill_value(fv, row)
+            if per_entity:
+                callback(kind, entity, array, len(entity_rows), address)
+            else:
+                callback(entity, array, len(entity_rows), address)
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmGetLatestValues(
+        self, conn: _Connection, state: State, group_id: Any, fg_id: Any, cb: Any, data: Any
+    ) -> int:
+        return self._enumerate(cb, data, self._latest(conn, state, group_id, fg_id), False)
+
+    @symbol("handle")
+    def _dcgmGetLatestValues_v2(
+        self, conn: _Connection, state: State, group_id: Any, fg_id: Any, cb: Any, data: Any
+    ) -> int:
+        return self._enumerate(cb, data, self._latest(conn, state, group_id, fg_id), True)
+
+    @symbol("handle")
+    def _dcgmGetValuesSince_v2(
+        self,
+        conn: _Connection,
+        state: State,
+        group_id: Any,
+        fg_id: Any,
+        since: Any,
+        next_since: Any,
+        cb: Any,
+        data: Any,
+    ) -> int:
+        rows = [r for r in self._latest(conn, state, group_id, fg_id) if r[6] > _int(since)]
+        next_since._obj.value = max([r[6] for r in rows], default=_int(since)) + 1
+        return self._enumerate(cb, data, rows, True)
+
+    @symbol("handle")
+    def _dcgmEntityGetLatestValues(
+        self,
+        conn: _Connection,
+        state: State,
+        kind: Any,
+        entity: Any,
+        ids: Any,
+        count: Any,
+        out: Any,
+    ) -> int:
+        field_ids = [int(ids[i]) for i in range(_int(count))]
+        rows = conn.engine.values([(_int(kind), _int(entity))], field_ids)
+        for i, row in enumerate(rows):
+            self._fill_value(out[i], row)
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmEntitiesGetLatestValues(
+        self,
+        conn: _Connection,
+        state: State,
+        entities: Any,
+        entity_count: Any,
+        ids: Any,
+        id_count: Any,
+        flags: Any,
+        out: Any,
+    ) -> int:
+        pairs = [
+            (int(entities[i].entityGroupId), int(entities[i].entityId))
+            for i in range(_int(entity_count))
+        ]
+        field_ids = [int(ids[i]) for i in range(_int(id_count))]
+        rows = conn.engine.values(pairs, field_ids, live=bool(_int(flags) & 1))
+        for i, row in enumerate(rows):
+            fv = out[i]
+            fv.entityGroupId, fv.entityId = row[0], row[1]
+            self._fill_value(fv, row)
+        return ST_OK
+
+    # -- profiling ------------------------------------------------------------------------------
+
+    @symbol("handle")
+    def _dcgmProfGetSupportedMetricGroups(self, conn: _Connection, state: State, out: Any) -> int:
+        engine, msg = conn.engine, out._obj
+        gpu = engine.nvml_index(int(msg.gpuId))
+        if gpu is None:
+            return ST_BADPARAM
+        groups = engine.supported_profiling_fields(gpu)
+        if not groups and engine.unsupported_profiling == "error":
+            return ST_PROFILING_NOT_SUPPORTED
+        msg.numMetricGroups = len(groups)
+        for i, (major, minor, ids) in enumerate(groups):
+            group = msg.metricGroups[i]
+            group.majorId, group.minorId, group.numFieldIds = major, minor, len(ids)
+            for j, fid in enumerate(ids):
+                group.fieldIds[j] = fid
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmProfPause(self, conn: _Connection, state: State) -> int:
+        if conn.engine.gpm():
+            return ST_NOT_SUPPORTED
+        state.profiling_paused = True
+        return ST_OK
+
+    @symbol("handle")
+    def _dcgmProfResume(self, conn: _Connection, state: State) -> int:
+        if conn.engine.gpm():
+            return ST_NOT_SUPPORTED
+        state.profiling_paused = False
+        return ST_OK

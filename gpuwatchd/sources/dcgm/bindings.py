@@ -1,0 +1,133 @@
+"""DCGM's Python bindings: finding and loading them privately, and their object registries.
+
+The bindings (`pydcgm`, `dcgm_structs`, `dcgm_agent`, ...) are not on PyPI; they ship
+with DCGM. They import each other by bare name, so `load_bindings` puts the directory
+on `sys.path` only while importing them, then takes it and the modules out of
+`sys.path` and `sys.modules` again (restoring any same-named modules it displaced): the
+source holds a private copy and the rest of the process never sees them.
+
+Since DCGM 4.5, pydcgm tracks objects in class-level registries meant for DCGM's own
+tests: `DcgmHandle.handles` keeps every handle it connected (`Shutdown()` leaves it
+there) and `DcgmFieldGroup.groups` every field group until its `Delete()`. A daemon
+that reconnects for months must untrack them itself: `disconnect` and `forget`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+BINDINGS_DIRS = (
+    Path("usr/share/datacenter-gpu-manager-4/bindings/python3"),  # DCGM 4
+    Path("usr/local/dcgm/bindings/python3"),  # DCGM 3
+)
+BINDING_MODULES = ("dcgmvalue", "dcgm_structs", "dcgm_fields", "dcgm_agent", "pydcgm")
+
+log = logging.getLogger(__package__)
+
+_LOAD_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Bindings:
+    """A private copy of DCGM's Python bindings, loaded from `directory`."""
+
+    directory: Path
+    modules: dict[str, ModuleType]
+
+    @property
+    def pydcgm(self) -> Any:
+        return self.modules["pydcgm"]
+
+    @property
+    def structs(self) -> Any:
+        return self.modules["dcgm_structs"]
+
+    @property
+    def agent(self) -> Any:
+        return self.modules["dcgm_agent"]
+
+    @property
+    def fields(self) -> Any:
+        return self.modules["dcgm_fields"]
+
+    @property
+    def value(self) -> Any:
+        return self.modules["dcgmvalue"]
+
+    def describe(self, error: Any) -> str:
+        """ "DCGM_ST_NAME: message" of a DCGMError."""
+        code = getattr(error, "value", None)
+        structs = self.structs
+        names = {getattr(structs, n): n for n in reversed(dir(structs)) if n.startswith("DCGM_ST_")}
+        return f"{names.get(code, f'DCGM error {code}')}: {error}"
+
+    def disconnect(self, handle: Any) -> None:
+        """Shut a pydcgm.DcgmHandle down and untrack it (DcgmHandle.handles, DCGM 4.5+)."""
+        try:
+            handle.Shutdown()
+        except Exception as e:  # a dead connection may refuse even this
+            log.debug("dcgm: disconnecting failed: %s", e)
+        registry = self.pydcgm.DcgmHandle
+        with getattr(registry, "handleLock", contextlib.nullcontext()):
+            handles = getattr(registry, "handles", [])
+            if handle in handles:
+                handles.remove(handle)
+
+    def forget(self, field_group: Any) -> None:
+        """Untrack a pydcgm.DcgmFieldGroup without asking DCGM (its connection is gone)."""
+        registry = self.pydcgm.DcgmFieldGroup
+        group_id = getattr(field_group, "fieldGroupId", None)
+        with getattr(registry, "groupLock", contextlib.nullcontext()):
+            groups = getattr(registry, "groups", {})
+            if group_id is not None and groups.get(group_id.value) is field_group:
+                del groups[group_id.value]
+        field_group._dcgmHandle = None  # nor will its __del__ ask DCGM
+
+
+def find_bindings(
+    bindings_path: Path | None, rootfs: Path = Path("/")
+) -> tuple[Path | None, list[Path]]:
+    """(the bindings directory or None, every place looked at)."""
+    candidates = [bindings_path] if bindings_path else [rootfs / d for d in BINDINGS_DIRS]
+    for candidate in candidates:
+        if (candidate / "pydcgm.py").is_file():
+            return candidate, candidates
+    return None, candidates
+
+
+def load_bindings(directory: Path) -> Bindings:
+    """Import DCGM's bindings from `directory` without leaving them importable.
+
+    They import each other by bare name (`import dcgm_structs`), so the directory goes
+    first on sys.path, and any module of the same name already imported leaves
+    sys.modules, while they load; then both are put back as they were. The returned
+    modules still reach each other through their own globals.
+    """
+    directory = Path(directory)
+    names = {p.stem for p in directory.glob("*.py")}
+    if "pydcgm" not in names:
+        raise FileNotFoundError(f"no pydcgm.py in {directory}")
+    entry = str(directory)
+    with _LOAD_LOCK:
+        displaced = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+        sys.path.insert(0, entry)
+        try:
+            for name in BINDING_MODULES:
+                importlib.import_module(name)
+            modules = {name: sys.modules[name] for name in names if name in sys.modules}
+        finally:
+            if entry in sys.path:
+                sys.path.remove(entry)
+            sys.path_importer_cache.pop(entry, None)
+            for name in names:
+                sys.modules.pop(name, None)
+            sys.modules.update(displaced)
+    return Bindings(directory, modules)

@@ -1,0 +1,429 @@
+"""One connection to nv-hostengine: our GPU and field groups, their watches, reading them.
+
+Groups and field groups are named `gpuwatchd_<pid>...` so that a dcgm-exporter (or a
+second gpuwatchd) can share the host engine. The device fields are watched in field
+groups of at most 127 (DCGM's limit), the first also holding DCGM_FI_DEV_NVML_INDEX;
+profiling fields get field groups of their own (DCGM drops the whole watch when the
+profiling module refuses), watched only on GPUs whose supported metric groups have them.
+
+The `gpu` label is the GPU's NVML index, as the NVML source's: DCGM keeps a GPU's id
+across re-detection (by UUID) while NVML renumbers, so the two can differ. The index is
+read live when connecting and followed on every poll. dcgm-exporter's labels keep DCGM's
+id, as dcgm-exporter does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatchd.config import DcgmConfig
+from gpuwatchd.metrics import Sample
+from gpuwatchd.sources.dcgm.bindings import Bindings
+from gpuwatchd.sources.dcgm.fields import (
+    FE_GPU,
+    FIELD_MAPS,
+    GENERIC,
+    NVML_INDEX,
+    PROFILING_STATE,
+    PROFILING_STATES,
+    UNKNOWN_XID,
+    XID_MESSAGES,
+    FieldPlan,
+)
+
+log = logging.getLogger(__package__)
+
+_UNSUPPORTED_PROFILING = (
+    "DCGM_ST_PROFILING_NOT_SUPPORTED",
+    "DCGM_ST_NOT_SUPPORTED",
+    "DCGM_ST_MODULE_NOT_LOADED",
+    "DCGM_ST_REQUIRES_ROOT",
+    "DCGM_ST_GROUP_IS_EMPTY",
+)
+_XID = FIELD_MAPS[230].compat  # dcgm-exporter's Xid family carries the code and its text
+
+Row = tuple[str, tuple[str, ...], float]  # a value becomes (metric, labels, scale)
+
+
+@dataclass
+class Gpu:
+    id: int  # DCGM's GPU id
+    uuid: str
+    name: str
+    compat: tuple[str, ...]  # dcgm-exporter's labels
+    index: int | None = None  # NVML's index (None: DCGM did not say; DCGM's id stands in)
+    profiling: str = "refused"  # one of PROFILING_STATES; refused until watched
+    why: str = ""  # why profiling is not active
+    fields: frozenset[int] = frozenset()  # profiling fields DCGM supports on this GPU
+    emit: dict[int, list[Row]] = field(default_factory=dict)
+    state_samples: dict[str, list[Sample]] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        return (str(self.id if self.index is None else self.index), self.uuid)
+
+    @property
+    def label(self) -> int:
+        return self.id if self.index is None else self.index
+
+
+@dataclass
+class Watch:
+    group: Any  # pydcgm.DcgmGroup
+    field_group: Any  # pydcgm.DcgmFieldGroup
+    gpus: list[int]
+    profiling: bool
+    indices: bool = False  # holds DCGM_FI_DEV_NVML_INDEX
+
+
+class Session:
+    """Our groups and watches on one connection (a pydcgm.DcgmHandle), and reading them."""
+
+    def __init__(
+        self, bindings: Bindings, handle: Any, config: DcgmConfig, hostname: str, prefix: str
+    ) -> None:
+        self.bindings = bindings
+        self.handle = handle
+        self.system = handle.GetSystem()
+        self.config = config
+        self.hostname = hostname
+        self.prefix = prefix  # of our group names: gpuwatchd_<pid>
+        self.plan = FieldPlan.of(())
+        self.version = ""
+        self.gpus: dict[int, Gpu] = {}  # by DCGM id
+        self.watches: list[Watch] = []
+        self.profiling_paused = False
+        self.pause_unsupported = False
+        self.profiling_retry_at: float | None = None
+        self._changes: dict[tuple[str, str, str], list[Gpu]] = {}  # profiling states to log
+        self._not_numbers: set[int] = set()  # fields that gave something else, logged
+
+    # -- setting up -----------------------------------------------------------------------
+
+    def setup(self, plan: FieldPlan, now: float) -> None:
+        self.plan = plan
+        with contextlib.suppress(self.bindings.structs.DCGMError):
+            self.version = _version(self.bindings.agent.dcgmVersionInfo().rawBuildInfoString)
+        self._discover()
+        if self.gpus:
+            self._watch_device()
+            self._watch_profiling(now, list(self.gpus.values()))
+            self.system.UpdateAllFields(1)
+        for gpu in self.gpus.values():
+            self._prepare(gpu)
+
+    def _discover(self) -> None:
+        ids = [int(i) for i in self.system.discovery.GetAllSupportedGpuIds()]
+        indices = self._nvml_indices(ids)
+        for gpu_id in ids:
+            attrs = self.system.discovery.GetGpuAttributes(gpu_id).identifiers
+            uuid, model = str(attrs.uuid), str(attrs.deviceName)
+            bus, driver = str(attrs.pciBusId), str(attrs.driverVersion)
+            compat = (str(gpu_id), uuid, bus, f"nvidia{gpu_id}", model, self.hostname, driver)
+            self.gpus[gpu_id] = Gpu(gpu_id, uuid, model, compat, indices.get(gpu_id))
+        moved = [f"DCGM {g.id} = NVML {g.index}" for g in self.gpus.values() if g.label != g.id]
+        if moved:
+            log.info("dcgm: GPU ids are not NVML's (%s); labelled by NVML's", ", ".join(moved))
+
+    def _nvml_indices(self, ids: list[int]) -> dict[int, int]:
+        """DCGM GPU id -> NVML index, read live (DCGM_FI_DEV_NVML_INDEX)."""
+        if not ids:
+            return {}
+        structs, agent = self.bindings.structs, self.bindings.agent
+        pairs = [structs.c_dcgmGroupEntityPair_t(FE_GPU, i) for i in ids]
+        try:
+            values = agent.dcgmEntitiesGetLatestValues(
+                self.handle.handle, pairs, [NVML_INDEX], structs.DCGM_FV_FLAG_LIVE_DATA
+            )
+        except structs.DCGMError as e:  # then DCGM's ids stand in until a watch says
+            log.info("dcgm: reading the GPUs' NVML indices failed: %s", self.bindings.describe(e))
+            return {}
+        blank = self.bindings.value.DCGM_INT64_IS_BLANK
+        return {
+            int(v.entityId): int(v.value.i64)
+            for v in values
+            if v.status == structs.DCGM_ST_OK and not blank(v.value.i64)
+        }
+
+    def _field_group(self, name: str, ids: list[int]) -> Any:
+        """A field group called `name`, replacing a stale one of ours with that name.
+
+        Field group names are unique in a host engine; one of ours can outlive us (a
+        persisting connection, a crash). pydcgm only deletes groups the same object
+        created, so the stale one is destroyed through the C API.
+        """
+        stale = self.system.GetFieldGroupIdByName(name)
+        if stale is not None:
+            self.bindings.agent.dcgmFieldGroupDestroy(self.handle.handle, stale)
+        return self.bindings.pydcgm.DcgmFieldGroup(self.handle, name, ids)
+
+    def _watch(
+        self, name: str, gpus: list[int], ids: list[int], profiling: bool, indices: bool = False
+    ) -> None:
+        group = self.system.GetGroupWithGpuIds(name, gpus)
+        field_group = None
+        try:
+            field_group = self._field_group(name, ids)
+            interval = self.config.interval
+            group.samples.WatchFields(field_group, int(interval * 1e6), max(30.0, 3 * interval), 2)
+        except self.bindings.structs.DCGMError:
+            if field_group is not None:  # else pydcgm keeps it (and a retry makes another)
+                self._quietly(field_group.Delete)
+            self._quietly(group.Delete)
+            raise
+        self.watches.append(Watch(group, field_group, gpus, profiling, indices))
+
+    def _watch_device(self) -> None:
+        gpus = sorted(self.gpus)
+        for n, ids in enumerate(self.plan.device_groups()):
+            self._watch(f"{self.prefix}{f'_{n + 1}' if n else ''}", gpus, ids, False, n == 0)
+
+    def _watch_profiling(self, now: float, gpus: list[Gpu]) -> None:
+        """Watch the profiling fields each GPU supports, one field group per set of them."""
+        if not self.plan.profiling:
+            for gpu in gpus:
+                gpu.profiling, gpu.why = "unsupported", "no profiling fields configured"
+            return
+        by_fields: dict[frozenset[int], list[int]] = {}
+        for gpu in gpus:
+            wanted = self._supported_profiling(gpu)
+            if wanted:
+                gpu.fields = wanted
+                by_fields.setdefault(wanted, []).append(gpu.id)
+        structs = self.bindings.structs
+        for fields, gpu_ids in sorted(by_fields.items(), key=lambda kv: kv[1]):
+            try:
+                self._watch(f"{self.prefix}_prof{min(gpu_ids)}", gpu_ids, sorted(fields), True)
+            except structs.DCGMError as e:
+                if e.value == structs.DCGM_ST_CONNECTION_NOT_VALID:
+                    raise
+                for gpu_id in gpu_ids:
+                    self._profiling_state(self.gpus[gpu_id], "refused", self.bindings.describe(e))
+                self.profiling_retry_at = now + self.config.profiling_retry
+                continue
+            for gpu_id in gpu_ids:
+                self._profiling_state(self.gpus[gpu_id], "active", "")
+
+    def _supported_profiling(self, gpu: Gpu) -> frozenset[int]:
+        """The configured profiling fields DCGM can watch on `gpu` (none: unsupported)."""
+        structs = self.bindings.structs
+        try:
+            groups = self.bindings.agent.dcgmProfGetSupportedMetricGroups(
+                self.handle.handle, gpu.id
+            )
+        except structs.DCGMError as e:
+            if e.value not in {getattr(structs, n, None) for n in _UNSUPPORTED_PROFILING}:
+                raise
+            self._profiling_state(gpu, "unsupported", self.bindings.describe(e))
+            return frozenset()
+        supported = {
+            int(groups.metricGroups[i].fieldIds[j])
+            for i in range(groups.numMetricGroups)
+            for j in range(groups.metricGroups[i].numFieldIds)
+        }
+        configured = self.plan.profiling
+        wanted = frozenset(f for f in configured if f in supported)
+        if not wanted:
+            why = "DCGM reports no supported profiling metric groups for the configured fields"
+            self._profiling_state(gpu, "unsupported", why)
+        elif len(wanted) < len(configured) and gpu.profiling != "active":
+            missing = sorted(set(configured) - wanted)
+            log.info(
+                "dcgm: GPU %d: profiling fields %s not supported; watching %s",
+                gpu.label,
+                missing,
+                sorted(wanted),
+            )
+        return wanted
+
+    def _profiling_state(self, gpu: Gpu, state: str, why: str) -> None:
+        if (gpu.profiling, gpu.why) != (state, why):
+            self._changes.setdefault((state, why, gpu.name), []).append(gpu)
+        gpu.profiling, gpu.why = state, why
+        if state not in ("active", "paused"):
+            gpu.fields = frozenset()
+
+    def log_profiling_changes(self) -> None:
+        """One line per new (state, reason, model), naming the GPUs: logged once per change."""
+        for (state, why, model), gpus in self._changes.items():
+            level = logging.INFO if state in ("active", "paused") else logging.WARNING
+            log.log(
+                level,
+                "dcgm: profiling %s on GPUs [%s] (%s)%s",
+                state,
+                ranges(g.label for g in gpus),
+                model,
+                f": {why}" if why else "",
+            )
+        self._changes.clear()
+
+    def retry_profiling(self, now: float) -> None:
+        retry = self.profiling_retry_at
+        if retry is None or now < retry:
+            return
+        self.profiling_retry_at = None
+        refused = [g for g in self.gpus.values() if g.profiling == "refused"]
+        if refused:
+            self._watch_profiling(now, refused)
+            self.log_profiling_changes()
+            for gpu in refused:
+                self._prepare(gpu)
+
+    def apply_pause(self, wanted: bool) -> None:
+        """Pause (or resume) DCGM profiling host-wide, unless it already is or cannot be."""
+        if wanted == self.profiling_paused or self.pause_unsupported:
+            return
+        structs = self.bindings.structs
+        try:
+            if wanted:
+                self.system.profiling.Pause()
+            else:
+                self.system.profiling.Resume()
+        except structs.DCGMError as e:
+            if e.value != structs.DCGM_ST_NOT_SUPPORTED:
+                raise
+            self.pause_unsupported = True
+            log.info(
+                "dcgm: profiling pause not supported by this DCGM/GPU (%s); profilers "
+                "can run beside DCGM here (GPM)",
+                self.bindings.describe(e),
+            )
+            return
+        self.profiling_paused = wanted
+        for gpu in self.gpus.values():
+            if wanted and gpu.profiling == "active":
+                self._profiling_state(gpu, "paused", "paused on request")
+            elif not wanted and gpu.profiling == "paused":
+                self._profiling_state(gpu, "active", "")
+        self.log_profiling_changes()
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _prepare(self, gpu: Gpu) -> None:
+        """Precompute every (metric, labels, scale) a value of each field becomes."""
+        compat = self.config.exporter_compat
+        labels = gpu.labels
+        gpu.emit = {}
+        for fid in self.plan.watched:
+            rows: list[Row] = []
+            mapping = FIELD_MAPS.get(fid)
+            if fid in self.plan.native:
+                if mapping is not None and mapping.spec is not None:
+                    rows.append((mapping.spec.name, labels + mapping.extra, mapping.scale))
+                else:
+                    rows.append((GENERIC.name, labels + (str(fid),), 1.0))
+            if compat and mapping is not None and mapping.compat:
+                rows.append((mapping.compat, gpu.compat, 1.0))
+            gpu.emit[fid] = rows
+        states = PROFILING_STATES
+        gpu.state_samples = {
+            s: [Sample(PROFILING_STATE.name, labels + (t,), float(s == t)) for t in states]
+            for s in states
+        }
+
+    def read(self) -> list[Sample]:
+        out: list[Sample] = []
+        for watch in self.watches:
+            if watch.profiling and self.profiling_paused:
+                continue  # blank while paused
+            collection = watch.group.samples.GetLatest_v2(watch.field_group)
+            entities = collection.values.get(FE_GPU, {})
+            if watch.indices:
+                self._follow_indices(entities)
+            for gpu_id, values in entities.items():
+                gpu = self.gpus.get(gpu_id)
+                if gpu is not None:
+                    self._emit(gpu, values, out)
+        return out
+
+    def _emit(self, gpu: Gpu, values: dict[int, Any], out: list[Sample]) -> None:
+        for fid, series in values.items():
+            rows = gpu.emit.get(fid)
+            value = series[-1]
+            if not rows or value.isBlank or value.value is None:
+                continue
+            number = _number(value.value)
+            if number is None:
+                self._not_a_number(fid, value.value)
+                continue
+            for name, labels, scale in rows:
+                if name == _XID:
+                    code = int(number)
+                    labels = labels + (str(code), XID_MESSAGES.get(code, UNKNOWN_XID))
+                out.append(Sample(name, labels, number * scale))
+
+    def _follow_indices(self, entities: dict[int, dict[int, Any]]) -> None:
+        """Relabel a GPU whose NVML index changed while connected."""
+        for gpu_id, values in entities.items():
+            gpu, series = self.gpus.get(gpu_id), values.get(NVML_INDEX)
+            if gpu is None or not series or series[-1].isBlank:
+                continue
+            number = _number(series[-1].value)
+            if number is not None and int(number) != gpu.label:
+                gpu.index = int(number)
+                log.info("dcgm: DCGM GPU %d is NVML GPU %d now", gpu.id, gpu.index)
+                self._prepare(gpu)
+
+    def _not_a_number(self, fid: int, value: Any) -> None:
+        if fid not in self._not_numbers:
+            self._not_numbers.add(fid)
+            log.warning(
+                "dcgm: field %d gave %r, not a number: its values are left out (are the "
+                "bindings and nv-hostengine of different DCGM versions?)",
+                fid,
+                value,
+            )
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def close(self, tidy: bool) -> None:
+        """Disconnect. `tidy` (the connection works): first give the counters back and
+        remove our groups; else only make pydcgm forget them."""
+        if tidy and self.profiling_paused:
+            self._quietly(self.system.profiling.Resume)
+        for watch in self.watches:
+            if tidy:
+                self._quietly(watch.group.samples.UnwatchFields, watch.field_group)
+                self._quietly(watch.field_group.Delete)
+                self._quietly(watch.group.Delete)
+            else:
+                self.bindings.forget(watch.field_group)
+        self.watches.clear()
+        self.bindings.disconnect(self.handle)
+
+    def _quietly(self, function: Callable[..., Any], *args: Any) -> None:
+        try:
+            function(*args)
+        except self.bindings.structs.DCGMError as e:
+            log.debug("dcgm: %s failed: %s", getattr(function, "__name__", function), e)
+
+
+def _number(value: Any) -> float | None:
+    """A value as a float, or None if DCGM gave something else (a text, a struct)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _version(raw: str) -> str:
+    match = re.search(r"(?:^|;)version:([^;]+)", raw)
+    return match.group(1) if match else raw.strip()[:32]
+
+
+def ranges(ids: Iterable[int]) -> str:
+    """[0, 1, 2, 3, 6] -> "0-3,6"."""
+    parts: list[str] = []
+    run: list[int] = []
+    for i in sorted(ids):
+        if run and i != run[-1] + 1:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(i)
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts)
