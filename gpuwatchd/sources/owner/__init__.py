@@ -1,0 +1,215 @@
+"""Who owns each GPU: the Slurm job, Kubernetes pod, container or user behind it, as the
+labels of `gpuwatchd_gpu_owner_info{gpu, uuid, scheduler, job_id, step, rank, user,
+namespace, pod, container}` (docs/fleet.md).
+
+Read per GPU, cheapest and most trusted first:
+
+* the GPU's *main process*: of the processes NVML lists on it, the one with the most GPU
+  memory (lowest pid on a tie; the next one if it exited while being read). Its
+  /proc/PID/cgroup (cgroup.py) places it in a Slurm step, a Kubernetes pod or a container;
+  its /proc/PID/environ (process.py), where readable, adds the launcher's variables; its
+  /proc/PID/status, the uid;
+* the per-GPU job files of a scheduler prolog, if configured (jobfiles.py);
+* the kubelet's pod-resources API, where its socket exists (podresources.py).
+
+How they combine:
+
+* scheduler: "slurm" when the cgroup is a Slurm step, else "kubernetes" for a pod (or a
+  GPU the kubelet allocated), else "container" for docker or podman, else "slurm" when the
+  environment has SLURM_JOB_ID (Slurm without cgroup tracking) or a job file names a job,
+  else "process". The cgroup wins: any process can set SLURM_JOB_ID, none can leave the
+  cgroup its scheduler put it in.
+* job_id: the Slurm job of the cgroup, else SLURM_JOB_ID, else the GPU's job file (its
+  first line), else TORCHELASTIC_RUN_ID (a torchrun job outside Slurm).
+* step: the cgroup's step directory (0, 1, …, batch, extern, interactive), else
+  SLURM_STEP_ID. rank: RANK, OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID (the
+  environment only: a Slurm cgroup's task_N is the node-local task, not the rank).
+  An environment naming another Slurm job than the cgroup is ignored whole.
+* user: SLURM_JOB_USER in a Slurm job's environment, else the name of the Slurm job's uid
+  (cgroup v1 `uid_U`) or of the process's real uid, looked up once per uid in this host's
+  user database (in a container, the image's), the uid itself when it has no name.
+* namespace, pod, container: the names the kubelet gives the container the GPU is
+  allocated to; without them, the pod UID and `<runtime>://<container ID>` of the cgroup
+  (`containerd://…`, `cri-o://…`, `docker://…`, `podman://…`: the form of Kubernetes'
+  `containerID`, so it joins with kube-state-metrics).
+
+A GPU without a readable process is owned by its kubelet allocation, else by its job file
+(scheduler "slurm"), else by nobody (None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from gpuwatchd.sources.owner.cgroup import Placement, parse_cgroup
+from gpuwatchd.sources.owner.jobfiles import read_job_files
+from gpuwatchd.sources.owner.podresources import PodContainer, PodResources
+from gpuwatchd.sources.owner.process import Launch, ProcessFacts, ProcessReader, user_name
+
+LABELS = ("scheduler", "job_id", "step", "rank", "user", "namespace", "pod", "container")
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The labels of gpuwatchd_gpu_owner_info besides gpu and uuid ("": unknown)."""
+
+    scheduler: str = "process"  # "slurm", "kubernetes", "container" or "process"
+    job_id: str = ""
+    step: str = ""
+    rank: str = ""
+    user: str = ""
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+
+    def values(self) -> tuple[str, ...]:
+        """The label values, in LABELS order."""
+        return tuple(getattr(self, label) for label in LABELS)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcesses:
+    """One GPU and the processes NVML lists on it, with the GPU memory each uses."""
+
+    index: int
+    uuid: str
+    memory: Mapping[int, float]  # pid -> bytes (0 where the driver cannot tell)
+
+
+def owners_by_gpu(
+    gpus: Iterable[GpuProcesses],
+    facts: Callable[[int], ProcessFacts | None],
+    *,
+    jobs: Mapping[int, str] | None = None,
+    pods: Mapping[str, PodContainer] | None = None,
+    users: Callable[[int], str] = user_name,
+) -> dict[str, Owner | None]:
+    """uuid -> the owner of each GPU (module docstring), from `facts(pid)` of its processes
+    (None: gone), the GPU index -> job ID of job files and the device_key -> pod container
+    of the kubelet; `users` names a uid."""
+    jobs, pods = jobs or {}, pods or {}
+    owners: dict[str, Owner | None] = {}
+    for gpu in gpus:
+        main = _main_facts(gpu.memory, facts)
+        job = jobs.get(gpu.index, "")
+        pod = pods.get(gpu.uuid) or pods.get(str(gpu.index))
+        owner = _from_process(main, job, users) if main is not None else _from_job(job)
+        owners[gpu.uuid] = _with_pod(owner, pod) if pod else owner
+    return owners
+
+
+def _main_facts(
+    memory: Mapping[int, float], facts: Callable[[int], ProcessFacts | None]
+) -> ProcessFacts | None:
+    """The facts of the process with the most GPU memory that can be read."""
+    for pid in sorted(memory, key=lambda pid: (-memory[pid], pid)):
+        found = facts(pid)
+        if found is not None:
+            return found
+    return None
+
+
+def _from_process(facts: ProcessFacts, job: str, users: Callable[[int], str]) -> Owner:
+    place, launch = facts.place, facts.launch or Launch()
+    if place.job_id and launch.slurm_job not in ("", place.job_id):
+        launch = Launch()  # inherited from another job: only the cgroup speaks for this one
+    scheduler = place.scheduler
+    if scheduler == "process" and (launch.slurm_job or job):
+        scheduler = "slurm"
+    uid = place.uid if place.uid is not None else facts.uid
+    slurm_user = launch.slurm_user if scheduler == "slurm" else ""
+    return Owner(
+        scheduler=scheduler,
+        job_id=place.job_id or launch.slurm_job or job or launch.run_id,
+        step=place.step or launch.slurm_step,
+        rank=launch.rank,
+        user=slurm_user or (users(uid) if uid is not None else ""),
+        pod=place.pod_uid,
+        container=place.container,
+    )
+
+
+def _from_job(job: str) -> Owner | None:
+    return Owner("slurm", job_id=job) if job else None
+
+
+def _with_pod(owner: Owner | None, pod: PodContainer) -> Owner:
+    owner = owner or Owner()
+    scheduler = owner.scheduler if owner.scheduler == "slurm" else "kubernetes"
+    return replace(
+        owner, scheduler=scheduler, namespace=pod.namespace, pod=pod.pod, container=pod.container
+    )
+
+
+class UserNames:
+    """uid -> name, each uid looked up once (a lookup can go to LDAP or sssd)."""
+
+    def __init__(self, lookup: Callable[[int], str] = user_name, limit: int = 4096) -> None:
+        self._lookup = lookup
+        self._limit = limit
+        self._names: dict[int, str] = {}
+
+    def __call__(self, uid: int) -> str:
+        name = self._names.get(uid)
+        if name is None:
+            if len(self._names) >= self._limit:
+                self._names.clear()
+            name = self._names[uid] = self._lookup(uid)
+        return name
+
+
+class Attribution:
+    """Owners of the GPUs of this node, poll after poll: keeps each process's environment
+    and uid, user names and the kubelet's answer between polls.
+
+    `job_dir`: the per-GPU job files' directory (None: not used). `pod_resources`: the
+    kubelet client (None: not asked). `read_environ`: False never reads environments.
+    """
+
+    def __init__(
+        self,
+        procfs: Path = Path("/proc"),
+        *,
+        job_dir: Path | None = None,
+        pod_resources: PodResources | None = None,
+        read_environ: bool = True,
+        users: Callable[[int], str] = user_name,
+    ) -> None:
+        self.processes = ProcessReader(procfs, read_environ)
+        self.job_dir = job_dir
+        self.pod_resources = pod_resources
+        self.users = UserNames(users)
+
+    def owners(self, gpus: Iterable[GpuProcesses]) -> dict[str, Owner | None]:
+        """uuid -> owner of each GPU given (None: nobody)."""
+        gpus = list(gpus)
+        files = read_job_files(self.job_dir) if self.job_dir is not None else {}
+        jobs = {index: ids[0] for index, ids in files.items()}
+        pods = self.pod_resources.devices() if self.pod_resources is not None else {}
+        owners = owners_by_gpu(gpus, self.processes.read, jobs=jobs, pods=pods, users=self.users)
+        self.processes.keep({pid for gpu in gpus for pid in gpu.memory})
+        return owners
+
+    def close(self) -> None:
+        if self.pod_resources is not None:
+            self.pod_resources.close()
+
+
+__all__ = [
+    "LABELS",
+    "Attribution",
+    "GpuProcesses",
+    "Launch",
+    "Owner",
+    "Placement",
+    "PodContainer",
+    "PodResources",
+    "ProcessFacts",
+    "ProcessReader",
+    "UserNames",
+    "owners_by_gpu",
+    "parse_cgroup",
+    "read_job_files",
+]

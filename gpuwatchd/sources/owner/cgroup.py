@@ -1,0 +1,143 @@
+"""Where a process runs, from its /proc/PID/cgroup: a Slurm step, a Kubernetes pod, a
+container, or none of these.
+
+The file has one `hierarchy-ID:controllers:path` line per hierarchy (cgroup v1, and the
+`0::` line of hybrid systems) or the single `0::/path` line of cgroup v2. Each path is read
+on its own and the most specific answer wins (Slurm, then Kubernetes, then a container):
+on v1 a job may show in one hierarchy only (Slurm's proctrack/cgroup moves the process in
+`freezer` while `cpu` stays at slurmd.service).
+
+Paths are taken component by component, so the same rule reads a path seen from the host
+and one seen from inside a cgroup namespace (a daemon in a container without the host's
+cgroup namespace reads `0::/../../kubepods-…-pod<UID>.slice/cri-containerd-<ID>.scope`):
+`..` components are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# a pod UID: a UUID (with `_` for `-` in systemd slice names), or the 32 hex digits of a
+# static pod's UID (a hash of its manifest)
+_UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}|[0-9a-f]{32}"
+_CGROUPFS_POD = re.compile(rf"pod({_UID})")  # cgroupfs driver: kubepods[/qos]/pod<UID>
+# systemd driver: kubepods-<qos>-pod<UID>.slice (guaranteed pods: no qos); kubelet-
+# prefixed when the kubelet runs in a container of its own (kind)
+_SYSTEMD_POD = re.compile(rf"(?:kubelet-)?kubepods(?:-[a-z]+)?-pod({_UID})\.slice")
+# a container's own cgroup: <runtime>-<ID>.scope (systemd), <runtime>-<ID> (cgroupfs),
+# also as the last two fields of containerd's `<slice>:cri-containerd:<ID>` (v1 + systemd)
+_PREFIXES = "cri-containerd|crio|docker|libpod|libpod-payload"
+_SCOPE = re.compile(rf"({_PREFIXES})[-:]([0-9a-f]{{64}})(?:\.scope)?")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+# the scheme Kubernetes writes before a container ID (`containerd://…`), by cgroup prefix
+_RUNTIMES = {
+    "cri-containerd": "containerd",
+    "crio": "cri-o",
+    "docker": "docker",
+    "libpod": "podman",
+    "libpod-payload": "podman",
+}
+_JOB = re.compile(r"job_([0-9]{1,12})")
+_STEP = re.compile(r"step_([0-9A-Za-z_.+-]{1,32})")  # 0, 1, …, batch, extern, interactive
+_UID_DIR = re.compile(r"uid_([0-9]{1,10})")
+_RANK = {"process": 0, "container": 1, "kubernetes": 2, "slurm": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """What a process's cgroup says about who runs it; empty fields are unknown."""
+
+    scheduler: str = "process"  # "slurm", "kubernetes", "container" or "process"
+    job_id: str = ""  # Slurm job
+    step: str = ""  # Slurm step: "0", "1", …, "batch", "extern", "interactive"
+    uid: int | None = None  # the job's owner, in Slurm's cgroup v1 paths (uid_U)
+    pod_uid: str = ""  # Kubernetes pod UID, with dashes
+    # "<runtime>://<ID>" (containerd, cri-o, docker, podman), or the bare ID (runtime unknown)
+    container: str = ""
+
+
+NOWHERE = Placement()
+
+
+def parse_cgroup(text: str) -> Placement:
+    """The most specific placement any line of a /proc/PID/cgroup file names."""
+    paths: dict[str, None] = {}  # v1 hierarchies mostly repeat one path: read it once
+    for line in text.splitlines():
+        _, _, rest = line.partition(":")
+        _, sep, path = rest.partition(":")  # the path itself may hold ':' (containerd, v1)
+        if sep:
+            paths[path] = None
+    best = NOWHERE
+    for path in paths:
+        found = place(path)
+        if _RANK[found.scheduler] > _RANK[best.scheduler]:
+            best = found
+    return best
+
+
+def place(path: str) -> Placement:
+    """The placement one cgroup path names."""
+    parts = [part for part in path.strip().split("/") if part not in ("", ".", "..")]
+    if not parts:
+        return NOWHERE
+    return _slurm(parts) or _kubernetes(parts) or _container(parts) or NOWHERE
+
+
+def _slurm(parts: list[str]) -> Placement | None:
+    """v1: /slurm/uid_U/job_J/step_S[/task_T]; cgroup/v2 plugin:
+    /system.slice/[<node>_]slurmstepd.scope/job_J/step_S/{user/task_T,slurm}."""
+    for i, part in enumerate(parts[1:], 1):
+        job = _JOB.fullmatch(part)
+        parent = parts[i - 1]
+        if job is None or not (
+            parent == "slurm" or parent.endswith("slurmstepd.scope") or _UID_DIR.fullmatch(parent)
+        ):
+            continue
+        step = _STEP.fullmatch(parts[i + 1]) if i + 1 < len(parts) else None
+        uid = _UID_DIR.fullmatch(parent)
+        return Placement(
+            "slurm",
+            job_id=job[1],
+            step=step[1] if step else "",
+            uid=int(uid[1]) if uid else None,
+        )
+    return None
+
+
+def _kubernetes(parts: list[str]) -> Placement | None:
+    """The innermost pod in the path and the container cgroup right under it."""
+    found: Placement | None = None
+    for i, part in enumerate(parts):
+        # containerd 1.4 on v1 with systemd: <pod slice>:cri-containerd:<ID>
+        slice_, _, colon = part.partition(":")
+        pod = _SYSTEMD_POD.fullmatch(slice_)
+        if pod is None and any(a.startswith("kubepods") for a in parts[:i]):
+            pod = _CGROUPFS_POD.fullmatch(part)
+        if pod is None:
+            continue
+        below = colon or (parts[i + 1] if i + 1 < len(parts) else "")
+        uid = pod[1].replace("_", "-")
+        found = Placement("kubernetes", pod_uid=uid, container=_runtime_id(below))
+    return found
+
+
+def _container(parts: list[str]) -> Placement | None:
+    """The innermost docker or podman container: docker-<ID>.scope, /docker/<ID>,
+    libpod-<ID>[.scope][/container] (not the libpod-conmon- monitor beside it)."""
+    for i in reversed(range(len(parts))):
+        container = _runtime_id(parts[i])
+        if container and "://" not in container:  # a bare ID is docker's only under /docker
+            container = f"docker://{container}" if i and parts[i - 1] == "docker" else ""
+        if container:
+            return Placement("container", container=container)
+    return None
+
+
+def _runtime_id(part: str) -> str:
+    """`<runtime>://<ID>` for a container's cgroup name, the bare ID when it names no
+    runtime (the cgroupfs driver's `<ID>`), "" when it is no container (conmon, a slice)."""
+    scope = _SCOPE.fullmatch(part)
+    if scope:
+        return f"{_RUNTIMES[scope[1]]}://{scope[2]}"
+    return part if _HEX64.fullmatch(part) else ""

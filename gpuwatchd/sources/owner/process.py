@@ -1,0 +1,151 @@
+"""One GPU process's facts from /proc/PID: its cgroup, the launcher's variables in its
+environment, and its uid.
+
+/proc/PID/environ is the environment the process was started with, NUL-separated. Only the
+variables below are kept, checked to be plain label values, and never logged: the rest of
+an environment holds secrets. Reading another user's environ needs the same uid or
+CAP_SYS_PTRACE; without them it is unreadable, which is normal (the cgroup still tells the
+job, the step and the user).
+"""
+
+from __future__ import annotations
+
+import pwd
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuwatchd.sources.base import read_file
+from gpuwatchd.sources.owner.cgroup import Placement, parse_cgroup
+
+# Slurm's step IDs for its named steps (slurm.h: SLURM_EXTERN_CONT, SLURM_BATCH_SCRIPT,
+# SLURM_INTERACTIVE_STEP), as its cgroup directories name them
+SLURM_STEPS = {"4294967292": "extern", "4294967291": "batch", "4294967290": "interactive"}
+# a process's global rank, most specific launcher first: torchrun's RANK under srun is the
+# worker's rank while SLURM_PROCID is the launcher's; mpirun inside an allocation inherits
+# the batch step's SLURM_PROCID (0)
+RANKS = (b"RANK", b"OMPI_COMM_WORLD_RANK", b"PMI_RANK", b"SLURM_PROCID")
+WANTED = frozenset(
+    {b"SLURM_JOB_ID", b"SLURM_STEP_ID", b"SLURM_JOB_USER", b"TORCHELASTIC_RUN_ID", *RANKS}
+)
+MAX_ENVIRON = 1 << 20
+_VALUE = re.compile(r"[\w.:@+-]{1,64}")  # a label value: printable, no space, bounded
+_RANK = re.compile(r"[0-9]{1,7}")
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """The launcher's variables in a process's environment ("": not set)."""
+
+    slurm_job: str = ""  # SLURM_JOB_ID
+    slurm_step: str = ""  # SLURM_STEP_ID, named steps by name
+    slurm_user: str = ""  # SLURM_JOB_USER
+    rank: str = ""  # the first of RANKS set
+    run_id: str = ""  # TORCHELASTIC_RUN_ID (torchrun's --rdzv-id; its default "none" left out)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessFacts:
+    place: Placement
+    launch: Launch | None  # None: the environment could not be read
+    uid: int | None  # real uid (/proc/PID/status); None: unknown
+
+
+def parse_environ(data: bytes) -> Launch:
+    values: dict[bytes, str] = {}
+    for entry in data.split(b"\0"):
+        key, sep, value = entry.partition(b"=")
+        text = value.decode("utf-8", "replace")
+        if sep and key in WANTED and _VALUE.fullmatch(text):
+            values[key] = text
+    step = values.get(b"SLURM_STEP_ID", "")
+    run_id = values.get(b"TORCHELASTIC_RUN_ID", "")
+    ranks = (values.get(name, "") for name in RANKS)
+    return Launch(
+        slurm_job=values.get(b"SLURM_JOB_ID", ""),
+        slurm_step=SLURM_STEPS.get(step, step),
+        slurm_user=values.get(b"SLURM_JOB_USER", ""),
+        rank=next((rank for rank in ranks if _RANK.fullmatch(rank)), ""),
+        run_id="" if run_id == "none" else run_id,
+    )
+
+
+def parse_uid(status: bytes) -> int | None:
+    """The real uid: the first number of /proc/PID/status's `Uid:` line."""
+    for line in status.splitlines():
+        if line.startswith(b"Uid:"):
+            fields = line.split()
+            return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    return None
+
+
+def parse_start(stat: bytes) -> int:
+    """The start time in /proc/PID/stat (field 22): a pid and it tell processes apart."""
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return int(fields[19])
+
+
+class Gone(Exception):
+    """The process exited while it was being read."""
+
+
+class ProcessReader:
+    """Reads GPU processes under a procfs root. The cgroup is read on every call (a process
+    can be moved: pam_slurm_adopt, systemd); the environment and the uid once per process,
+    told apart from a later one with its pid by the start time."""
+
+    def __init__(self, procfs: Path, read_environ: bool = True) -> None:
+        self.procfs = procfs
+        self.read_environ = read_environ
+        self._known: dict[int, tuple[int, Launch | None, int | None]] = {}
+
+    def read(self, pid: int) -> ProcessFacts | None:
+        """The process's facts; None if it is gone (or its cgroup cannot be read)."""
+        base = f"{self.procfs}/{pid}"
+        try:
+            start = parse_start(_read(f"{base}/stat", 4096))
+            place = parse_cgroup(_read(f"{base}/cgroup", 65536).decode("utf-8", "replace"))
+            known = self._known.get(pid)
+            if known is None or known[0] != start:
+                known = (start, self._launch(base), self._uid(base))
+                self._known[pid] = known
+        except (Gone, OSError, ValueError, IndexError):
+            self._known.pop(pid, None)
+            return None
+        return ProcessFacts(place, known[1], known[2])
+
+    def keep(self, pids: set[int]) -> None:
+        """Forget the processes that are not in `pids` (no longer on a GPU)."""
+        self._known = {pid: known for pid, known in self._known.items() if pid in pids}
+
+    def _launch(self, base: str) -> Launch | None:
+        if not self.read_environ:
+            return None
+        try:
+            return parse_environ(_read(f"{base}/environ", MAX_ENVIRON))
+        except Gone:
+            raise
+        except OSError:  # EACCES: another user's process, no CAP_SYS_PTRACE
+            return None
+
+    @staticmethod
+    def _uid(base: str) -> int | None:
+        return parse_uid(_read(f"{base}/status", 65536))
+
+
+def _read(path: str, limit: int) -> bytes:
+    try:
+        return read_file(path, limit)
+    except (FileNotFoundError, ProcessLookupError) as e:
+        raise Gone(path) from e
+
+
+def user_name(uid: int) -> str:
+    """The user's name on this host, or the uid as text."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
+
+
+__all__ = ["Launch", "ProcessFacts", "ProcessReader", "parse_environ", "parse_uid", "user_name"]
