@@ -1,0 +1,500 @@
+"""The daemon's HTTP front: /metrics, /healthz, / and POST /api/dcgm/pause, on aiohttp.
+
+One asyncio event loop on its own thread serves every connection, so an idle or slow
+client costs a socket and a few KB, never a thread. What a cluster network can throw at
+it is bounded (`Limits`):
+- connections: at most `max_connections`, TLS handshakes included; at the cap the
+  connection idle the longest is closed to make room, so a scraper always gets in;
+- time: a connection without a complete request for `idle_timeout` is closed (this also
+  bounds headers sent slowly), a TLS handshake gets `handshake_timeout`, a response the
+  client does not read within `send_timeout` is dropped;
+- bodies: no endpoint takes one. aiohttp's parser (llhttp) frames every request itself
+  and answers a malformed length with 400; a body over `max_body` or chunked is refused
+  with 413 before a byte of it is read and the connection is closed, so nothing that
+  follows is parsed as another request;
+- slow work (the status page, the DCGM pause, bcrypt) runs on a few threads, never on
+  the loop: a scrape returns the exposition's cached bytes and waits on nothing.
+TLS, basic auth, extra headers and a rate limit come from exporter-toolkit's web config
+file (gpuwatchd/webconfig.py). `/api/...` changes state: POST only, refused unless basic
+auth is configured, rate-limited, and every call is logged with its caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import BasicAuth as BasicCredentials
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
+
+from gpuwatchd.status_page import StatusPage
+from gpuwatchd.webconfig import BasicAuth, WebConfig, load_web_config, peer_sans, ssl_context
+
+if TYPE_CHECKING:
+    from gpuwatchd.exporter import Exporter
+
+log = logging.getLogger(__name__)
+
+TEXT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PLAIN = "text/plain; charset=utf-8"
+READ = ("GET", "HEAD")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 256  # well under systemd's default 1,024 fds for the whole daemon
+    idle_timeout: float = 75.0  # over a 1-minute scrape interval, so keep-alive is reused
+    handshake_timeout: float = 10.0
+    send_timeout: float = 30.0
+    backlog: int = 1024
+    send_buffer: int = 1 << 20  # bytes of kernel send buffer per connection
+    max_body: int = 4096
+    max_header: int = 8190  # one header line; aiohttp also caps their number (128)
+    api_burst: int = 3  # /api/: 3 calls at once, then one every api_interval seconds
+    api_interval: float = 20.0
+    bcrypt_waiting: int = 8  # password checks queued behind the one running; more: 429
+    api_timeout: float = 10.0  # DCGM may hang: the caller gets 504, a worker thread waits
+
+
+def wants_openmetrics(accept: str | None) -> bool:
+    return any(
+        part.split(";")[0].strip() == "application/openmetrics-text"
+        for part in (accept or "").split(",")
+    )
+
+
+class TokenBucket:
+    """`burst` tokens, one more every `interval` seconds (Go's rate.Limiter semantics)."""
+
+    def __init__(self, interval: float, burst: int) -> None:
+        self.interval, self.burst = interval, burst
+        self.tokens, self.last = float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.last) / self.interval)
+        self.last = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class _Connection(RequestHandler):
+    """aiohttp's connection, plus what the cap needs: when it last did something."""
+
+    __slots__ = ("busy", "first_request_due", "last_active", "requests")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.busy = False  # inside our handler: never evicted
+        self.last_active = time.monotonic()
+        self.requests = 0
+        self.first_request_due: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # aiohttp's idle timer starts at connect only in recent releases: make sure a
+        # connection that never completes a first request is closed all the same
+        loop = asyncio.get_running_loop()
+        self.first_request_due = loop.call_later(self.keepalive_timeout, self._no_request)
+
+    def _no_request(self) -> None:
+        if self.requests == 0 and not self.busy:
+            self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.first_request_due is not None:  # a flood leaves no timers behind
+            self.first_request_due.cancel()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
+        super().data_received(data)
+
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        """aiohttp logs a traceback per malformed request or lost client; neither is ours."""
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, (HttpProcessingError, ConnectionError)):
+            log.debug("http: %s", exc)
+        else:
+            super().log_exception(*args, **kwargs)
+
+
+class _Connections(web.Server):
+    """aiohttp's low-level server, making `_Connection`s."""
+
+    def __call__(self) -> _Connection:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+    def open_connections(self) -> list[_Connection]:
+        return [c for c in self.connections if c.transport is not None]  # type: ignore[misc]
+
+
+class _Throttled:
+    """At most one log line per `every` seconds; counts what it held back."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every, self.next, self.held = every, 0.0, 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            self.held += 1
+            return
+        held, self.held, self.next = self.held, 0, now + self.every
+        log.warning(message + (f" (and {held} more held back)" if held else ""), *args)
+
+
+def _peer_certificate(request: web.BaseRequest) -> dict[str, Any] | None:
+    transport = request.transport
+    return transport.get_extra_info("peercert") if transport is not None else None
+
+
+def _text(status: int, body: str, **headers: str) -> web.Response:
+    return web.Response(
+        status=status, body=body.encode(), headers={"Content-Type": PLAIN, **headers}
+    )
+
+
+class MetricsServer:
+    """The HTTP(S) endpoint on its own thread; `address` is the bound (host, port).
+
+    `status_page` renders `/` (default: sources and GPUs, no causes); `web_config_file` is
+    an exporter-toolkit web config (TLS, basic auth, headers, rate limit). The socket is
+    bound here, so a busy port or a bad web config fails at start-up.
+    """
+
+    def __init__(
+        self,
+        exporter: Exporter,
+        host: str,
+        port: int,
+        status_page: Callable[[], bytes] | None = None,
+        web_config_file: Path | None = None,
+        limits: Limits = Limits(),
+    ) -> None:
+        self.exporter = exporter
+        self.status_page = status_page or StatusPage(exporter.store, exporter.pollers, exporter.now)
+        self.limits = limits
+        self.config = load_web_config(web_config_file) if web_config_file else WebConfig()
+        tls = self.config.tls
+        self._ssl = ssl_context(tls, web_config_file) if tls and web_config_file else None
+        self._sans = set(tls.client_allowed_sans or ()) if tls else set()
+        self._auth = BasicAuth(self.config.users) if self.config.users else None
+        rate = self.config.rate_limit
+        self._limiter = TokenBucket(rate.interval, rate.burst) if rate.interval else None
+        self._api_bucket = TokenBucket(limits.api_interval, limits.api_burst)
+        self._api_refusals, self._accept_errors = _Throttled(), _Throttled()
+        self._bcrypt_waiting = 0
+        self._page: tuple[float, asyncio.Future[bytes]] | None = None
+        self._handshakes: dict[asyncio.Task[None], float] = {}
+        self._routes: dict[str, tuple[tuple[str, ...], Callable[..., Awaitable[web.Response]]]] = {
+            "/metrics": (READ, self._metrics),
+            "/healthz": (READ, self._healthz),
+            "/": (READ, self._status_page),
+            "/api/dcgm/pause": (("POST",), self._dcgm_pause),
+        }
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.create_server((host, port), family=family, backlog=limits.backlog)
+        self._socket.setblocking(False)
+        bound = self._socket.getsockname()
+        self.address: tuple[str, int] = (str(bound[0]), int(bound[1]))
+        self._loop = asyncio.new_event_loop()
+        self._stopping = asyncio.Event()
+        self._workers = ThreadPoolExecutor(2, thread_name_prefix="http-work")
+        self._bcrypt = ThreadPoolExecutor(1, thread_name_prefix="http-bcrypt")  # one at a time
+        self._thread = threading.Thread(target=self._serve, name="http", daemon=True)
+        self._describe(web_config_file)
+
+    def _describe(self, web_config_file: Path | None) -> None:
+        tls = self.config.tls
+        log.info(
+            "web: %s on %s:%d%s%s",
+            self.scheme,
+            *self.address,
+            f", client certificates: {tls.client_auth_type}" if tls else "",
+            f", basic auth for {len(self.config.users)} user(s)" if self._auth else "",
+        )
+        if self._auth and not self._ssl:
+            log.warning("web: %s: basic auth without TLS sends passwords in clear", web_config_file)
+        ignored = tls.curve_preferences if tls else []
+        if ignored:
+            log.info("web: curve_preferences %s ignored (OpenSSL's defaults are used)", ignored)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._ssl else "http"
+
+    # -- life cycle, called from the daemon's thread -----------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stopping.set)
+            self._thread.join(10)
+        else:
+            self._socket.close()
+            self._loop.close()
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self._bcrypt.shutdown(wait=False, cancel_futures=True)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        self._server = _Connections(
+            self._respond,
+            keepalive_timeout=self.limits.idle_timeout,
+            access_log=None,
+            lingering_time=0,  # never read a body we refused, not even to keep the connection
+            max_line_size=self.limits.max_header,
+            max_field_size=self.limits.max_header,
+        )
+        accepting = asyncio.create_task(self._accept_forever())
+        await self._stopping.wait()
+        accepting.cancel()
+        self._socket.close()
+        for task in list(self._handshakes):
+            task.cancel()
+        await self._server.shutdown(1.0)
+
+    # -- connections -------------------------------------------------------------------
+
+    async def _accept_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._socket)
+            except OSError as e:  # out of fds or memory: back off instead of spinning
+                self._accept_errors.warning("web: accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            if self._open_count() >= self.limits.max_connections and not self._make_room():
+                conn.close()  # every connection is mid-request: this one waits for none
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # an 8-GPU exposition is ~220 KB: let one send() take it rather than a dozen
+            # trips through the loop (kernel memory, held only while a client is slow)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer)
+            task = loop.create_task(self._open(conn))
+            self._handshakes[task] = time.monotonic()
+            await asyncio.sleep(0)  # let it start: from then on, cancelling it closes `conn`
+
+    async def _open(self, conn: socket.socket) -> None:
+        """Hand `conn` to aiohttp, after the TLS handshake when there is one."""
+        loop = asyncio.get_running_loop()
+        timeout = self.limits.handshake_timeout if self._ssl else None
+        try:
+            await loop.connect_accepted_socket(
+                self._server, conn, ssl=self._ssl, ssl_handshake_timeout=timeout
+            )
+        except OSError as e:  # a failed or timed-out handshake (ssl.SSLError is an OSError)
+            log.debug("web: connection dropped before its first request: %s", e)
+        finally:
+            self._handshakes.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+
+    def _open_count(self) -> int:
+        return len(self._handshakes) + len(self._server.open_connections())
+
+    def _make_room(self) -> bool:
+        """Close the connection idle the longest (a handshake counts by its start)."""
+        candidates: list[tuple[float, Callable[[], object]]] = [
+            (c.last_active, c.force_close) for c in self._server.open_connections() if not c.busy
+        ]
+        candidates += [(started, task.cancel) for task, started in self._handshakes.items()]
+        if not candidates:
+            return False
+        min(candidates, key=lambda candidate: candidate[0])[1]()
+        return True
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def _respond(self, request: web.BaseRequest) -> web.StreamResponse:
+        connection: _Connection = request.protocol  # type: ignore[assignment]
+        connection.busy = True
+        connection.requests += 1
+        try:
+            response = await self._route(request)
+            response.headers.update(self.config.http_server_config.headers)
+            response.headers["Server"] = "gpuwatchd"
+            await self._send(request, response)
+            return response
+        finally:
+            connection.busy = False
+            connection.last_active = time.monotonic()
+
+    async def _send(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        """Send now, bounded: a client that does not read cannot hold the response."""
+
+        async def send() -> None:
+            await response.prepare(request)
+            await response.write_eof()
+
+        try:
+            await asyncio.wait_for(send(), self.limits.send_timeout)
+        except asyncio.TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()  # close() would wait for the unread bytes
+            raise ConnectionResetError("the client did not read the response") from None
+
+    async def _route(self, request: web.BaseRequest) -> web.Response:
+        refused = self._refuse(request)
+        if refused is not None:
+            return refused
+        user = None
+        if self._auth is not None:
+            user_or_refusal = await self._authenticate(request)
+            if isinstance(user_or_refusal, web.Response):
+                return user_or_refusal
+            user = user_or_refusal
+        methods, endpoint = self._routes.get(request.path, ((), None))
+        if endpoint is None:
+            return _text(404, "not found\n")
+        if request.method not in methods:
+            return _text(
+                405, f"{request.path} accepts {', '.join(methods)}\n", Allow=", ".join(methods)
+            )
+        return await endpoint(request, user)
+
+    def _refuse(self, request: web.BaseRequest) -> web.Response | None:
+        """Refusals that need no work: a body, the global rate limit, a certificate's SANs."""
+        if (
+            "Transfer-Encoding" in request.headers
+            or (request.content_length or 0) > self.limits.max_body
+        ):
+            response = _text(
+                413,
+                f"no request bodies here (at most {self.limits.max_body} bytes, not chunked)\n",
+            )
+            response.force_close()  # the unread body must not be parsed as a request
+            return response
+        if self._limiter is not None and not self._limiter.take():
+            return _text(429, "too many requests\n")
+        if self._sans and not self._sans & peer_sans(_peer_certificate(request)):
+            response = _text(403, "client certificate has none of the allowed SANs\n")
+            response.force_close()
+            return response
+        return None
+
+    async def _authenticate(self, request: web.BaseRequest) -> web.Response | str:
+        assert self._auth is not None
+        try:
+            credentials = BasicCredentials.decode(request.headers.get("Authorization", ""), "utf-8")
+        except ValueError:
+            credentials = None
+        if credentials is not None:
+            user, password = credentials.login, credentials.password
+            if self._auth.cached(user, password):
+                return user
+            if self._bcrypt_waiting >= self.limits.bcrypt_waiting:
+                return _text(
+                    429, "too many password checks at once; try again\n", **{"Retry-After": "1"}
+                )
+            self._bcrypt_waiting += 1
+            try:
+                loop = asyncio.get_running_loop()
+                if await loop.run_in_executor(self._bcrypt, self._auth.check, user, password):
+                    return user
+            finally:
+                self._bcrypt_waiting -= 1
+        return _text(401, "unauthorized\n", **{"WWW-Authenticate": "Basic"})
+
+    # -- endpoints -----------------------------------------------------------------------
+
+    async def _metrics(self, request: web.BaseRequest, user: str | None) -> web.Response:
+        current = self.exporter.current
+        if wants_openmetrics(request.headers.get("Accept")):
+            return web.Response(
+                body=current.openmetrics, headers={"Content-Type": OPENMETRICS_TYPE}
+            )
+        return web.Response(body=current.text, headers={"Content-Type": TEXT_TYPE})
+
+    async def _healthz(self, request: web.BaseRequest, user: str | None) -> web.Response:
+        """Healthy while the render loop is alive; sources being down is not unhealthy."""
+        age = self.exporter.now() - self.exporter.current.rendered_at
+        if not age <= 30:
+            return _text(503, f"exposition not rendered for {age:.0f}s\n")
+        lines = [
+            f"source {p.name}: {'up' if p.health.up else 'down'}" for p in self.exporter.pollers
+        ]
+        return _text(200, "ok\n" + "".join(line + "\n" for line in lines))
+
+    async def _status_page(self, request: web.BaseRequest, user: str | None) -> web.Response:
+        """Rendered off the loop, at most once per evaluation cycle however many ask."""
+        rendered_at = self.exporter.current.rendered_at
+        if self._page is None or self._page[0] != rendered_at:
+            page = asyncio.get_running_loop().run_in_executor(self._workers, self.status_page)
+            self._page = (rendered_at, page)
+        try:
+            body = await asyncio.shield(self._page[1])
+        except Exception:  # a bug in the page answers 500 instead of dropping the connection
+            log.exception("status page failed")
+            self._page = None
+            return _text(500, "status page failed; see the daemon's log\n")
+        return web.Response(body=body, headers={"Content-Type": "text/html; charset=utf-8"})
+
+    async def _dcgm_pause(self, request: web.BaseRequest, user: str | None) -> web.Response:
+        """POST /api/dcgm/pause?seconds=N: pause DCGM profiling for N s (0: resume now)."""
+        caller = f"{request.remote} (user {user})" if user else str(request.remote)
+        if self._auth is None:
+            self._api_refusals.warning(
+                "web: refused %s from %s: basic auth is not configured", request.path, caller
+            )
+            return _text(
+                403,
+                "refused: /api/ changes the daemon's state and needs basic auth; set "
+                "basic_auth_users in the web config file (--web.config.file)\n",
+            )
+        if not self._api_bucket.take():
+            self._api_refusals.warning(
+                "web: refused %s from %s: rate limited", request.path, caller
+            )
+            retry = f"{self.limits.api_interval:.0f}"
+            return _text(
+                429, f"too many /api/ calls; try again in {retry}s\n", **{"Retry-After": retry}
+            )
+        source = next((p.source for p in self.exporter.pollers if p.name == "dcgm"), None)
+        pause = getattr(source, "pause_profiling", None)
+        if pause is None:
+            return _text(404, "the dcgm source is not enabled\n")
+        try:
+            seconds = float(request.query["seconds"])
+        except (KeyError, ValueError):
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds < 0:
+            return _text(400, "expected ?seconds=N, N >= 0 (0 resumes profiling now)\n")
+        loop = asyncio.get_running_loop()
+        wait = self.limits.api_timeout
+        try:  # DCGM may hang: the call holds a worker thread, never the loop
+            result = await asyncio.wait_for(
+                loop.run_in_executor(self._workers, pause, seconds), wait
+            )
+        except asyncio.TimeoutError:
+            log.warning(
+                "web: %s from %s: DCGM did not answer in %gs", request.path_qs, caller, wait
+            )
+            return _text(504, f"DCGM did not answer in {wait:g}s\n")
+        log.info("web: %s %s from %s: %s", request.method, request.path_qs, caller, result)
+        return web.Response(
+            body=(json.dumps(result) + "\n").encode(), headers={"Content-Type": "application/json"}
+        )

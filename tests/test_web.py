@@ -1,0 +1,302 @@
+"""The web front against what anyone on the network can send (issue 13, findings 1-4).
+
+Each test talks raw HTTP/1.1 over loopback to a real MetricsServer; none sleeps to
+synchronise: waiting is bounded polling.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import logging
+import socket
+import struct
+import threading
+import time
+
+import psutil
+import pytest
+from servers import wait_until
+from webfront import HASH, PASSWORD, closed_by_peer, read_responses, serving
+
+from gpuwatchd import webconfig
+from gpuwatchd.web import Limits
+
+MIB = 2**20
+SMUGGLED = b"POST /api/dcgm/pause?seconds=3600 HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+
+
+def request(server, method, path, headers=None, timeout=5.0):
+    connection = http.client.HTTPConnection(*server.address, timeout=timeout)
+    try:
+        connection.request(method, path, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, dict(response.headers), response.read()
+    finally:
+        connection.close()
+
+
+def basic(user, password):
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def raw(server, data: bytes, timeout: float = 5.0) -> list[bytes]:
+    """Send `data` on a fresh connection; the status line of every response, until EOF."""
+    with socket.create_connection(server.address, timeout=timeout) as sock:
+        sock.sendall(data)
+        return read_responses(sock, timeout)
+
+
+def first_status_line(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, "closed without a response"
+        data += chunk
+    return data.split(b"\r\n", 1)[0]
+
+
+def tracebacks(caplog, capfd) -> str:
+    logged = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    printed = capfd.readouterr().err  # http.server printed its tracebacks to stderr
+    return "\n".join(r.getMessage() for r in logged) + ("Traceback" in printed) * printed
+
+
+# finding 1: bodies ------------------------------------------------------------------
+
+
+def test_content_length_minus_one_is_refused_before_the_body_is_read():
+    with serving() as (server, source):
+        rss = psutil.Process().memory_info().rss
+        sock = socket.create_connection(server.address, timeout=5)
+        head = b"POST /api/dcgm/pause?seconds=1 HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n"
+        sock.sendall(head + b"x" * 65536)
+        assert first_status_line(sock).split()[1] == b"400"
+        sent = 0
+        with pytest.raises(OSError):  # the server has closed: the stream breaks off early
+            while sent < 64 * MIB:
+                sock.sendall(b"x" * MIB)
+                sent += MIB
+        sock.close()
+        assert sent < 16 * MIB
+        assert psutil.Process().memory_info().rss - rss < 16 * MIB
+        assert source.pauses == []
+
+
+def test_a_body_over_the_limit_is_refused_and_not_parsed_as_a_second_request():
+    with serving() as (server, source):
+        body = b"x" * 65536 + SMUGGLED  # the old server read 64 KiB and parsed the rest
+        head = b"POST /api/dcgm/pause?seconds=1 HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+        responses = raw(server, head % len(body) + body)
+        assert [r.split()[1] for r in responses] == [b"413"]
+        assert source.pauses == []
+
+
+def test_a_chunked_body_is_refused_and_not_parsed_as_a_second_request():
+    with serving() as (server, source):
+        chunk = f"{len(SMUGGLED):x}\r\n".encode() + SMUGGLED + b"\r\n0\r\n\r\n"
+        head = b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        responses = raw(server, head + chunk)
+        assert [r.split()[1] for r in responses] == [b"413"]
+        assert source.pauses == []
+
+
+def test_a_small_body_is_framed_by_the_parser_and_the_connection_goes_on():
+    with serving() as (server, _):
+        post = b"POST /api/dcgm/pause?seconds=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n"
+        get = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        responses = raw(server, post + b"0123456789" + get)
+        assert [r.split()[1] for r in responses] == [b"403", b"200"]
+
+
+# finding 2: connections ---------------------------------------------------------------
+
+
+def _server_side(port: int) -> int:
+    return sum(
+        1
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
+
+
+def test_idle_connections_neither_block_scrapes_nor_stay_open():
+    limits = Limits(max_connections=32, idle_timeout=1.0)
+    with serving(limits=limits) as (server, _):
+        idle = [socket.create_connection(server.address, timeout=5) for _ in range(300)]
+        for sock in idle[::2]:  # half of them start a request and never finish it
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost:")
+        try:
+            for path in ("/metrics", "/healthz", "/metrics"):
+                started = time.monotonic()
+                assert request(server, "GET", path, timeout=2)[0] == 200
+                assert time.monotonic() - started < 1
+            assert _server_side(server.address[1]) <= limits.max_connections
+            wait_until(
+                "every idle connection to be closed", lambda: all(map(closed_by_peer, idle)), 10
+            )
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+# finding 3: state-changing endpoints ---------------------------------------------------
+
+
+def test_pause_is_refused_unless_basic_auth_is_configured():
+    with serving() as (server, source):
+        status, _, body = request(server, "POST", "/api/dcgm/pause?seconds=3600")
+        assert status == 403 and b"basic_auth_users" in body
+        status, headers, _ = request(server, "GET", "/api/dcgm/pause?seconds=3600")
+        assert status == 405 and headers["Allow"] == "POST"
+        assert source.pauses == []
+
+
+def test_pause_with_basic_auth_checks_the_password_logs_the_caller_and_is_rate_limited(
+    tmp_path, caplog, monkeypatch
+):
+    checks = []
+    checkpw = webconfig.bcrypt.checkpw
+    monkeypatch.setattr(webconfig.bcrypt, "checkpw", lambda *a: checks.append(1) or checkpw(*a))
+    caplog.set_level(logging.INFO, logger="gpuwatchd.web")
+    config = {"basic_auth_users": {"alice": HASH}}
+    limits = Limits(api_burst=2, api_interval=3600)
+    with serving(config, limits, where=tmp_path) as (server, source):
+        pause = "/api/dcgm/pause?seconds=60"
+        status, headers, _ = request(server, "POST", pause)
+        assert status == 401 and headers["WWW-Authenticate"] == "Basic"
+        assert request(server, "POST", pause, basic("alice", "wrong"))[0] == 401
+        assert request(server, "POST", pause, basic("mallory", PASSWORD))[0] == 401
+        assert source.pauses == []
+        assert request(server, "POST", pause, basic("alice", PASSWORD))[0] == 200
+        assert source.pauses == [60]
+        assert any(
+            "127.0.0.1" in r.getMessage() and "alice" in r.getMessage() for r in caplog.records
+        )
+        assert (
+            request(server, "POST", "/api/dcgm/pause?seconds=0", basic("alice", PASSWORD))[0] == 200
+        )
+        status, headers, _ = request(server, "POST", pause, basic("alice", PASSWORD))
+        assert status == 429 and "Retry-After" in headers and source.pauses == [60, 0]
+        # every endpoint is behind the password, as with exporter-toolkit
+        assert request(server, "GET", "/metrics")[0] == 401
+        checks.clear()
+        for _ in range(5):
+            assert request(server, "GET", "/metrics", basic("alice", PASSWORD))[0] == 200
+        assert checks == []  # cached: a scrape does not pay bcrypt
+
+
+def test_a_hung_dcgm_pause_answers_504_and_scrapes_go_on(tmp_path):
+    release = threading.Event()
+    config = {"basic_auth_users": {"alice": HASH}}
+    with serving(config, Limits(api_timeout=0.5), where=tmp_path) as (server, source):
+        source.pause_profiling = lambda seconds: release.wait(10)  # type: ignore[method-assign]
+        result = []
+        caller = threading.Thread(
+            target=lambda: result.append(
+                request(server, "POST", "/api/dcgm/pause?seconds=5", basic("alice", PASSWORD))
+            )
+        )
+        caller.start()
+        for _ in range(5):
+            assert request(server, "GET", "/metrics", basic("alice", PASSWORD), timeout=1)[0] == 200
+        caller.join(5)
+        release.set()
+        assert result[0][0] == 504
+
+
+def test_the_status_page_renders_off_the_loop():
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_page() -> bytes:
+        entered.set()
+        release.wait(10)
+        return b"<html>late</html>"
+
+    with serving() as (server, _):
+        server.status_page = slow_page
+        page = []
+        reader = threading.Thread(target=lambda: page.append(request(server, "GET", "/")))
+        reader.start()
+        assert entered.wait(5)
+        assert request(server, "GET", "/metrics", timeout=1)[0] == 200
+        release.set()
+        reader.join(5)
+        assert page[0][0] == 200 and page[0][2] == b"<html>late</html>"
+
+
+# finding 4: client errors, HEAD ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [b"x", b"-1", b"1e3", b"12 34", b"0x10"])
+def test_a_malformed_content_length_is_a_400_without_traceback(length, caplog, capfd):
+    with serving() as (server, _):
+        head = b"POST /api/dcgm/pause?seconds=1 HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n\r\n"
+        responses = raw(server, head % length)
+        assert [r.split()[1] for r in responses] == [b"400"]
+    assert tracebacks(caplog, capfd) == ""
+
+
+def test_clients_that_hang_up_mid_response_log_no_traceback(caplog, capfd):
+    with serving(series=30000) as (server, _):  # a ~2 MB exposition
+        for _ in range(10):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the write must block
+            sock.connect(server.address)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.recv(1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # a reset, mid-response
+        wait_until("the server to drop them", lambda: _server_side(server.address[1]) == 0, 10)
+        assert request(server, "GET", "/healthz")[0] == 200
+    assert tracebacks(caplog, capfd) == ""
+
+
+def test_head_answers_like_get_without_a_body():
+    with serving() as (server, _):
+        _, _, body = request(server, "GET", "/metrics")
+        status, headers, head_body = request(server, "HEAD", "/metrics")
+        assert status == 200 and head_body == b""
+        assert int(headers["Content-Length"]) == len(body)
+        assert request(server, "HEAD", "/healthz")[0] == 200
+
+
+def test_methods_and_paths():
+    with serving() as (server, _):
+        status, headers, _ = request(server, "PUT", "/metrics")
+        assert status == 405 and headers["Allow"] == "GET, HEAD"
+        assert request(server, "GET", "/nope")[0] == 404
+
+
+def test_configured_headers_and_rate_limit(tmp_path):
+    config = {
+        "http_server_config": {"headers": {"X-Frame-Options": "deny"}},
+        "rate_limit": {"interval": "1h", "burst": 2},
+    }
+    with serving(config, where=tmp_path) as (server, _):
+        status, headers, _ = request(server, "GET", "/metrics")
+        assert status == 200 and headers["X-Frame-Options"] == "deny"
+        assert request(server, "GET", "/metrics")[0] == 200
+        assert request(server, "GET", "/metrics")[0] == 429
+
+
+def test_the_dcgm_pause_verb_authenticates(tmp_path):
+    from click.testing import CliRunner
+
+    from gpuwatchd.cli import main
+
+    config = {"basic_auth_users": {"alice": HASH}}
+    with serving(config, where=tmp_path) as (server, source):
+        url = "http://{}:{}".format(*server.address)
+        secret = tmp_path / "password"
+        secret.write_text(PASSWORD + "\n")
+        verb = ["dcgm", "pause", "30", "--url", url]
+        refused = CliRunner().invoke(main, verb)
+        assert refused.exit_code == 1 and "401" in refused.output
+        done = CliRunner().invoke(main, [*verb, "--user", "alice", "--password-file", str(secret)])
+        assert done.exit_code == 0, done.output
+        assert "paused for 30s (now)" in done.output and source.pauses == [30]
+        bad = request(server, "POST", "/api/dcgm/pause?seconds=-1", basic("alice", PASSWORD))
+        assert bad[0] == 400 and source.pauses == [30]
+    gone = CliRunner().invoke(main, verb)
+    assert gone.exit_code == 1 and "cannot reach gpuwatchd" in gone.output
