@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from gpuwatchd import signals  # first of all: from here on SIGHUP is remembered, not fatal
+
+# isort: split
+import base64
 import json
 import logging
 import signal
+import ssl
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +28,7 @@ if TYPE_CHECKING:
     from gpuwatchd.daemon import Daemon
 
 SCENARIO_HELP = "a built-in scenario's name or a path to a scenario file"
+log = logging.getLogger("gpuwatchd")
 
 
 def _setup_logging(level: str) -> None:
@@ -66,15 +73,30 @@ log_option = click.option(
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpuwatchd")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """gpuwatchd: is this GPU starved, and on what?"""
+    if ctx.invoked_subcommand != "run":
+        signals.release()  # only the daemon reloads on SIGHUP
 
 
-def install_signal_handlers(daemon: Daemon) -> None:
-    """SIGTERM/SIGINT stop the daemon; SIGHUP reloads the rule file."""
-    signal.signal(signal.SIGTERM, lambda *_: daemon.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: daemon.request_stop())
-    signal.signal(signal.SIGHUP, lambda *_: daemon.reload_rules())
+def serve(daemon: Daemon, reread: Callable[[], Config | None]) -> None:
+    """Act on signals, in order, until SIGTERM or SIGINT: SIGHUP reloads the config (what
+    of it can change while running) and the rules. Signals that came while the daemon
+    started are acted on now."""
+    while signals.RECEIVED.get() == signal.SIGHUP:
+        daemon.reload(reread())
+
+
+def _reread(config_file: Path | None, **overrides: Any) -> Config | None:
+    """The config file read again, or None: no file, or a bad one (logged, not applied)."""
+    if config_file is None:
+        return None
+    try:
+        return load_config(config_file, **overrides)
+    except ConfigError as e:
+        log.error("config: not reloaded, the running configuration stays:\n%s", e)
+        return None
 
 
 @main.command()
@@ -86,28 +108,44 @@ def install_signal_handlers(daemon: Daemon) -> None:
     metavar="SCENARIO",
     help=f"serve a simulated node: {SCENARIO_HELP}",
 )
+@click.option(
+    "--web.config.file",
+    "web_config_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="TLS and basic auth, in Prometheus exporter-toolkit's web config format "
+    "(overrides the config's web_config_file; docs/security.md)",
+)
 @log_option
 def run(
-    config_file: Path | None, listen: str | None, scenario_name: str | None, log_level: str
+    config_file: Path | None,
+    listen: str | None,
+    scenario_name: str | None,
+    web_config_file: Path | None,
+    log_level: str,
 ) -> None:
     """Run the daemon: sample this node and serve Prometheus metrics."""
+    signals.catch(signal.SIGTERM, signal.SIGINT)  # acted on once the daemon runs
     from gpuwatchd.daemon import Daemon
+    from gpuwatchd.webconfig import WebConfigError
 
     _setup_logging(log_level)
-    config = _load(config_file, listen=listen)
+    overrides: dict[str, Any] = dict(listen=listen, web_config_file=web_config_file)
+    config = _load(config_file, **overrides)
     scenario = _scenario(scenario_name) if scenario_name else None
     try:
         daemon = Daemon(config, scenario)
     except RulesError as e:
         raise click.ClickException(f"rules not loaded:\n{e}") from e
+    except WebConfigError as e:
+        raise click.ClickException(f"web config not loaded:\n{e}") from e
     except OSError as e:
         raise click.ClickException(f"cannot listen on {config.listen}: {e.strerror}") from e
-    install_signal_handlers(daemon)
     daemon.start()
     host, port = daemon.address
     what = f"simulated node {scenario.name!r}" if scenario else "this node"
-    click.echo(f"gpuwatchd: serving {what} on http://{host}:{port}/metrics", err=True)
-    daemon.wait()
+    url = f"{daemon.server.scheme}://{host}:{port}/metrics"
+    click.echo(f"gpuwatchd: serving {what} on {url}", err=True)
+    serve(daemon, lambda: _reread(config_file, **overrides))
     daemon.stop()
 
 
@@ -223,17 +261,40 @@ def dcgm() -> None:
 @click.option(
     "--url", default="http://127.0.0.1:9766", show_default=True, help="the running daemon"
 )
-def dcgm_pause(seconds: float, url: str) -> None:
+@click.option("--user", help="a basic_auth_users name of the daemon's web config")
+@click.option(
+    "--password-file",
+    type=click.File(),
+    help="a file whose first line is the user's password (else it is asked for)",
+)
+@click.option(
+    "--ca-file",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="CA certificate to verify an https daemon with (default: the system's)",
+)
+def dcgm_pause(
+    seconds: float, url: str, user: str | None, password_file: Any, ca_file: Path | None
+) -> None:
     """Pause DCGM profiling for SECONDS so a profiler (Nsight) can take the counters.
 
     Profiling resumes by itself when the time is up (at most
     sources.dcgm.max_profiling_pause); 0 resumes it now. The pause applies to the whole
-    host engine, other DCGM clients (dcgm-exporter) included.
+    host engine, other DCGM clients (dcgm-exporter) included. The daemon refuses it
+    unless its web config has basic_auth_users (docs/security.md).
     """
     address = f"{url.rstrip('/')}/api/dcgm/pause?seconds={seconds:g}"
     request = urllib.request.Request(address, data=b"", method="POST")
+    if user is not None:
+        password = (
+            password_file.readline().rstrip("\n")
+            if password_file
+            else click.prompt(f"password for {user}", hide_input=True)
+        )
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    context = ssl.create_default_context(cafile=ca_file) if ca_file else None
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
             result = json.load(response)
     except urllib.error.HTTPError as e:
         raise click.ClickException(f"{url}: {e.code}: {e.read().decode().strip()}") from e

@@ -5,7 +5,10 @@ Errors name the file, the key path and what was expected; unknown keys are error
 
 from __future__ import annotations
 
+import os
 import re
+import reprlib
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,6 +34,43 @@ class ConfigError(Exception):
     """A configuration problem, already phrased for the operator."""
 
 
+MAX_FILE_BYTES = 1 << 20  # a config or rule file (the default rules: 28 KB)
+
+
+class FileError(Exception):
+    """A file that cannot be read as configuration; the message says why."""
+
+
+def read_text_file(path: Path, limit: int = MAX_FILE_BYTES) -> str:
+    """A configuration file's UTF-8 text, read so that it cannot block or run away: a
+    regular file only (a FIFO would hold the reader until someone writes to it), at most
+    `limit` bytes. Raises FileError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise FileError(f"cannot read: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileError("cannot read: not a regular file")
+        data = b""
+        if st.st_size <= limit:  # read one byte more: a file that grew is caught too
+            while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):
+                data += chunk
+        size = max(st.st_size, len(data))
+        if size > limit:
+            raise FileError(f"is {size} bytes, more than the {limit} allowed")
+    except OSError as e:
+        raise FileError(f"cannot read: {e.strerror}") from e
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise FileError(f"not UTF-8 text: byte 0x{data[e.start]:02x} on line {line}") from e
+
+
 def parse_duration(value: Any) -> float:
     """Seconds from a number or a Prometheus-style duration ("500ms", "10s", "1m30s")."""
     if isinstance(value, bool):
@@ -45,10 +85,18 @@ def parse_duration(value: Any) -> float:
 def _check_listen(value: Any) -> Any:
     if not (isinstance(value, str) and _LISTEN.match(value)):
         raise ValueError("expected HOST:PORT, e.g. 0.0.0.0:9766 or [::1]:9766")
+    if int(value.rpartition(":")[2]) > 65535:
+        raise ValueError("expected HOST:PORT with a port of 0-65535")
     return value
 
 
-Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
+MIN_INTERVAL = 0.1  # polling or evaluating more often burns CPU and measures nothing new
+MAX_INTERVAL = 86400.0  # a day
+MAX_DURATION = 7 * 86400.0  # a week: anything longer is a mistake (and overflows a wait)
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0, le=MAX_DURATION)]
+Interval = Annotated[
+    float, BeforeValidator(parse_duration), Field(ge=MIN_INTERVAL, le=MAX_INTERVAL)
+]
 
 
 class Strict(BaseModel):
@@ -57,17 +105,17 @@ class Strict(BaseModel):
 
 class SourceConfig(Strict):
     enabled: bool = True
-    interval: Duration = 5.0
+    interval: Interval = 5.0
     timeout: Duration = 3.0
 
 
 class NvmlConfig(SourceConfig):
-    interval: Duration = 1.0
+    interval: Interval = 1.0
     timeout: Duration = 2.0
 
 
 class PcieConfig(SourceConfig):
-    interval: Duration = 10.0
+    interval: Interval = 10.0
 
 
 def _check_regex(pattern: str) -> str:
@@ -171,7 +219,7 @@ def _check_fields(value: Any) -> Any:
 class DcgmConfig(SourceConfig):
     """gpuwatchd.sources.dcgm: DCGM profiling and device fields (docs/dcgm.md)."""
 
-    interval: Duration = 5.0
+    interval: Interval = 5.0
     timeout: Duration = 5.0
     bindings_path: Path | None = None  # None: where DCGM 4, then DCGM 3, install them
     hostengine: Annotated[str, BeforeValidator(_check_hostengine)] = "localhost"
@@ -198,7 +246,7 @@ class DcgmConfig(SourceConfig):
 class ProcessesConfig(SourceConfig):
     """gpuwatchd.sources.processes: the processes on each GPU (NVML), /proc and cgroups."""
 
-    interval: Duration = 5.0
+    interval: Interval = 5.0
     # polls between two scans of /proc (desktop processes that hold no GPU, children of
     # other threads, cudart not found yet, workers on kernels without task/*/children)
     scan_every: int = Field(12, ge=1)
@@ -209,7 +257,7 @@ class ProcessesConfig(SourceConfig):
 class ProbeConfig(SourceConfig):
     """gpuwatchd.sources.probe: reports of gpuwatchd.probe inside training processes."""
 
-    interval: Duration = 1.0
+    interval: Interval = 1.0
     timeout: Duration = 2.0
     # created mode 0666: any local process may report, the kernel names the sender
     socket: Path = Path("/run/gpuwatchd/probe.sock")
@@ -239,11 +287,12 @@ class SourcesConfig(Strict):
 
 class Config(Strict):
     listen: Annotated[str, BeforeValidator(_check_listen)] = "0.0.0.0:9766"
-    evaluation_interval: Duration = 1.0  # how often rules run and the exposition is rendered
+    evaluation_interval: Interval = 1.0  # how often rules run and the exposition is rendered
     history: Duration = 600.0  # how far back rules can look
     procfs: Path = Path("/proc")
     sysfs: Path = Path("/sys")
     rules_file: Path | None = None
+    web_config_file: Path | None = None  # exporter-toolkit's format: TLS, basic auth
     sources: SourcesConfig = SourcesConfig()
 
     def listen_address(self) -> tuple[str, int]:
@@ -256,7 +305,16 @@ def _describe(error: ErrorDetails) -> str:
     if error["type"] == "extra_forbidden":
         return f"{path}: unknown key"
     message = error["msg"].removeprefix("Value error, ")
-    return f"{path}: {message}, got {error.get('input')!r}"
+    return f"{path}: {message}, got {brief(error.get('input'))}"
+
+
+def brief(value: Any) -> str:
+    """repr() of a value as an error shows it: bounded, even for a YAML alias bomb."""
+    return _BRIEF.repr(value)
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 80, 80
 
 
 def load_config(path: Path | None, **overrides: Any) -> Config:
@@ -266,11 +324,13 @@ def load_config(path: Path | None, **overrides: Any) -> Config:
     if path is not None:
         where = str(path)
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except OSError as e:
-            raise ConfigError(f"{where}: cannot read: {e.strerror}") from e
+            loaded = yaml.safe_load(read_text_file(Path(path)))
+        except FileError as e:
+            raise ConfigError(f"{where}: {e}") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"{where}: not valid YAML: {e}") from e
+        except RecursionError as e:
+            raise ConfigError(f"{where}: not valid YAML: nested too deeply") from e
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{where}: expected a mapping at the top level")
         data = loaded or {}

@@ -6,10 +6,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
 
 from gpuwatchd.config import Config
-from gpuwatchd.exporter import Exporter, MetricsServer
+from gpuwatchd.exporter import Exporter
 from gpuwatchd.metrics import MetricSpec
+from gpuwatchd.notify import Notifier
 from gpuwatchd.rules import (
     RULE_METRICS,
     Catalog,
@@ -18,12 +22,13 @@ from gpuwatchd.rules import (
     Transition,
     load_rules,
 )
-from gpuwatchd.scheduler import Poller, ThreadedScheduler
+from gpuwatchd.scheduler import LANES, Poller, ThreadedScheduler, name_os_thread
 from gpuwatchd.sim.node import SimNode
 from gpuwatchd.sim.scenario import Scenario
 from gpuwatchd.sources import Context, Source, load_builtin_sources
 from gpuwatchd.status_page import StatusPage
 from gpuwatchd.store import Store
+from gpuwatchd.web import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,18 @@ def build_sources(config: Config, context: Context) -> list[Source]:
 
 def all_specs(sources: list[Source]) -> list[MetricSpec]:
     return [spec for source in sources for spec in source.metrics]
+
+
+def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two config dumps."""
+    keys = []
+    for key in old.keys() | new.keys():
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += _changed(a, b, f"{prefix}{key}.")
+        elif a != b:
+            keys.append(prefix + key)
+    return sorted(keys)
 
 
 class Pipeline:
@@ -58,11 +75,41 @@ class Pipeline:
         self.engine = RuleEngine(self.store, rules, self._source_up, catalog)
         self.rules_watcher = RuleFileWatcher(self.engine, config.rules_file, now)
         specs = [*all_specs(self.sources), *RULE_METRICS]
-        self.exporter = Exporter(self.store, self.pollers, specs, now, [self.engine.rows])
+        self.exporter = Exporter(self.store, self.pollers, specs, now, self.engine.exposition())
 
     def _source_up(self, name: str) -> bool:
         poller = self._by_name.get(name)
         return poller is not None and poller.health.up
+
+    def reconfigure(self, new: Config) -> Config:
+        """Apply a config read again (SIGHUP): the rule file, the evaluation interval and
+        the sources' intervals and timeouts change now; any other change needs a restart
+        and is logged, not applied. Returns the config in force."""
+        old = self.config
+        merged = old.model_dump()
+        merged["rules_file"] = new.rules_file
+        merged["evaluation_interval"] = new.evaluation_interval
+        for poller in self.pollers:
+            fresh = getattr(new.sources, poller.name)
+            merged["sources"][poller.name].update(interval=fresh.interval, timeout=fresh.timeout)
+        try:
+            running = Config.model_validate(merged)
+        except ValidationError as e:  # e.g. a DCGM timeout below the connect_timeout kept
+            log.error("config: not reloaded: what applies now conflicts with the rest: %s", e)
+            return old
+        if needs_restart := _changed(running.model_dump(), new.model_dump()):
+            log.warning(
+                "config: %s changed; that needs a restart (running on with the old values)",
+                ", ".join(needs_restart),
+            )
+        for poller in self.pollers:
+            fresh = getattr(running.sources, poller.name)
+            poller.retime(fresh.interval, fresh.timeout)
+        self.rules_watcher.path = running.rules_file
+        if applied := _changed(old.model_dump(), running.model_dump()):
+            log.info("config: reloaded: %s", ", ".join(applied))
+        self.config = running
+        return running
 
     def evaluate_rules(self) -> list[Transition]:
         """Reload the rules if asked to or their file changed, then evaluate them."""
@@ -93,12 +140,15 @@ class Daemon:
             if self.node is not None:
                 self.node.close()
             raise
-        self.scheduler = ThreadedScheduler(self.pipeline.pollers)
+        self.scheduler = ThreadedScheduler(self.pipeline.pollers, lanes=LANES)
         host, port = config.listen_address()
         pipeline = self.pipeline
         hostname = context.extras.get("hostname")  # a simulated node's; else this machine's
         status = StatusPage(pipeline.store, pipeline.pollers, now, pipeline.engine, hostname)
-        self.server = MetricsServer(pipeline.exporter, host, port, status)
+        self.server = MetricsServer(
+            pipeline.exporter, host, port, status, web_config_file=config.web_config_file
+        )
+        self.notifier = Notifier(config.evaluation_interval)  # systemd: READY=1, watchdog
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._evaluate_forever, name="evaluate", daemon=True)
 
@@ -107,32 +157,38 @@ class Daemon:
         return self.server.address
 
     def start(self) -> None:
+        if self.node is not None:
+            self.node.start()  # the simulated node's files, kept current by its own thread
         self.scheduler.start()
         self.pipeline.exporter.render()
         self.server.start()
+        self.notifier.ready()  # serving; the loop's watchdog pings follow
         self._loop.start()
 
     def evaluate_once(self) -> None:
-        if self.node is not None:
-            self.node.tick()
         now = self.pipeline.now()
-        for poller in self.pipeline.pollers:
-            poller.check_hung(now)
+        self.scheduler.check_hung(now)  # a stuck poll: down, then a fresh thread
         self.pipeline.evaluate_rules()
         self.pipeline.exporter.render()
 
-    def reload_rules(self) -> None:
-        """Reload the rule file at the next cycle (SIGHUP)."""
+    def reload(self, config: Config | None = None) -> None:
+        """SIGHUP: apply `config` (the file read again; None: unchanged) as far as it can
+        change while running, and reload the rule file at the next cycle."""
+        if config is not None:
+            self.config = self.pipeline.reconfigure(config)
         self.pipeline.rules_watcher.request()
 
     def _evaluate_forever(self) -> None:
-        interval = self.config.evaluation_interval
+        name_os_thread("evaluate")
         next_at = time.monotonic()
         while not self._stop.is_set():
+            interval = self.config.evaluation_interval  # a reload may change it
             try:
                 self.evaluate_once()
             except Exception:  # the loop must survive anything one cycle throws
                 log.exception("evaluation cycle failed")
+            else:  # only a loop that renders is alive: a wedged one gets restarted
+                self.notifier.alive()
             next_at = max(next_at + interval, time.monotonic())
             self._stop.wait(next_at - time.monotonic())
 
@@ -143,6 +199,7 @@ class Daemon:
         self._stop.wait()
 
     def stop(self) -> None:
+        self.notifier.stopping()
         self._stop.set()
         self.scheduler.stop()
         self.server.stop()

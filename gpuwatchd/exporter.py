@@ -1,4 +1,4 @@
-"""Renders what the store and the pollers hold into cached expositions, and serves them.
+"""Renders what the store and the pollers hold into cached expositions (web.py serves them).
 
 The exporter never calls a source: `render()` runs once per evaluation cycle and swaps
 in new bytes; a scrape only picks the cached bytes for its content type. A slow or hung
@@ -7,30 +7,29 @@ source therefore can never slow a scrape down.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import socket
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs
-
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 
 from gpuwatchd import __version__
 from gpuwatchd.exposition import OPENMETRICS_EOF, Renderer, Rows
 from gpuwatchd.metrics import MetricSpec, gauge
 from gpuwatchd.scheduler import Poller
-from gpuwatchd.status_page import StatusPage
 from gpuwatchd.store import SeriesKey, Store
 
 log = logging.getLogger(__name__)
 
-TEXT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+def __getattr__(name: str) -> object:
+    """The server moved to web.py; found there lazily, so `simulate` never loads aiohttp."""
+    if name in ("MetricsServer", "TEXT_TYPE", "wants_openmetrics"):
+        from gpuwatchd import web
+
+        return getattr(web, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 SELF_METRICS = (
     gauge("build_info", "gpuwatchd build; value is always 1", ("version",)),
@@ -57,12 +56,18 @@ class Exposition:
     rendered_at: float
 
 
-class Exporter:
-    """Renders one part per source, reused until that source polls again or goes stale.
+# Families computed elsewhere (the rules engine's): (version, rows). `rows()` is asked
+# again only when `version()` differs from the last render's.
+Derived = tuple[Callable[[], Hashable], Callable[[], dict[str, Rows]]]
 
-    Sources poll every 1-10 s and the exposition is rendered every evaluation cycle, so
-    most parts are reused; the daemon's own metrics and the rules' derived families
-    change every cycle and are rendered each time.
+
+class Exporter:
+    """Renders the exposition in parts, each again only when what it shows has changed.
+
+    A source's part is rendered when the source has polled (or gone stale); the
+    daemon's own families when a poll's health changed; each derived part when its
+    version changed (the rules' states on a transition, their seconds while a cause
+    fires). A cycle in which nothing changed reuses the last bytes.
     """
 
     def __init__(
@@ -71,63 +76,108 @@ class Exporter:
         pollers: list[Poller],
         specs: Iterable[MetricSpec],
         now: Callable[[], float],
-        derived: Iterable[Callable[[], dict[str, Rows]]] = (),
+        derived: Iterable[Derived] = (),
     ) -> None:
         self.store = store
         self.pollers = pollers
         self.now = now
         owned = {spec.name for poller in pollers for spec in poller.source.metrics}
         self.specs = [spec for spec in (*SELF_METRICS, *specs) if spec.name not in owned]
-        self.derived = list(derived)  # more families (the rules engine's), by name
+        self.derived = list(derived)
         self._renderers: dict[str, Renderer] = defaultdict(Renderer)
         self._parts: dict[str, tuple[object, bytes, bytes]] = {}
+        self._views: dict[str, _View] = {}  # each source's series, as last rendered
         self._current = Exposition(b"", b"", float("nan"))
+        self._joined: list[tuple[object, bytes, bytes]] = []  # what the current bytes joined
         self._lock = threading.Lock()
 
-    def _source_part(self, poller: Poller, now: float) -> tuple[bytes, bytes]:
-        version = self.store.version(poller.name, now)
-        part = self._parts.get(poller.name)
+    def _part(
+        self,
+        name: str,
+        version: object,
+        specs: Iterable[MetricSpec],
+        rows: Callable[[], dict[str, Rows]],
+    ) -> tuple[object, bytes, bytes]:
+        """The part `name`, rendered again only if its version changed."""
+        part = self._parts.get(name)
         if part is None or part[0] != version:
-            stale = version[1]
-            rows = _by_name([] if stale else self.store.source_latest(poller.name))
-            text, openmetrics = self._renderers[poller.name].render(
-                _families(poller.source.metrics, rows)
-            )
-            part = self._parts[poller.name] = (version, text, openmetrics)
-        return part[1], part[2]
+            text, openmetrics = self._renderers[name].render(_families(specs, rows()))
+            part = self._parts[name] = (version, text, openmetrics)
+        return part
 
-    def _own_rows(self, now: float) -> dict[str, Rows]:
-        """The daemon's own families, derived families, and series of unpolled sources."""
+    def _source_part(self, poller: Poller, now: float) -> tuple[object, bytes, bytes]:
+        """A source's families, as they changed since the last render (Store.changes)."""
+        name = poller.name
+        version = self.store.version(name, now)
+        part = self._parts.get(name)
+        if part is not None and part[0] == version:
+            return part
+        view = self._views.setdefault(name, _View())
+        changed = view.update(self.store, name, version)
+        if part is not None and changed is not None and not changed:
+            part = self._parts[name] = (version, part[1], part[2])  # polled, no news
+            return part
+        families = (
+            (
+                spec,
+                sorted(view.series[spec.name].items())
+                if changed is None or spec.name in changed
+                else None,
+            )
+            for spec in poller.source.metrics
+            if view.series.get(spec.name)
+        )
+        text, openmetrics = self._renderers[name].render(families)
+        part = self._parts[name] = (version, text, openmetrics)
+        return part
+
+    def _own_part(self, now: float) -> tuple[object, bytes, bytes]:
+        """The daemon's own families, and the series of sources no poller polls."""
         polled = {poller.name for poller in self.pollers}
-        unpolled = [
-            series
-            for source in self.store.sources()
-            if source not in polled and not self.store.is_stale(source, now)
-            for series in self.store.source_latest(source)
-        ]
-        rows = _by_name(unpolled)
-        rows[SELF_METRICS[0].name].append(((__version__,), 1.0))
-        for poller in self.pollers:
-            health, source = poller.health, (poller.name,)
-            rows["gpuwatchd_source_up"].append((source, float(health.up)))
-            rows["gpuwatchd_source_duration_seconds"].append((source, health.duration))
-            rows["gpuwatchd_source_errors_total"].append((source, float(health.errors_total)))
-            if health.last_success is not None:
-                rows["gpuwatchd_source_last_success_timestamp_seconds"].append(
-                    (source, health.last_success)
-                )
-        for provider in self.derived:
-            for name, derived_rows in provider().items():
-                rows[name].extend(derived_rows)
-        return rows
+        unpolled = [s for s in self.store.sources() if s not in polled]
+        health = [poller.health for poller in self.pollers]
+        version = (
+            [(h.up, h.duration, h.errors_total, h.last_success) for h in health],
+            [self.store.version(source, now) for source in unpolled],
+        )
+
+        def own() -> dict[str, Rows]:
+            rows = _by_name(
+                series
+                for source in unpolled
+                if not self.store.is_stale(source, now)
+                for series in self.store.source_latest(source)
+            )
+            rows[SELF_METRICS[0].name].append(((__version__,), 1.0))
+            for poller in self.pollers:
+                health, source = poller.health, (poller.name,)
+                rows["gpuwatchd_source_up"].append((source, float(health.up)))
+                rows["gpuwatchd_source_duration_seconds"].append((source, health.duration))
+                rows["gpuwatchd_source_errors_total"].append((source, float(health.errors_total)))
+                if health.last_success is not None:
+                    rows["gpuwatchd_source_last_success_timestamp_seconds"].append(
+                        (source, health.last_success)
+                    )
+            return rows
+
+        return self._part("", version, self.specs, own)
 
     def render(self) -> Exposition:
         now = self.now()
         parts = [self._source_part(poller, now) for poller in self.pollers]
-        parts.append(self._renderers[""].render(_families(self.specs, self._own_rows(now))))
-        text = b"".join(p[0] for p in parts)
-        openmetrics = b"".join(p[1] for p in parts) + OPENMETRICS_EOF
-        exposition = Exposition(text, openmetrics, now)
+        parts.append(self._own_part(now))
+        for i, (version, rows) in enumerate(self.derived):
+            parts.append(self._part(f"derived {i}", version(), self.specs, rows))
+        with self._lock:
+            current = self._current
+        joined = self._joined
+        if len(parts) == len(joined) and all(a is b for a, b in zip(parts, joined, strict=True)):
+            exposition = Exposition(current.text, current.openmetrics, now)  # nothing new
+        else:
+            self._joined = parts
+            text = b"".join(p[1] for p in parts)
+            openmetrics = b"".join(p[2] for p in parts) + OPENMETRICS_EOF
+            exposition = Exposition(text, openmetrics, now)
         with self._lock:
             self._current = exposition
         return exposition
@@ -136,6 +186,38 @@ class Exporter:
     def current(self) -> Exposition:
         with self._lock:
             return self._current
+
+
+class _View:
+    """One source's series by family, kept as the store's changes come."""
+
+    def __init__(self) -> None:
+        self.series: dict[str, dict[tuple[str, ...], float]] = {}
+        self.version: tuple[int, bool] | None = None
+
+    def update(self, store: Store, source: str, version: tuple[int, bool]) -> set[str] | None:
+        """Catch up with `version`: the families that changed; None: all of them."""
+        before, self.version = self.version, version
+        changes = None
+        if before is not None and before[1] == version[1] and not version[1]:
+            changes = store.changes(source, before[0])
+        if changes is None:  # everything again: first seen, stale, back, or too far behind
+            self.series = {}
+            changes = [] if version[1] else list(store.source_latest(source))
+            self._apply(changes)
+            return None
+        return self._apply(changes)
+
+    def _apply(self, changes: Iterable[tuple[SeriesKey, float | None]]) -> set[str]:
+        touched = set()
+        for (name, labels), value in changes:
+            family = self.series.setdefault(name, {})
+            if value is None:
+                family.pop(labels, None)
+            else:
+                family[labels] = value
+            touched.add(name)
+        return touched
 
 
 def _by_name(series: Iterable[tuple[SeriesKey, float]]) -> dict[str, Rows]:
@@ -154,141 +236,3 @@ def _families(
         if samples:
             samples.sort()
             yield spec, samples
-
-
-def wants_openmetrics(accept: str | None) -> bool:
-    return any(
-        part.split(";")[0].strip() == "application/openmetrics-text"
-        for part in (accept or "").split(",")
-    )
-
-
-class _Handler(BaseHTTPRequestHandler):
-    exporter: Exporter  # set on the subclass made per server
-    status_page: Callable[[], bytes]  # the page at `/`, likewise
-    protocol_version = "HTTP/1.1"
-    # headers and body go out as two writes: without this, Nagle's algorithm holds the
-    # body back until the client's delayed ACK (40 ms per keep-alive scrape)
-    disable_nagle_algorithm = True
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            current = self.exporter.current
-            if wants_openmetrics(self.headers.get("Accept")):
-                self._send(HTTPStatus.OK, OPENMETRICS_TYPE, current.openmetrics)
-            else:
-                self._send(HTTPStatus.OK, TEXT_TYPE, current.text)
-        elif path == "/healthz":
-            self._healthz()
-        elif path == "/":
-            self._status_page()
-        else:
-            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"not found\n")
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(min(length, 65536))  # a body is not used; keep the connection sane
-        path, _, query = self.path.partition("?")
-        if path == "/api/dcgm/pause":
-            self._dcgm_pause(parse_qs(query))
-        else:
-            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"not found\n")
-
-    def _dcgm_pause(self, params: dict[str, list[str]]) -> None:
-        """POST /api/dcgm/pause?seconds=N: pause DCGM profiling for N s (0: resume now)."""
-        source = next((p.source for p in self.exporter.pollers if p.name == "dcgm"), None)
-        pause = getattr(source, "pause_profiling", None)
-        if pause is None:
-            body = b"the dcgm source is not enabled\n"
-            self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", body)
-            return
-        try:
-            seconds = float(params["seconds"][0])
-        except (KeyError, IndexError, ValueError):
-            seconds = math.nan
-        if not math.isfinite(seconds) or seconds < 0:
-            body = b"expected ?seconds=N, N >= 0 (0 resumes profiling now)\n"
-            self._send(HTTPStatus.BAD_REQUEST, "text/plain; charset=utf-8", body)
-            return
-        result = pause(seconds)
-        self._send(HTTPStatus.OK, "application/json", (json.dumps(result) + "\n").encode())
-
-    def _healthz(self) -> None:
-        """Healthy while the render loop is alive; sources being down is not unhealthy."""
-        current = self.exporter.current
-        age = self.exporter.now() - current.rendered_at
-        lines = [
-            f"source {p.name}: {'up' if p.health.up else 'down'}" for p in self.exporter.pollers
-        ]
-        if age <= 30:
-            self._send(
-                HTTPStatus.OK,
-                "text/plain; charset=utf-8",
-                ("ok\n" + "\n".join(lines) + "\n").encode(),
-            )
-        else:
-            body = f"exposition not rendered for {age:.0f}s\n".encode()
-            self._send(HTTPStatus.SERVICE_UNAVAILABLE, "text/plain; charset=utf-8", body)
-
-    def _status_page(self) -> None:
-        try:
-            body = self.status_page()
-        except Exception:  # a bug in the page answers 500 instead of dropping the connection
-            log.exception("status page failed")
-            body = b"status page failed; see the daemon's log\n"
-            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, "text/plain; charset=utf-8", body)
-            return
-        self._send(HTTPStatus.OK, "text/html; charset=utf-8", body)
-
-    def _send(self, status: HTTPStatus, content_type: str, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        log.debug("http: " + format, *args)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-class MetricsServer:
-    """The HTTP endpoint, on its own threads; `address` is the bound (host, port).
-
-    `status_page` renders `/`; without one the page shows the sources and GPUs but no
-    causes (there is no rule engine to ask).
-    """
-
-    def __init__(
-        self,
-        exporter: Exporter,
-        host: str,
-        port: int,
-        status_page: Callable[[], bytes] | None = None,
-    ) -> None:
-        if status_page is None:
-            status_page = StatusPage(exporter.store, exporter.pollers, exporter.now)
-        attributes = {"exporter": exporter, "status_page": staticmethod(status_page)}
-        handler = type("Handler", (_Handler,), attributes)
-        server_cls = _Server6 if ":" in host else _Server
-        self._server = server_cls((host, port), handler)
-        bound = self._server.server_address
-        self.address: tuple[str, int] = (str(bound[0]), int(bound[1]))
-        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()

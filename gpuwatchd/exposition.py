@@ -12,6 +12,7 @@ parts rendered at different times can be joined).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from prometheus_client.utils import floatToGoString
@@ -37,10 +38,14 @@ def _headers(spec: MetricSpec) -> tuple[str, str]:
 
 
 class Renderer:
-    """Renders families; label strings are cached per live series between renders."""
+    """Renders families, each again only as far as it changed: a family passed without
+    rows (None), or with the same rows as at the last render, is not rendered again; in
+    one that changed, only the lines of series whose value changed are made again (label
+    strings are escaped once per live series)."""
 
     def __init__(self) -> None:
-        self._labels: dict[_LabelKey, str] = {}
+        # family -> (its rows, its lines by label values, its body)
+        self._families: dict[str, tuple[Rows, dict[tuple[str, ...], tuple[float, str]], str]] = {}
         self._headers: dict[MetricSpec, tuple[str, str]] = {}
 
     def _label_string(self, names: tuple[str, ...], values: tuple[str, ...]) -> str:
@@ -49,28 +54,52 @@ class Renderer:
         pairs = sorted(zip(names, values, strict=True))
         return "{" + ",".join(f'{n}="{escape_label_value(v)}"' for n, v in pairs) + "}"
 
-    def render(self, families: Iterable[tuple[MetricSpec, Rows]]) -> tuple[bytes, bytes]:
-        old = self._labels
-        labels: dict[_LabelKey, str] = {}
+    def render(self, families: Iterable[tuple[MetricSpec, Rows | None]]) -> tuple[bytes, bytes]:
+        old = self._families
+        kept: dict[str, tuple[Rows, dict[tuple[str, ...], tuple[float, str]], str]] = {}
         text: list[str] = []
         openmetrics: list[str] = []
         for spec, rows in families:
             headers = self._headers.get(spec)
             if headers is None:
                 headers = self._headers[spec] = _headers(spec)
-            lines = []
-            for values, value in rows:
-                key = (spec.labels, values)
-                label_string = labels.get(key) or old.get(key)
-                if label_string is None:
-                    label_string = self._label_string(spec.labels, values)
-                labels[key] = label_string
-                lines.append(f"{spec.name}{label_string} {floatToGoString(value)}\n")
-            body = "".join(lines)
-            text.append(headers[0] + body)
-            openmetrics.append(headers[1] + body)
-        self._labels = labels  # series gone since the last render drop out here
+            name = spec.name
+            before = old.get(name)
+            if before is not None and (
+                rows is None or before[0] == rows and _zeros_alike(before[0], rows)
+            ):
+                family = before  # the same rows: the same lines
+            else:
+                assert rows is not None, f"{name}: no rows and none rendered before"
+                lines = before[1] if before is not None else {}
+                fresh: dict[tuple[str, ...], tuple[float, str]] = {}
+                for values, value in rows:
+                    line = lines.get(values)
+                    if line is None or not _same(line[0], value):
+                        label_string = self._label_string(spec.labels, values)
+                        line = (value, f"{name}{label_string} {floatToGoString(value)}\n")
+                    fresh[values] = line
+                family = (rows, fresh, "".join(line for _, line in fresh.values()))
+            kept[name] = family
+            text.append(headers[0] + family[2])
+            openmetrics.append(headers[1] + family[2])
+        self._families = kept  # families and series gone since drop out here
         return "".join(text).encode(), "".join(openmetrics).encode()
+
+
+def _zeros_alike(before: Rows, rows: Rows) -> bool:
+    """Rows found equal are also written alike: no 0.0 became -0.0, or back."""
+    sign = math.copysign
+    return all(
+        sign(1.0, was) == sign(1.0, value)
+        for (_, was), (_, value) in zip(before, rows, strict=True)
+        if value == 0.0
+    )
+
+
+def _same(a: float, b: float) -> bool:
+    """Equal and written alike (0.0 and -0.0 are not; NaN never is)."""
+    return a == b and (a != 0.0 or math.copysign(1.0, a) == math.copysign(1.0, b))
 
 
 OPENMETRICS_EOF = b"# EOF\n"

@@ -1,17 +1,22 @@
-"""Polling: each source on its own interval, in its own thread, judged against a timeout.
+"""Polling: each source on its own interval, in its lane's thread, judged against a timeout.
 
 A blocked C call (NVML when a GPU falls off the bus) cannot be cancelled from Python,
-so a hung poll is not interrupted: the poller reports it down once the timeout passes,
-never starts a second call beside it, and the store lets its series go stale. Nothing
-else waits on it: other sources have their own threads and scrapes read cached bytes.
+so a hung poll is not interrupted: the poller reports it down once the timeout passes
+and the store lets its series go stale. Nothing else waits on it: the sources that can
+block have threads of their own (`LANES`), the evaluation loop another, and scrapes
+read cached bytes. A poll still stuck after `abandon_after` is given up on: a fresh
+thread polls the source's lane (so it recovers by itself once its input answers again)
+and the stuck call's result, if it ever comes, is dropped. One stuck thread per source
+at most is left behind: while it has not returned, the source is not given up on again.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.metrics import Sample
@@ -36,46 +41,85 @@ class Poller:
     def __init__(self, source: Source, store: Store, now: Callable[[], float]) -> None:
         self.source = source
         self.name = source.name
-        self.interval = source.config.interval
-        self.timeout = source.config.timeout
         self.health = Health()
         self._store = store
         self._now = now
         self._in_flight_since: float | None = None
         self._hang_reported = False
-        store.register_source(
-            self.name, stale_after=max(3 * self.interval, self.interval + self.timeout)
-        )
+        self._lock = threading.Lock()
+        self._current = 0  # the poll whose result counts; abandoning one moves past it
+        self.abandoned = 0  # polls given up on whose calls have not returned yet
+        self.retime(source.config.interval, source.config.timeout)
 
-    def poll(self) -> None:
+    def retime(self, interval: float, timeout: float) -> None:
+        """Poll every `interval`, judge hung after `timeout` (at start, and on a reload)."""
+        self.interval, self.timeout = interval, timeout
+        self._store.register_source(self.name, stale_after=max(3 * interval, interval + timeout))
+
+    def poll(self) -> bool:
+        """Poll once; False if the poll was given up on while it ran (result dropped)."""
+        with self._lock:
+            self._current += 1
+            mine = self._current
         started = self._now()
         self._in_flight_since = started
         cpu0 = time.perf_counter()
+        samples: list[Sample] = []
+        error: Exception | None = None
         try:
-            samples: list[Sample] = self.source.collect()
+            samples = self.source.collect()
         except Exception as e:  # a broken source must never take the daemon down
-            why = getattr(e, "samples", None)  # a SourceError that says why, as series
+            error = e
+        with self._lock:
+            if mine != self._current:  # abandoned while stuck: too late to count
+                self.abandoned -= 1
+                return False
+        # stamped when read, not when asked: a slow poll must not expire its own samples
+        read_at = self._now()
+        if error is not None:
+            why = getattr(error, "samples", None)  # a SourceError that says why, as series
             if isinstance(why, list):
-                self._store.update(self.name, started, why)
-            self._failed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+                self._store.update(self.name, read_at, why)
+            kind = type(error).__name__
+            self._failed(f"{kind}: {error}" if str(error) else kind)
         else:
-            self._store.update(self.name, started, samples)
+            self._store.update(self.name, read_at, samples)
             if not self.health.up and self.health.last_error is not None:
                 log.info("source %s: recovered", self.name)
             self.health.up, self.health.last_error = True, None
-            self.health.last_success = started
-        finally:
-            self.health.duration = time.perf_counter() - cpu0
-            self._in_flight_since = None
-            self._hang_reported = False
+            self.health.last_success = read_at
+        self.health.duration = time.perf_counter() - cpu0
+        self._in_flight_since = None
+        self._hang_reported = False
+        return True
 
     def check_hung(self, now: float) -> None:
-        """Mark the source down (once) if its current poll has outlived the timeout."""
+        """Mark the source down (once) if its current poll has outlived the timeout, or
+        if it has not been polled for so long that its series are stale (its thread is
+        held up by another source of its lane)."""
         since = self._in_flight_since
         if since is not None and now - since > self.timeout and not self._hang_reported:
             self._hang_reported = True
             self._failed(f"poll has not returned after {self.timeout:g}s")
             self.health.duration = now - since
+        elif since is None and self.health.up and self._store.is_stale(self.name, now):
+            self._failed("not polled: its thread is held up by a poll of another source")
+
+    def abandon_if_stuck(self, now: float, after: float) -> bool:
+        """Give up on a poll in flight for longer than `after` (and the timeout), unless
+        one given up on earlier has still not returned; True if it was given up on."""
+        since = self._in_flight_since
+        with self._lock:
+            if since is None or now - since <= max(after, self.timeout) or self.abandoned:
+                return False
+            self._current += 1
+            self.abandoned += 1
+        self._in_flight_since = None
+        stuck = now - since
+        log.warning(
+            "source %s: poll stuck for %.0fs; polling from a fresh thread", self.name, stuck
+        )
+        return True
 
     def _failed(self, reason: str) -> None:
         self.health.errors_total += 1
@@ -84,31 +128,84 @@ class Poller:
         self.health.up, self.health.last_error = False, reason
 
 
-class ThreadedScheduler:
-    """Real time: one daemon thread per source."""
+ABANDON_AFTER = 60.0  # seconds a poll may hang before a fresh thread takes over
 
-    def __init__(self, pollers: list[Poller]) -> None:
+
+# Threads of the daemon's sources, by source: a source that calls a library that can
+# block (NVML on a GPU gone bad inside the driver, DCGM on a hung nv-hostengine) or that
+# waits on its input (the probe's socket) has one of its own, so that nothing else waits
+# with it; the processes source shares NVML's (it reads NVML's process lists, polled just
+# before it); every other source reads kernel files and they share one.
+LANES = {"nvml": "nvml", "processes": "nvml", "dcgm": "dcgm", "probe": "probe"}
+HOST_LANE = "host"
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread `name` in the kernel too (/proc/PID/task/TID/comm, top -H,
+    py-spy), cut to its 15 bytes; quietly nothing where that cannot be done."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+class ThreadedScheduler:
+    """Real time: a daemon thread per lane of sources, each source polled on its own
+    interval (and a fresh thread for a lane whose poll is stuck). `lanes` maps a source
+    to its lane, the others to HOST_LANE; without it every source has a lane of its own.
+    """
+
+    def __init__(
+        self,
+        pollers: list[Poller],
+        abandon_after: float = ABANDON_AFTER,
+        lanes: Mapping[str, str] | None = None,
+    ) -> None:
         self.pollers = pollers
+        self.abandon_after = abandon_after
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._lanes: dict[str, list[Poller]] = {}
+        self._lane_of: dict[str, str] = {}
+        for poller in pollers:
+            lane = poller.name if lanes is None else lanes.get(poller.name, HOST_LANE)
+            self._lanes.setdefault(lane, []).append(poller)
+            self._lane_of[poller.name] = lane
 
     def start(self) -> None:
-        for poller in self.pollers:
-            thread = threading.Thread(
-                target=self._loop, args=(poller,), name=f"source-{poller.name}", daemon=True
-            )
-            thread.start()
-            self._threads.append(thread)
+        for lane in self._lanes:
+            self._spawn(lane)
 
-    def _loop(self, poller: Poller) -> None:
-        next_at = time.monotonic()
+    def _spawn(self, lane: str) -> None:
+        thread = threading.Thread(
+            target=self._loop, args=(self._lanes[lane],), name=f"source-{lane}", daemon=True
+        )
+        thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def _loop(self, pollers: list[Poller]) -> None:
+        name_os_thread(threading.current_thread().name)
+        start = time.monotonic()
+        next_at = [start] * len(pollers)
         while not self._stop.is_set():
-            poller.poll()
-            next_at += poller.interval
-            now = time.monotonic()
-            if next_at < now:  # fell behind (slow or hung poll): skip, don't burst
-                next_at = now + poller.interval
-            self._stop.wait(next_at - now)
+            for i, poller in enumerate(pollers):
+                if next_at[i] > time.monotonic():
+                    continue
+                if not poller.poll():
+                    return  # given up on while stuck: a fresh thread polls its lane now
+                next_at[i] += poller.interval
+                now = time.monotonic()
+                if next_at[i] < now:  # fell behind (slow or hung poll): skip, don't burst
+                    next_at[i] = now + poller.interval
+            self._stop.wait(max(0.0, min(next_at) - time.monotonic()))
+
+    def check_hung(self, now: float) -> None:
+        """Judge every poll in flight; a stuck one past `abandon_after` gets a fresh thread."""
+        for poller in self.pollers:
+            poller.check_hung(now)
+            if poller.abandon_if_stuck(now, self.abandon_after):
+                self._spawn(self._lane_of[poller.name])
 
     def stop(self, join_timeout: float = 1.0) -> None:
         self._stop.set()
@@ -122,6 +219,10 @@ class SteppedScheduler:
     def __init__(self, pollers: list[Poller]) -> None:
         self.pollers = pollers
         self._next_due = {p.name: float("-inf") for p in pollers}
+
+    def due(self, now: float) -> set[str]:
+        """The sources `run_due(now)` will poll."""
+        return {name for name, at in self._next_due.items() if at <= now}
 
     def run_due(self, now: float) -> None:
         for poller in self.pollers:

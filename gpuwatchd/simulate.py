@@ -73,8 +73,9 @@ class Simulation:
 
     def step(self) -> None:
         """One evaluation cycle at the clock's current time: sources due, then the rules."""
-        self.node.tick()
-        self.scheduler.run_due(self.pipeline.now())
+        now = self.pipeline.now()
+        self.node.tick(self.scheduler.due(now))  # the files the sources due will read
+        self.scheduler.run_due(now)
         self.transitions += self.pipeline.evaluate_rules()
 
     def run(

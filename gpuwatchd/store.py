@@ -5,16 +5,19 @@ source stops reporting (a GPU lost, a function found unsupported) disappears at 
 and its history is freed: memory follows the number of live series, not uptime.
 
 History is kept in flat arrays of doubles (16 bytes a point) rather than a deque of
-tuples (about 110 bytes a point): ten minutes of history for a big 8-GPU host is some
-380 000 points, 40 MB as tuples, 6 MB as arrays.
+tuples (about 110 bytes a point), and only for the families a rule's window function
+reads (`keep_history`; every family until it is called): the others keep their latest
+value only.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from array import array
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gpuwatchd.metrics import Sample
@@ -49,23 +52,35 @@ class History:
         first = bisect_left(self._times, since, lo=self._start)
         return list(zip(self._times[first:], self._values[first:], strict=True))
 
+    def values_since(self, since: float) -> tuple[float, float, array[float]]:
+        """(times of the first and of the last point newer than `since`, inf if none;
+        the values from the first on)."""
+        first = bisect_left(self._times, since, lo=self._start)
+        if first == len(self._times):
+            return math.inf, math.inf, self._values[first:]
+        return self._times[first], self._times[-1], self._values[first:]
+
     def __len__(self) -> int:
         return len(self._times) - self._start
 
 
-@dataclass
 class Series:
-    value: float
-    timestamp: float
-    history: History = field(repr=False, default_factory=History)
+    __slots__ = ("value", "history")
+
+    def __init__(self, value: float, history: History | None) -> None:
+        self.value = value
+        self.history = history  # None: no window reads this family
 
 
 @dataclass
 class SourceSeries:
-    keys: set[SeriesKey] = field(default_factory=set)
+    keys: set[SeriesKey]
     updated_at: float | None = None
     generation: int = 0  # bumped by every update, so readers can tell new data from old
     stale_after: float = float("inf")
+    # the last updates' changes: (generation, the series whose value changed, came or went)
+    log: deque[tuple[int, list[SeriesKey]]] = field(default_factory=lambda: deque(maxlen=8))
+    order: list[tuple[SeriesKey, Series]] = field(default_factory=list)  # the last update's
 
 
 class Store:
@@ -74,32 +89,81 @@ class Store:
         self._max_points = max_points
         self._series: dict[SeriesKey, Series] = {}
         self._sources: dict[str, SourceSeries] = {}
+        self._windowed: frozenset[str] | None = None  # families with history; None: all
         self._lock = threading.Lock()
+
+    def keep_history(self, names: Iterable[str]) -> None:
+        """Keep history only for these families (what window functions read); the
+        history of every other series is dropped."""
+        with self._lock:
+            self._windowed = windowed = frozenset(names)
+            for (name, _), series in self._series.items():
+                if name not in windowed:
+                    series.history = None
+                elif series.history is None:
+                    series.history = History()
 
     def register_source(self, source: str, stale_after: float) -> None:
         with self._lock:
-            self._sources.setdefault(source, SourceSeries()).stale_after = stale_after
+            self._sources.setdefault(source, SourceSeries(set())).stale_after = stale_after
 
     def update(self, source: str, now: float, samples: Iterable[Sample]) -> None:
         """Replace `source`'s series with `samples`, taken at `now`."""
+        samples = samples if isinstance(samples, list) else list(samples)
         with self._lock:
-            owned = self._sources.setdefault(source, SourceSeries())
-            fresh: set[SeriesKey] = set()
+            owned = self._sources.setdefault(source, SourceSeries(set()))
+            changed: list[SeriesKey] = []
             horizon = now - self._history_seconds
-            for name, labels, value in samples:
-                key = (name, labels)
-                fresh.add(key)
-                series = self._series.get(key)
-                if series is None:
-                    series = Series(value, now)
-                    self._series[key] = series
-                series.value, series.timestamp = value, now
-                series.history.append(now, value, horizon, self._max_points)
-            for gone in owned.keys - fresh:
-                self._series.pop(gone, None)
-            owned.keys = fresh
+            if not self._same_series(owned, samples):
+                self._replace(owned, samples, now, changed)
+            else:  # the usual poll: the same series in the same order, new values
+                max_points = self._max_points
+                for (_, _, value), (key, series) in zip(samples, owned.order, strict=True):
+                    if series.value != value:
+                        series.value = value
+                        changed.append(key)
+                    if series.history is not None:
+                        series.history.append(now, value, horizon, max_points)
             owned.updated_at = now
             owned.generation += 1
+            owned.log.append((owned.generation, changed))
+
+    @staticmethod
+    def _same_series(owned: SourceSeries, samples: list[Sample]) -> bool:
+        if len(samples) != len(owned.order):
+            return False
+        for (name, labels, _), ((known_name, known_labels), _) in zip(
+            samples, owned.order, strict=True
+        ):
+            if labels is not known_labels and labels != known_labels or name != known_name:
+                return False
+        return True
+
+    def _replace(
+        self, owned: SourceSeries, samples: list[Sample], now: float, changed: list[SeriesKey]
+    ) -> None:
+        fresh: set[SeriesKey] = set()
+        order: list[tuple[SeriesKey, Series]] = []
+        horizon = now - self._history_seconds
+        max_points, windowed, known = self._max_points, self._windowed, self._series
+        for name, labels, value in samples:
+            key = (name, labels)
+            fresh.add(key)
+            series = known.get(key)
+            if series is None:
+                keep = windowed is None or name in windowed
+                series = known[key] = Series(value, History() if keep else None)
+                changed.append(key)
+            elif series.value != value:
+                series.value = value
+                changed.append(key)
+            if series.history is not None:
+                series.history.append(now, value, horizon, max_points)
+            order.append((key, series))
+        for gone in owned.keys - fresh:
+            known.pop(gone, None)
+            changed.append(gone)
+        owned.keys, owned.order = fresh, order
 
     def is_stale(self, source: str, now: float) -> bool:
         owned = self._sources.get(source)
@@ -111,6 +175,20 @@ class Store:
         """Changes whenever a source's visible series may have: (updates so far, stale)."""
         owned = self._sources.get(source)
         return (0 if owned is None else owned.generation, self.is_stale(source, now))
+
+    def changes(self, source: str, since: int) -> list[tuple[SeriesKey, float | None]] | None:
+        """The series of `source` whose value changed, came or went (None) in its updates
+        after generation `since`, with their values now; None if those are no longer
+        known (more updates since than are remembered): read it all again."""
+        with self._lock:
+            owned = self._sources.get(source)
+            if owned is None or not owned.log or owned.log[0][0] > since + 1:
+                return None
+            keys = {
+                key for generation, changed in owned.log if generation > since for key in changed
+            }
+            known = self._series
+            return [(key, known[key].value if key in known else None) for key in keys]
 
     def sources(self) -> list[str]:
         with self._lock:
@@ -144,9 +222,20 @@ class Store:
         """(timestamp, value) points of one series newer than `since`, oldest first."""
         with self._lock:
             series = self._series.get((name, labels))
-            if series is None:
+            if series is None or series.history is None:
                 return []
             return series.history.since(since)
+
+    def window_values(
+        self, name: str, labels: tuple[str, ...], since: float
+    ) -> tuple[float, float, Sequence[float]]:
+        """window()'s values alone, and the times of its first and last points (inf:
+        none)."""
+        with self._lock:
+            series = self._series.get((name, labels))
+            if series is None or series.history is None:
+                return math.inf, math.inf, ()
+            return series.history.values_since(since)
 
     def series_count(self) -> int:
         with self._lock:

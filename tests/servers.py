@@ -84,12 +84,13 @@ def running_prometheus(
     alertmanager: str | None = None,
     interval: str = "1s",
     nodes: Mapping[str, str] | None = None,
+    scrape_options: Mapping[str, Any] | None = None,
 ) -> Iterator[Prometheus]:
     """A Prometheus scraping `targets` ({job: [host:port, ...]}) every `interval`.
 
     Each target gets a `node` label, as deploy/prometheus/scrape.yaml's relabelling gives
-    a node's name: `nodes[host:port]`, else the host:port. Returns once the server
-    answers queries.
+    a node's name: `nodes[host:port]`, else the host:port. `scrape_options` go into every
+    scrape config (scheme, tls_config, basic_auth). Returns once the server answers queries.
     """
     nodes = nodes or {}
     config: dict[str, Any] = {
@@ -101,6 +102,7 @@ def running_prometheus(
                 "static_configs": [
                     {"targets": [t], "labels": {"node": nodes.get(t, t)}} for t in hosts
                 ],
+                **(scrape_options or {}),
             }
             for job, hosts in targets.items()
         ],

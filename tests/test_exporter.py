@@ -187,7 +187,7 @@ def test_hung_source_reported_down_once_and_recovers(setup, caplog):
     assert poller.health.up
 
 
-def test_a_source_part_is_rendered_again_only_after_it_polls(setup, monkeypatch):
+def test_a_source_part_is_rendered_again_only_when_a_poll_changed_it(setup, monkeypatch):
     clock, source, poller, exporter = setup
     source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 61.0)]
     poller.poll()
@@ -199,9 +199,36 @@ def test_a_source_part_is_rendered_again_only_after_it_polls(setup, monkeypatch)
     clock.t += 1
     assert len(calls) == 1 and b"} 61.0" in exporter.render().text  # reused
     assert len(calls) == 1
-    poller.poll()
+    poller.poll()  # the same value: nothing to render
     exporter.render()
+    assert len(calls) == 1
+    source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 62.0)]
+    poller.poll()
+    assert b"} 62.0" in exporter.render().text
     assert len(calls) == 2
     clock.t += 10  # stale: rendered once more, without its series
     assert b"gpuwatchd_gpu_temperature_celsius" not in exporter.render().text
     assert len(calls) == 3
+
+
+def test_own_and_derived_parts_are_rendered_again_only_when_their_version_changes(setup):
+    clock, source, poller, exporter = setup
+    version, asked = [0], []
+
+    def rows():
+        asked.append(version[0])
+        return {"gpuwatchd_gpu_starved": [(("0", "GPU-a"), float(version[0]))]}
+
+    exporter.specs.append(gauge("gpu_starved", "starved", ("gpu", "uuid")))
+    exporter.derived.append((lambda: version[0], rows))
+    source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 61.0)]
+    poller.poll()
+    first = exporter.render()
+    assert asked == [0] and b'gpuwatchd_gpu_starved{gpu="0",uuid="GPU-a"} 0.0' in first.text
+    clock.t += 1
+    again = exporter.render()  # nothing changed: the same bytes, a new time
+    assert asked == [0] and again.text is first.text and again.rendered_at == clock.t
+    version[0] = 1
+    assert b"} 1.0" in exporter.render().text and asked == [0, 1]
+    poller.poll()  # the source and the daemon's own part (its health) change; not the rules'
+    assert exporter.render().text is not first.text and asked == [0, 1]

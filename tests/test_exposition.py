@@ -72,4 +72,8 @@ def test_cached_labels_follow_the_series():
     assert b'gpuwatchd_x{gpu="1"} 2.0' in text
     text, _ = renderer.render([(spec, [(("0",), 3.0)])])
     assert b'gpu="1"' not in text and b'gpuwatchd_x{gpu="0"} 3.0' in text
-    assert len(renderer._labels) == 1  # the gone series' cached label string was dropped
+    assert len(renderer._families["gpuwatchd_x"][1]) == 1  # the gone series' line dropped
+    text, _ = renderer.render([(spec, [(("0",), 3.0), (("2",), -0.0)])])
+    assert b'gpuwatchd_x{gpu="0"} 3.0' in text  # kept: the same value
+    text, _ = renderer.render([(spec, [(("0",), 3.0), (("2",), 0.0)])])
+    assert b'gpuwatchd_x{gpu="2"} 0.0' in text  # 0.0 is not written as -0.0

@@ -6,13 +6,22 @@ import ctypes
 import re
 import sys
 import threading
+import time
 from typing import Any
 
 import pynvml
 import pytest
 
+from gpuwatchd.sim import fake_nvml
 from gpuwatchd.sim.clock import SimClock
-from gpuwatchd.sim.fake_nvml import gpu_uuid, make_pynvml, nvml_bus_id
+from gpuwatchd.sim.fake_nvml import (
+    DRIVER_COSTS,
+    FREE,
+    NvmlCosts,
+    gpu_uuid,
+    make_pynvml,
+    nvml_bus_id,
+)
 from gpuwatchd.sim.scenario import Scenario, Timeline, load_scenario
 
 MIB = 2**20
@@ -295,6 +304,83 @@ def test_field_values():
     assert [f.nvmlReturn for f in fields] == [0, 0, nv.NVML_ERROR_UNKNOWN]
 
 
+def test_field_values_of_the_nvml_sources_batch():
+    scn = scenario([{"name": "p", "duration": 100, "set": {
+        "power_w": 250.5, "nvlink_down": [2]}}])
+    nv, fake, _, _ = start(scn, at=10.0)
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    ids = [nv.NVML_FI_DEV_POWER_INSTANT, nv.NVML_FI_DEV_ECC_CURRENT,
+           (nv.NVML_FI_DEV_NVLINK_GET_STATE, 1), (nv.NVML_FI_DEV_NVLINK_GET_STATE, 2),
+           (nv.NVML_FI_DEV_NVLINK_GET_STATE, 12)]
+    fields = nv.nvmlDeviceGetFieldValues(h, ids)
+    assert [f.nvmlReturn for f in fields] == [0, 0, 0, 0, nv.NVML_ERROR_INVALID_ARGUMENT]
+    assert [f.value.ullVal for f in fields[:4]] == [250500, 1, 1, 0]  # mW; link 2 down
+    assert fake.field_calls[(nv.NVML_FI_DEV_NVLINK_GET_STATE, 0)] == 3
+    # a GeForce: no ECC, no NVLink (per field: the batch itself succeeds)
+    nv, _, _, _ = start(scenario([{"name": "p", "duration": 1}], gpu_model="rtx-4090"))
+    fields = nv.nvmlDeviceGetFieldValues(nv.nvmlDeviceGetHandleByIndex(0), ids[:3])
+    assert [f.nvmlReturn for f in fields] == [0, nv.NVML_ERROR_NOT_SUPPORTED,
+                                              nv.NVML_ERROR_NOT_SUPPORTED]
+
+
+def test_pcie_byte_counters_integrate_the_scenarios_rates_exactly():
+    scn = scenario([
+        {"name": "a", "duration": 10, "set": {"pcie_tx_mb_s": 100}},
+        {"name": "b", "duration": 10, "ramp": {"pcie_tx_mb_s": [0, 1000]}},
+    ])
+    nv, _, clock, _ = start(scn)
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    tx, rx = nv.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, nv.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
+
+    def counters() -> list[int]:
+        return [f.value.ullVal for f in nv.nvmlDeviceGetFieldValues(h, [tx, rx])]
+
+    assert counters() == [0, 0]
+    clock.advance(14)  # 10 s at 100 MB/s, then 4 s of a ramp from 0 to 400 MB/s
+    assert counters() == [int(100e6 * 10 + 200e6 * 4), 0]
+    clock.advance(16)  # the ramp's last 6 s (400 -> 1000 MB/s), then 10 s at its end
+    assert counters() == [int(1e9 + 8e8 + 700e6 * 6 + 1000e6 * 10), 0]
+
+
+def test_timeline_integral_over_loops():
+    scn = scenario([
+        {"name": "a", "duration": 10, "set": {"pcie_rx_mb_s": 1}},
+        {"name": "b", "duration": 10, "set": {"pcie_rx_mb_s": 3}},
+    ])
+    looping = Timeline(scn, loop=True)
+    assert looping.integral("pcie_rx_mb_s", 5, 45) == [pytest.approx(5 + 30 + 10 + 30 + 5)] * 2
+    assert Timeline(scn).integral("pcie_rx_mb_s", 15, 30) == [pytest.approx(45)] * 2
+
+
+def test_what_other_tools_ask_is_answered_as_the_product_would():
+    nv, _, _, _ = start("healthy-8gpu", at=60.0)  # A100 SXM: no NVENC, no fans, MIG off
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(nv.NVMLError_NotSupported):
+        nv.nvmlDeviceGetEncoderUtilization(h)
+    with pytest.raises(nv.NVMLError_NotSupported):
+        nv.nvmlDeviceGetFanSpeed(h)
+    with pytest.raises(nv.NVMLError_NotSupported):
+        nv.nvmlDeviceGetConfComputeMemSizeInfo(h)
+    assert nv.nvmlDeviceGetDecoderUtilization(h) == [0, 167_000]
+    assert nv.nvmlDeviceGetMigMode(h) == [0, 0]
+    assert nv.nvmlDeviceIsMigDeviceHandle(h).value == 0
+    (sample,) = nv.nvmlDeviceGetProcessUtilization(h, 0)
+    assert (sample.pid, sample.smUtil, sample.memUtil) == (4242, 95, 42)
+    details = nv.nvmlDeviceGetRunningProcessDetailList(
+        h, nv.nvmlProcessDetailList_v1, nv.NVML_PROCESS_MODE_COMPUTE)
+    assert [(d.pid, d.usedGpuMemory) for d in details] == [(4242, 71680 * MIB)]
+    assert nv.nvmlDeviceGetRunningProcessDetailList(
+        h, nv.nvmlProcessDetailList_v1, nv.NVML_PROCESS_MODE_GRAPHICS) == []
+    geforce, _, _, _ = start(scenario([{"name": "p", "duration": 1}], gpu_model="rtx-4090"))
+    g = geforce.nvmlDeviceGetHandleByIndex(0)
+    assert geforce.nvmlDeviceGetFanSpeed(g) == 30
+    assert geforce.nvmlDeviceGetEncoderUtilization(g) == [0, 167_000]
+    with pytest.raises(geforce.NVMLError_NotSupported):
+        geforce.nvmlDeviceGetMigMode(g)
+    with pytest.raises(geforce.NVMLError_NotFound):  # no compute process: no samples
+        geforce.nvmlDeviceGetProcessUtilization(g, 0)
+
+
 def test_injected_failures_and_call_counts():
     nv, fake, _, _ = start("healthy-8gpu")
     h0, h1 = (nv.nvmlDeviceGetHandleByIndex(i) for i in (0, 1))
@@ -310,6 +396,62 @@ def test_injected_failures_and_call_counts():
         nv.nvmlSystemGetDriverVersion()
     fake.clear_failures()
     assert nv.nvmlSystemGetDriverVersion() == "550.90.07"
+
+
+def test_calls_cost_what_the_settings_say(monkeypatch):
+    spent: list[float] = []
+    slept: list[float] = []
+    monkeypatch.setattr(fake_nvml, "_spend", lambda seconds, since: spent.append(seconds))
+    monkeypatch.setattr(fake_nvml.time, "sleep", slept.append)
+    costs = NvmlCosts(per_call=30e-6, per_field=2e-6, pcie_sample=0.02)
+    nv, fake, _, _ = start("healthy-8gpu", costs=costs)
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    spent.clear()
+    nv.nvmlDeviceGetUtilizationRates(h)
+    assert spent == [30e-6]
+    nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER] * 5)
+    assert spent[1:] == [pytest.approx(30e-6 + 10e-6)]  # the call and its 5 fields
+    nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES)
+    assert slept == [0.02]  # the driver's sampling window, blocking
+    assert fake.calls_total == sum(fake.calls.values())
+
+
+def test_free_costs_nothing_and_run_simulate_costs_what_a_driver_does(monkeypatch):
+    spent: list[float] = []
+    monkeypatch.setattr(fake_nvml, "_spend", lambda seconds, since: spent.append(seconds))
+    monkeypatch.setattr(fake_nvml.time, "sleep", spent.append)
+    nv, fake, _, _ = start("healthy-8gpu")  # the default: FREE
+    assert fake.costs == FREE
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER])
+    nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES)
+    assert spent == []
+    assert DRIVER_COSTS.pcie_sample == 0.02 and DRIVER_COSTS.per_call > 0
+
+    from gpuwatchd.sim.node import SimNode
+
+    real, virtual = (SimNode(load_scenario("idle-8gpu"), virtual=v) for v in (False, True))
+    try:
+        assert real.pynvml._gpuwatchd_fake.costs == DRIVER_COSTS
+        assert virtual.pynvml._gpuwatchd_fake.costs == FREE
+    finally:
+        real.close()
+        virtual.close()
+
+
+def test_spend_burns_this_threads_cpu():
+    before = time.thread_time()
+    fake_nvml._spend(0.002, before)
+    assert time.thread_time() - before >= 0.002
+
+
+def test_call_counts_are_written_for_a_benchmark(tmp_path, monkeypatch):
+    path = tmp_path / "calls"
+    monkeypatch.setenv(fake_nvml.STATS_ENV, str(path))
+    nv, fake, _, _ = start("healthy-8gpu")
+    nv.nvmlDeviceGetCount()
+    at, calls = path.read_text().split()
+    assert float(at) > 0 and 1 <= int(calls) <= fake.calls_total
 
 
 def xid_scenario() -> Scenario:

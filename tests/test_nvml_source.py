@@ -16,7 +16,16 @@ from gpuwatchd.sim.fake_nvml import gpu_uuid, make_pynvml
 from gpuwatchd.sim.scenario import CLOCK_EVENT_REASONS, Scenario, Timeline, load_scenario
 from gpuwatchd.sources import REGISTRY, load_builtin_sources
 from gpuwatchd.sources.base import Context, SourceError
-from gpuwatchd.sources.nvml import CLOCK_REASONS, NvmlSource, cuda_version_string, sysfs_bus_id
+from gpuwatchd.sources.nvml import (
+    CLOCK_REASONS,
+    SLOW_EVERY,
+    Direct,
+    FieldValues,
+    NvmlSource,
+    ProcessTable,
+    cuda_version_string,
+    sysfs_bus_id,
+)
 from gpuwatchd.store import Store
 
 MIB = 2**20
@@ -38,11 +47,19 @@ class Sim:
         self.clock.advance(at)
         self.nv = make_pynvml(self.timeline, self.clock, **options)
         self.fake = self.nv._gpuwatchd_fake
-        context = Context(pynvml=self.nv, extras={"now": self.clock.now})
-        self.source = NvmlSource(NvmlConfig(), context)
+        extras = {"now": self.clock.now, "clock": self.clock.elapsed}
+        self.context = Context(pynvml=self.nv, extras=extras)
+        self.source = NvmlSource(NvmlConfig(), self.context)
 
     def collect(self) -> Metrics:
         return Metrics(self.source.collect())
+
+    def polls(self, n: int, step: float = 1.0) -> Metrics:
+        """`n` polls `step` seconds apart (rates need two); the last one's samples."""
+        for _ in range(n - 1):
+            self.collect()
+            self.clock.advance(step)
+        return self.collect()
 
 
 class Metrics(SampleIndex):
@@ -102,8 +119,8 @@ def test_registered_and_samples_match_the_declared_specs():
 
 
 def test_healthy_node_every_family_with_its_units():
-    sim = Sim("healthy-8gpu", at=600.0)
-    got = sim.collect()
+    sim = Sim("healthy-8gpu", at=599.0)
+    got = sim.polls(2)
     values = sim.timeline.state(600.0)[0]
     assert got.by_name[P + "nvml_devices"] == {(): 8.0}
     assert got.by_name[P + "cuda_driver_version"] == {(): pytest.approx(12.4)}
@@ -135,9 +152,9 @@ def test_healthy_node_every_family_with_its_units():
         assert got.value("gpu_pcie_link_generation_max", i) == 4
         assert got.value("gpu_pcie_link_width", i) == 16
         assert got.value("gpu_pcie_link_width_max", i) == 16
-        # KB/s (1024 B) from NVML: within one KB of the scenario's MB/s
-        assert got.value("gpu_pcie_tx_bytes_per_second", i) == pytest.approx(1800e6, abs=1024)
-        assert got.value("gpu_pcie_rx_bytes_per_second", i) == pytest.approx(9500e6, abs=1024)
+        # the byte counters' increase over the second between the two polls
+        assert got.value("gpu_pcie_tx_bytes_per_second", i) == pytest.approx(1800e6, abs=1)
+        assert got.value("gpu_pcie_rx_bytes_per_second", i) == pytest.approx(9500e6, abs=1)
         assert got.value("gpu_pcie_replay_errors_total", i) == 0
         assert got.gpu("gpu_ecc_errors_total", i) == {("corrected",): 0, ("uncorrected",): 0}
         assert got.value("gpu_persistence_mode", i) == 1
@@ -163,8 +180,8 @@ def test_idle_node():
 
 
 def test_pcie_gen3_under_load_at_400s():
-    sim = Sim("pcie-gen3-under-load", at=400.0)
-    got = sim.collect()
+    sim = Sim("pcie-gen3-under-load", at=399.0)
+    got = sim.polls(2)
     assert got.value("gpu_pcie_link_generation", 3) == 3
     assert got.value("gpu_pcie_link_generation_max", 3) == 4
     assert got.value("gpu_utilization_ratio", 3) == pytest.approx(0.48)
@@ -173,8 +190,8 @@ def test_pcie_gen3_under_load_at_400s():
     for i in (0, 1, 2, 4, 5, 6, 7):
         assert got.value("gpu_pcie_link_generation", i) == 4
         assert got.value("gpu_utilization_ratio", i) == pytest.approx(0.95)
-    sim.clock.advance(-300.0)  # before the retrain (virtual time can be set freely)
-    assert sim.collect().value("gpu_pcie_link_generation", 3) == 4
+    before = Sim("pcie-gen3-under-load", at=100.0)  # before the retrain
+    assert before.collect().value("gpu_pcie_link_generation", 3) == 4
 
 
 def test_clock_event_reasons_and_counters_follow_the_scenario():
@@ -214,33 +231,147 @@ def test_unsupported_functions_drop_series_and_are_not_asked_again(model, absent
             assert not families & absent
             assert present <= families
             assert "gpu_power_watts" in families
+    nv = sim.nv
     for gpu in (0, 1):
-        assert sim.fake.gpu_calls[("nvmlDeviceGetNvLinkState", gpu)] == 1
-        assert sim.fake.gpu_calls[("nvmlDeviceGetPowerUsage", gpu)] == 5
-        assert sim.fake.gpu_calls[("nvmlDeviceGetFieldValues", gpu)] == 5
-        if "gpu_ecc_mode" in absent:
-            assert sim.fake.gpu_calls[("nvmlDeviceGetEccMode", gpu)] == 1
+        assert sim.fake.gpu_calls[("nvmlDeviceGetFieldValues", gpu)] == 1 + 5  # +link count
+        assert sim.fake.field_calls[(nv.NVML_FI_DEV_POWER_INSTANT, gpu)] == 5
+        assert sim.fake.field_calls[(nv.NVML_FI_DEV_NVLINK_LINK_COUNT, gpu)] == 1
+        assert sim.fake.field_calls[(nv.NVML_FI_DEV_NVLINK_GET_STATE, gpu)] == 0
+        if "gpu_ecc_mode" in absent:  # asked once, then left out of the batch
+            assert sim.fake.field_calls[(nv.NVML_FI_DEV_ECC_CURRENT, gpu)] == 1
+            assert sim.fake.field_calls[(nv.NVML_FI_DEV_ECC_SBE_AGG_TOTAL, gpu)] == 1
+        assert sim.fake.gpu_calls[("nvmlDeviceGetPowerUsage", gpu)] == 0
+        assert sim.fake.gpu_calls[("nvmlDeviceGetNvLinkState", gpu)] == 0
 
 
-def test_static_values_are_read_once():
+def test_static_values_are_read_once_and_slow_ones_every_few_polls():
     sim = Sim("healthy-8gpu")
-    for _ in range(3):
-        sim.collect()
+    for _ in range(SLOW_EVERY + 1):
+        got = sim.collect()
+        assert got.value("gpu_pcie_link_generation", 0) == 4  # kept between the reads
+        assert got.value("gpu_pcie_link_generation_max", 0) == 4
     assert sim.fake.gpu_calls[("nvmlDeviceGetMaxPcieLinkGeneration", 0)] == 1
     assert sim.fake.gpu_calls[("nvmlDeviceGetUUID", 0)] == 1
     assert sim.fake.gpu_calls[("nvmlDeviceGetHandleByIndex_v2", 0)] == 1
-    assert sim.fake.gpu_calls[("nvmlDeviceGetCurrPcieLinkGeneration", 0)] == 3
+    assert sim.fake.gpu_calls[("nvmlDeviceGetCurrPcieLinkGeneration", 0)] == 2
+    assert sim.fake.gpu_calls[("nvmlDeviceGetPersistenceMode", 0)] == 2
 
 
-def test_calls_per_gpu_per_steady_poll():
-    """The cost of a poll, in NVML calls: one per value, one field-values call, the links."""
+def test_a_slow_fact_that_changes_is_seen_within_its_cadence():
+    sim = Sim(scenario([
+        {"name": "on", "duration": 5},
+        {"name": "off", "duration": 100, "set": {"persistence_mode": False}},
+    ]))
+    seen = []
+    for _ in range(2 * SLOW_EVERY):
+        seen.append(sim.collect().value("gpu_persistence_mode", 0))
+        sim.clock.advance(1)
+    assert seen == [1.0] * SLOW_EVERY + [0.0] * SLOW_EVERY
+
+
+def test_calls_per_gpu_per_poll():
+    """The cost of a poll, in NVML calls: the field-values batch (power, PCIe counters,
+    replays, ECC, every NVLink's state), one call per other value, the process list."""
     sim = Sim("healthy-8gpu", at=60.0)
+
+    def calls() -> int:
+        return sum(n for (_, gpu), n in sim.fake.gpu_calls.items() if gpu == 0)
+
     sim.collect()
-    before = sum(n for (_, gpu), n in sim.fake.gpu_calls.items() if gpu == 0)
+    before = calls()
     sim.collect()
-    per_poll = sum(n for (_, gpu), n in sim.fake.gpu_calls.items() if gpu == 0) - before
-    # 15 value reads + 2 for processes + 1 field values + 12 NVLinks
-    assert per_poll == 30
+    # 1 field values + 5 reads (utilization, memory, SM clock, P-state, clock event
+    # reasons) + 1 for the compute processes (into a buffer kept big enough: pynvml's
+    # wrapper would ask for the count first)
+    assert calls() - before == 7
+    for _ in range(SLOW_EVERY - 1):
+        sim.collect()
+    # every SLOW_EVERY polls: temperature, memory clock, link generation and width,
+    # persistence mode, power limit, graphics processes
+    assert calls() - before == 7 * SLOW_EVERY + 7
+    assert sim.fake.calls["nvmlDeviceGetPcieThroughput"] == 0  # never: it blocks 20 ms
+    batch = {fid for (fid, gpu), _ in sim.fake.field_calls.items() if gpu == 0}
+    nv = sim.nv
+    assert batch == {
+        nv.NVML_FI_DEV_POWER_INSTANT, nv.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
+        nv.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER,
+        nv.NVML_FI_DEV_ECC_SBE_AGG_TOTAL, nv.NVML_FI_DEV_ECC_DBE_AGG_TOTAL,
+        nv.NVML_FI_DEV_ECC_CURRENT, nv.NVML_FI_DEV_NVLINK_GET_STATE,
+        nv.NVML_FI_DEV_NVLINK_LINK_COUNT}
+    assert sim.fake.field_calls[(nv.NVML_FI_DEV_NVLINK_GET_STATE, 0)] == 12 * (SLOW_EVERY + 1)
+
+
+def test_pcie_rates_from_the_byte_counters():
+    scn = scenario([
+        {"name": "a", "duration": 10, "set": {"pcie_tx_mb_s": 100, "pcie_rx_mb_s": 2000}},
+        {"name": "b", "duration": 10, "set": {"pcie_tx_mb_s": 300, "pcie_rx_mb_s": 50}},
+    ])
+    sim = Sim(scn, at=5.0)
+    first = sim.collect()
+    assert first.gpu("gpu_pcie_tx_bytes_per_second", 0) == {}  # a rate needs two readings
+    sim.clock.advance(2)
+    got = sim.collect()
+    assert got.value("gpu_pcie_tx_bytes_per_second", 0) == pytest.approx(100e6, abs=1)
+    assert got.value("gpu_pcie_rx_bytes_per_second", 1) == pytest.approx(2000e6, abs=1)
+    sim.clock.advance(4)  # t=11: the counters saw 3 s of phase a, then 1 s of phase b
+    got = sim.collect()
+    assert got.value("gpu_pcie_tx_bytes_per_second", 0) == pytest.approx(150e6, abs=1)
+    sim.clock.advance(1)
+    got = sim.collect()
+    assert got.value("gpu_pcie_rx_bytes_per_second", 0) == pytest.approx(50e6, abs=1)
+    again = sim.collect()  # the driver has not sampled since: the same rate
+    assert again.value("gpu_pcie_rx_bytes_per_second", 0) == pytest.approx(50e6, abs=1)
+
+
+def test_pcie_counter_reset_skips_one_rate():
+    sim = Sim(scenario([{"name": "p", "duration": 100, "set": {"pcie_tx_mb_s": 10}}]), at=50)
+    sim.polls(2)
+    sim.fake._pcie[(0, "tx")] = 0.0  # the driver reloaded: the counter starts over
+    sim.clock.advance(1)
+    got = sim.collect()
+    assert got.gpu("gpu_pcie_tx_bytes_per_second", 0) == {}
+    assert got.value("gpu_pcie_tx_bytes_per_second", 1) == pytest.approx(10e6, abs=1)
+    assert sim.collect().gpu("gpu_pcie_tx_bytes_per_second", 0) == {}  # not sampled again
+    sim.clock.advance(1)
+    assert sim.collect().value("gpu_pcie_tx_bytes_per_second", 0) == pytest.approx(10e6, abs=1)
+
+
+def test_without_the_byte_counters_pcie_rates_are_left_out():
+    """A driver before R555: no PCIe counters, and no 20 ms nvmlDeviceGetPcieThroughput."""
+    sim = Sim("healthy-8gpu", at=60.0)
+    nv = sim.nv
+    for fid in (nv.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, nv.NVML_FI_DEV_PCIE_COUNT_RX_BYTES):
+        sim.fake.fail_field(fid, nv.NVML_ERROR_NOT_SUPPORTED)
+    got = sim.polls(3)
+    assert got.gpus_with("gpu_pcie_tx_bytes_per_second") == set()
+    assert got.gpus_with("gpu_power_watts") == set(range(8))
+    assert sim.fake.field_calls[(nv.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 0)] == 1  # not again
+    assert sim.fake.calls["nvmlDeviceGetPcieThroughput"] == 0
+
+
+def test_power_falls_back_to_the_classic_call_without_the_field():
+    sim = Sim("idle-8gpu")
+    sim.fake.fail_field(sim.nv.NVML_FI_DEV_POWER_INSTANT, sim.nv.NVML_ERROR_NOT_SUPPORTED)
+    for _ in range(3):  # found out in the first poll's batch, read by the call that poll
+        assert sim.collect().value("gpu_power_watts", 0) == 61
+    assert sim.fake.gpu_calls[("nvmlDeviceGetPowerUsage", 0)] == 3
+    assert sim.fake.field_calls[(sim.nv.NVML_FI_DEV_POWER_INSTANT, 0)] == 1
+
+
+def test_process_lists_are_shared_with_the_processes_source():
+    scn = scenario([{"name": "p", "duration": 100, "set": {"processes": [
+        {"pid": 7, "gpu_memory_mib": 100}, {"pid": 9, "gpu_memory_mib": 5, "kind": "graphics"}]}}])
+    sim = Sim(scn, at=3.0)
+    table = sim.context.extras["nvml_processes"]
+    assert isinstance(table, ProcessTable)
+    assert table.fresh(sim.clock.elapsed(), 5.0) is None  # nothing read yet
+    sim.collect()
+    listed = table.fresh(sim.clock.elapsed() + 5.0, 5.0)
+    assert listed is not None and [g.index for g in listed] == [0, 1]
+    assert listed[1].labels == ("1", gpu_uuid("sim-node", 1))
+    assert listed[1].bus_id == sim.timeline.topology.gpu(1).bdf
+    assert listed[1].lists == {"compute": {7: 100 * MIB}, "graphics": {9: 5 * MIB}}
+    assert table.fresh(sim.clock.elapsed() + 5.1, 5.0) is None  # too old
 
 
 def test_function_not_found_falls_back_to_the_older_function():
@@ -251,7 +382,7 @@ def test_function_not_found_falls_back_to_the_older_function():
         assert got.value("gpu_clock_event_reason_active", 0, "gpu_idle") == 1
         assert got.value("gpu_temperature_celsius", 0) == 31
     assert sim.fake.gpu_calls[("nvmlDeviceGetCurrentClocksThrottleReasons", 0)] == 3
-    assert sim.fake.gpu_calls[("nvmlDeviceGetTemperatureV", 0)] == 3
+    assert sim.fake.gpu_calls[("nvmlDeviceGetTemperatureV", 0)] == 1  # a slow fact
 
 
 def test_function_missing_with_no_fallback_drops_the_series():
@@ -269,15 +400,15 @@ def test_function_missing_with_no_fallback_drops_the_series():
 def test_other_errors_drop_the_series_for_one_poll_only():
     sim = Sim("healthy-8gpu", at=60.0)
     nv = sim.nv
-    sim.fake.fail("nvmlDeviceGetPowerUsage", nv.NVML_ERROR_UNKNOWN, gpu=2, times=1)
+    sim.fake.fail("nvmlDeviceGetTemperature", nv.NVML_ERROR_UNKNOWN, gpu=2, times=1)
     sim.fake.fail_field(nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER, nv.NVML_ERROR_UNKNOWN, gpu=2)
-    got = sim.collect()
-    assert got.gpus_with("gpu_power_watts") == {0, 1, 3, 4, 5, 6, 7}
+    got = sim.collect()  # a slow fact failing is asked again at the next poll
+    assert got.gpus_with("gpu_temperature_celsius") == {0, 1, 3, 4, 5, 6, 7}
     assert got.gpus_with("gpu_pcie_replay_errors_total") == {0, 1, 3, 4, 5, 6, 7}
     assert got.gpu("gpu_ecc_errors_total", 2) == {("corrected",): 0, ("uncorrected",): 0}
     sim.fake.clear_failures()
     got = sim.collect()
-    assert got.gpus_with("gpu_power_watts") == set(range(8))
+    assert got.gpus_with("gpu_temperature_celsius") == set(range(8))
     assert got.gpus_with("gpu_pcie_replay_errors_total") == set(range(8))
 
 
@@ -378,6 +509,27 @@ def test_hung_call_marks_the_source_down_then_it_recovers():
     assert store.get(P + "gpu_lost", ("1", gpu_uuid("sim-node", 1))) == 0
 
 
+def test_a_slow_poll_stamps_its_samples_when_read_so_they_are_fresh():
+    """A poll of many GPUs can outlast the timeout: its samples are as old as their
+    reading, not as the poll's start, and are not stale when it ends."""
+    sim = Sim("healthy-8gpu", at=60.0)
+    store = Store()
+    poller = Poller(sim.source, store, now=sim.clock.now)
+    collect = sim.source.collect
+
+    def slow() -> list[Any]:
+        samples = collect()
+        sim.clock.advance(2 * poller.timeout + 3 * poller.interval)  # longer than stale_after
+        return samples
+
+    sim.source.collect = slow  # type: ignore[method-assign]
+    poller.poll()
+    now = sim.clock.now()
+    assert poller.health.up and poller.health.last_success == now
+    assert not store.is_stale("nvml", now)
+    assert store.get(P + "gpu_lost", ("0", gpu_uuid("sim-hgx-a100", 0))) == 0
+
+
 def test_scenario_hang_recovers_when_the_phase_ends():
     scn = scenario([
         {"name": "ok", "duration": 10},
@@ -441,10 +593,10 @@ def test_event_registration_is_retried():
 def test_nvml_shut_down_under_the_source_starts_again():
     sim = Sim("healthy-8gpu")
     sim.collect()
-    sim.fake.fail("nvmlDeviceGetPowerUsage", sim.nv.NVML_ERROR_UNINITIALIZED, times=1)
+    sim.fake.fail("nvmlDeviceGetUtilizationRates", sim.nv.NVML_ERROR_UNINITIALIZED, times=1)
     with pytest.raises(SourceError, match="NVML was shut down"):
         sim.collect()
-    assert sim.collect().gpus_with("gpu_power_watts") == set(range(8))
+    assert sim.collect().gpus_with("gpu_utilization_ratio") == set(range(8))
     assert sim.fake.calls["nvmlInitWithFlags"] == 2
 
 
@@ -467,3 +619,29 @@ def test_helpers():
     assert sysfs_bus_id("00000000:4E:00.0") == "0000:4e:00.0"
     assert sysfs_bus_id("00000001:0A:00.0") == "0001:0a:00.0"
     assert set(CLOCK_EVENT_REASONS) <= set(CLOCK_REASONS)
+
+
+def test_process_lists_grow_their_buffer_and_agree_with_pynvml():
+    processes = [{"pid": 100 + i, "gpu_memory_mib": i} for i in range(40)]
+    sim = Sim(scenario([{"name": "p", "duration": 100, "set": {"processes": processes}}]))
+    got = sim.collect()  # 40 processes: more than the first buffer holds
+    assert got.value("gpu_compute_processes", 1) == 40
+    handle = sim.nv.nvmlDeviceGetHandleByIndex(1)
+    listed = Direct(sim.nv).lister("nvmlDeviceGetComputeRunningProcesses_v3")(handle)
+    assert listed == {p.pid: float(p.usedGpuMemory) for p in
+                      sim.nv.nvmlDeviceGetComputeRunningProcesses_v3(handle)}
+    assert len(listed) == 40
+
+
+def test_field_values_are_read_as_pynvml_reads_them():
+    import pynvml
+
+    array = (pynvml.c_nvmlFieldValue_t * 7)()
+    members = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+    numbers = (2.5, 4_000_000_000, 2**63 + 5, 2**64 - 1, -(2**62), -7, 65535)
+    for i, (member, number) in enumerate(zip(members, numbers, strict=True)):
+        array[i].fieldId, array[i].timestamp = 100 + i, 1_700_000_000_000_000 + i
+        array[i].valueType, array[i].nvmlReturn = i, i % 2
+        setattr(array[i].value, member, number)
+    got = FieldValues(pynvml).read(array)
+    assert got == [(i % 2, 1_700_000_000_000_000 + i, n) for i, n in enumerate(numbers)]

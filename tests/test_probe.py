@@ -75,7 +75,8 @@ def test_no_daemon_drops_reports_and_carries_on(tmp_path: Path) -> None:
 
 def test_full_socket_never_blocks(tmp_path: Path) -> None:
     path = tmp_path / "probe.sock"
-    daemon = ProbeSocket(path, 8192)  # bound, never read: its queue fills up
+    daemon = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    daemon.bind(str(path))  # bound, never read: its queue fills up
     try:
         p = probe.Probe(socket_path=str(path), interval=0)
         for _ in p.watch(range(5000)):

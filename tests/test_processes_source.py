@@ -14,7 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from series import Metrics as SampleIndex
+from series import by_key
 
+from gpuwatchd.config import NvmlConfig
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml import ERROR_GPU_IS_LOST, ERROR_NOT_SUPPORTED, make_pynvml
 from gpuwatchd.sim.host import HostHardware
@@ -32,6 +34,7 @@ from gpuwatchd.sources import REGISTRY, SourceError
 from gpuwatchd.sources import nvml as nvml_module
 from gpuwatchd.sources import processes as processes_module
 from gpuwatchd.sources.base import Context
+from gpuwatchd.sources.nvml import NvmlSource
 from gpuwatchd.sources.processes import (
     ADOPTERS,
     DESKTOP_PROCESSES,
@@ -450,6 +453,28 @@ def test_registered_with_bounded_labels() -> None:
     assert ProcessesConfig().interval == 5.0
     with pytest.raises(ValueError):
         ProcessesConfig.model_validate({"scan_evrey": 3})
+
+
+@pytest.mark.parametrize("scn", ["desktop-on-training-box", "ddp-independent-jobs"])
+def test_the_nvml_sources_lists_are_used_instead_of_asking_nvml_again(node_factory, scn) -> None:
+    """With the nvml source polling in the same context, this source asks NVML nothing:
+    the same samples as when it lists the processes itself."""
+    alone = node_factory(scn)
+    shared = node_factory(scn)
+    nvml = NvmlSource(NvmlConfig(), shared.context)
+    for t in (60.0, 65.0, 70.0):
+        shared.at(t)
+        nvml.collect()  # the nvml thread polls first (it is due every second)
+        assert by_key(shared.source.collect()) == by_key(alone.poll(t).samples)
+    # NVML saw exactly what it sees when the nvml source runs alone
+    nvml_only = node_factory(scn)
+    other = NvmlSource(NvmlConfig(), nvml_only.context)
+    for t in (60.0, 65.0, 70.0):
+        nvml_only.at(t)
+        other.collect()
+    assert shared.fake.calls == nvml_only.fake.calls
+    other.close()
+    nvml.close()
 
 
 def test_dataloader_single_process_scenario(node_factory) -> None:

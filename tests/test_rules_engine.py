@@ -247,10 +247,10 @@ def test_peers_are_the_other_gpus_of_the_same_job():
     assert node.state(0) == FIRING
 
     # the engine indexes the job series for peers() even when no rule names it
-    assert "gpuwatchd_gpu_process_job" in node.engine._wanted
+    assert "gpuwatchd_gpu_process_job" in node.engine.index.scopes
     # a rule without peers() does not make the engine read it
     other = Node(rule("gpu_utilization_ratio < 0.1"))
-    assert "gpuwatchd_gpu_process_job" not in other.engine._wanted
+    assert "gpuwatchd_gpu_process_job" not in other.engine.index.scopes
 
 
 def test_peers_are_the_other_gpus_of_the_same_process():
@@ -297,12 +297,13 @@ def test_division_by_zero_is_not_evaluable_and_an_error_is_counted(monkeypatch):
     assert node.state(0, "other") == FIRING
     evaluate = node.engine.evaluator.evaluate
 
-    def broken(compiled, gpu):
+    def broken(compiled, gpu, reads=None):
         if "0.4" in compiled.text:
             raise RuntimeError("boom")
-        return evaluate(compiled, gpu)
+        return evaluate(compiled, gpu, reads)
 
     monkeypatch.setattr(node.engine.evaluator, "evaluate", broken)
+    node.nvml(10, gpu_utilization_ratio=[0.6, 0.6])  # new values: evaluated again
     node.engine.evaluate(10)
     assert node.state(0, "other") == NOT_EVALUABLE
     assert dict(node.engine.rows()["gpuwatchd_rule_evaluation_errors_total"]) == {
@@ -318,3 +319,100 @@ def test_reloading_keeps_state_of_rules_kept_by_name():
     assert node.step(60, gpu_utilization_ratio=[0.9, 0]) == FIRING
     node.engine.set_rules(parse_rules(rule("gpu_utilization_ratio > 0.6", name="y"), "t", CATALOG))
     assert ("GPU-a", "cause_x") not in node.engine.states
+
+
+# -- evaluating only what can change ------------------------------------------------------
+
+
+def counting(node: Node) -> list[str]:
+    """Every evaluation of a rule's expression (not of its summary), by its text."""
+    seen: list[str] = []
+    evaluate = node.engine.evaluator.evaluate
+
+    def count(compiled, gpu, reads=None):
+        if reads is not None:
+            seen.append(compiled.text)
+        return evaluate(compiled, gpu, reads)
+
+    node.engine.evaluator.evaluate = count  # type: ignore[method-assign]
+    return seen
+
+
+def test_unchanged_inputs_are_not_evaluated_again_but_for_and_keep_still_advance():
+    node = Node(rule("gpu_utilization_ratio > 0.5", for_="30s", keep="60s"))
+    seen = counting(node)
+    high, low = [0.9, 0.1], [0.1, 0.1]
+    assert node.step(0, gpu_utilization_ratio=high) == PENDING
+    assert len(seen) == 2  # once per GPU
+    for t in range(1, 30):  # the source polls with the same values: nothing to evaluate
+        assert node.step(t, gpu_utilization_ratio=high) == PENDING
+    node.engine.evaluate(30)  # no poll at all: `for` is still judged at 30 s
+    assert node.state() == FIRING and len(seen) == 2
+    assert node.step(40, gpu_utilization_ratio=low) == FIRING  # changed: evaluated
+    assert len(seen) == 3  # on GPU 0 only: GPU 1 reads 0.1 as before
+    node.engine.evaluate(99)
+    assert node.state() == FIRING
+    node.engine.evaluate(100)
+    assert node.state() == INACTIVE and len(seen) == 3  # keep_firing_for ran out
+
+
+def test_only_what_an_evaluation_read_counts_and_windows_age():
+    # a false guard: the window behind it was not read, so new points do not matter
+    node = Node(rule("gpu_compute_processes > 0 and avg_over(gpu_utilization_ratio, '30s') > 0.5"))
+    seen = counting(node)
+    for t in range(0, 20):
+        node.step(t, gpu_utilization_ratio=[0.9, 0.9], gpu_compute_processes=[0, 0])
+    assert len(seen) == 2
+    # the guard holds: the window is read, and a new point may change it
+    node.step(20, gpu_utilization_ratio=[0.9, 0.7], gpu_compute_processes=[1, 1])
+    assert node.state() == FIRING and len(seen) == 4
+    # GPU 1's window holds 0.9 and 0.7: a new point is news; GPU 0's holds 0.9 only:
+    # more points of 0.9 change nothing ...
+    node.step(21, gpu_utilization_ratio=[0.9, 0.7], gpu_compute_processes=[1, 1])
+    assert len(seen) == 5
+    node.step(22, gpu_utilization_ratio=[0.9, 0.7], gpu_compute_processes=[1, 1])
+    assert len(seen) == 6
+    node.engine.evaluate(50)  # no polls since: GPU 1's oldest point (0 s) left at 30 s
+    assert len(seen) == 7
+    # ... until the newest point its evaluation saw (20 s) leaves GPU 0's window
+    node.engine.evaluate(50.5)
+    assert len(seen) == 8
+    node.engine.evaluate(52.5)  # then the last points (22 s) leave both: empty windows
+    assert len(seen) == 10 and node.state() == NOT_EVALUABLE
+
+
+def test_time_is_read_every_cycle():
+    node = Node(rule("time() - default(gpu_last_xid_timestamp_seconds, 0) < 600"))
+    seen = counting(node)
+    node.step(0, gpu_last_xid_timestamp_seconds=[0.0, 500.0])
+    assert node.state() == FIRING and node.state(gpu=1) == FIRING
+    for t in (100, 599, 600, 1099):
+        node.engine.evaluate(t)
+    assert len(seen) == 10
+    assert node.state() == INACTIVE and node.state(gpu=1) == FIRING
+
+
+@pytest.mark.parametrize(
+    "scenario, until", [("straggler-gpu", 600), ("bursty-input-pipeline", 500),
+                        ("ecc-uncorrectable-xid", 400), ("nccl-stall", 700)])
+def test_skipping_changes_no_transition(monkeypatch, scenario, until):
+    """Replays with every rule evaluated on every cycle and with the skipping: the same
+    transitions at the same times, details included."""
+    from gpuwatchd.config import Config
+    from gpuwatchd.rules.language import Reads
+    from gpuwatchd.sim.scenario import load_scenario
+    from gpuwatchd.simulate import Simulation
+
+    def replay() -> list:
+        simulation = Simulation(load_scenario(scenario), Config())
+        try:
+            result = simulation.run(until=until)
+        finally:
+            simulation.close()
+        start = result.started_at
+        return [(t.at - start, t.gpu, t.cause, t.old, t.new, t.detail) for t in result.transitions]
+
+    skipping = replay()
+    monkeypatch.setattr(Reads, "still", lambda self, now, changed, polled: False)
+    assert replay() == skipping
+    assert skipping  # the scenario does fire something

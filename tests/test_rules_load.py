@@ -155,17 +155,26 @@ def test_not_yaml_and_not_a_rule_list():
 GOOD = one_rule("gpu_utilization_ratio > 0.5", **{"for": "0s"})
 
 
+def reload(watcher: RuleFileWatcher) -> bool | None:
+    """Check until a reload has finished: a change is loaded once it has settled (a
+    second check), then swapped in (the next)."""
+    for _ in range(3):
+        if (loaded := watcher.check()) is not None:
+            return loaded
+    return None
+
+
 def test_a_bad_file_on_reload_keeps_the_last_good_rules(tmp_path: Path, caplog):
     path = tmp_path / "rules.yaml"
     path.write_text(GOOD)
     store = Store()
     engine = RuleEngine(store, load_rules(path, CATALOG), lambda s: True, CATALOG)
     clock = [100.0]
-    watcher = RuleFileWatcher(engine, path, lambda: clock[0])
+    watcher = RuleFileWatcher(engine, path, lambda: clock[0], start=lambda load: load())
     assert watcher.check() is None  # unchanged
     path.write_text(GOOD.replace("cause_x", "cause_y") + "  - {name: broken}\n")
     with caplog.at_level(logging.ERROR):
-        assert watcher.check() is False
+        assert reload(watcher) is False
     assert "keeping the last good rules" in caplog.text
     assert "rule 'broken': expr: required" in caplog.text
     assert [r.name for r in engine.rules.rules] == ["cause_x"]
@@ -185,16 +194,16 @@ def test_a_bad_file_on_reload_keeps_the_last_good_rules(tmp_path: Path, caplog):
     # a fixed file loads; SIGHUP (request) reloads an unchanged file too
     path.write_text(GOOD.replace("cause_x", "cause_y"))
     clock[0] = 200.0
-    assert watcher.check() is True
+    assert reload(watcher) is True
     assert [r.name for r in engine.rules.rules] == ["cause_y"]
     assert dict(engine.rows()["gpuwatchd_rules_last_reload_successful"]) == {(): 1}
     assert dict(engine.rows()["gpuwatchd_rules_last_reload_success_timestamp_seconds"]) == {
         (): 200.0
     }
     watcher.request()
-    assert watcher.check() is True
+    assert reload(watcher) is True
     path.unlink()
-    assert watcher.check() is False  # a vanished file is a failed reload
+    assert reload(watcher) is False  # a vanished file is a failed reload
     assert [r.name for r in engine.rules.rules] == ["cause_y"]
 
 
@@ -270,7 +279,7 @@ def test_run_refuses_a_bad_rules_file(tmp_path: Path):
 def test_sighup_reloads_the_rules_of_a_running_daemon(tmp_path: Path):
     import signal
 
-    from gpuwatchd.cli import install_signal_handlers
+    from gpuwatchd import signals
     from gpuwatchd.config import load_config
     from gpuwatchd.daemon import Daemon
     from gpuwatchd.sim.scenario import load_scenario
@@ -280,9 +289,9 @@ def test_sighup_reloads_the_rules_of_a_running_daemon(tmp_path: Path):
     config_file = tmp_path / "config.yaml"
     config_file.write_text(f"rules_file: {path}\nlisten: 127.0.0.1:0\n")
     daemon = Daemon(load_config(config_file), load_scenario("idle-8gpu"))
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    previous = signal.getsignal(signal.SIGHUP)
     try:
-        install_signal_handlers(daemon)
+        signals.catch(signal.SIGHUP)
         for poller in daemon.pipeline.pollers:  # the scheduler's threads are not started
             poller.poll()
         daemon.evaluate_once()
@@ -293,17 +302,21 @@ def test_sighup_reloads_the_rules_of_a_running_daemon(tmp_path: Path):
         path.write_text(GOOD.replace("cause_x", "cause_z"))
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         daemon.evaluate_once()
+        daemon.evaluate_once()
         assert [r.name for r in engine.rules.rules] == ["cause_x"]
         signal.raise_signal(signal.SIGHUP)
-        daemon.evaluate_once()
+        assert signals.RECEIVED.get_nowait() == signal.SIGHUP
+        daemon.reload(load_config(config_file))  # what `run` does for a SIGHUP
+        daemon.evaluate_once()  # the file is read and compiled on the loader thread
+        assert daemon.pipeline.rules_watcher.wait_idle(10)
+        daemon.evaluate_once()  # and the rules swapped in between two cycles
         assert [r.name for r in engine.rules.rules] == ["cause_z"]
         text = daemon.pipeline.exporter.current.text.decode()
         assert 'gpuwatchd_starvation_active{cause="cause_z",dimension="compute",gpu="0"' in text
         assert "gpuwatchd_rules_last_reload_successful 1.0" in text
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        daemon.server._server.server_close()  # never started: nothing to shut down
+        signal.signal(signal.SIGHUP, previous)
+        daemon.server.stop()  # never started: closes its socket
         daemon.pipeline.close()
         assert daemon.node is not None
         daemon.node.close()

@@ -158,3 +158,9 @@ def test_integrator_turns_rates_into_rising_counters():
     assert counters.advance(2, {"irq": 10.0, "new": 1.0}) == {"irq": 200.0, "new": 0.0}
     assert counters.advance(3, {}) == {"irq": 210.0, "new": 1.0}
     assert counters.advance(1, {"irq": 5.0}) == {"irq": 210.0, "new": 1.0}  # never backwards
+    # a counter reads the same at t however many writes came in between (floats too)
+    every_second, once = Integrator(), Integrator()
+    for t in range(0, 11):
+        every_second.advance(t, {"irq": 0.1})
+    once.advance(0, {"irq": 0.1})
+    assert once.advance(10, {"irq": 0.1}) == every_second.totals

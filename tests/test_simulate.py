@@ -55,3 +55,32 @@ def test_hung_scenarios_are_refused_in_virtual_time(tmp_path):
     result = CliRunner().invoke(main, ["simulate", str(path)])
     assert result.exit_code == 1
     assert "`hung: true` needs real time" in result.output and "run --simulate" in result.output
+
+
+def _read_by_the_host_sources(name: str, until: float, every_tick: bool) -> list[tuple]:
+    from gpuwatchd.config import Config
+    from gpuwatchd.sim.scenario import load_scenario
+    from gpuwatchd.simulate import Simulation
+
+    simulation = Simulation(load_scenario(name), Config())
+    if every_tick:  # every writer at every tick, whoever polls
+        tick = simulation.node.tick
+        simulation.node.tick = lambda due=None: tick()  # type: ignore[method-assign]
+    store = simulation.pipeline.store
+    sources = ("cpu", "interrupts", "disks", "infiniband", "processes", "pcie")
+    seen: list[tuple] = []
+    try:
+        simulation.run(until=until, on_step=lambda t: seen.append(
+            (t, [sorted(store.source_latest(source)) for source in sources])))
+    finally:
+        simulation.close()
+    return seen
+
+
+def test_files_are_written_for_the_sources_due_and_read_the_same(monkeypatch):
+    """Writers whose readers are not due are left behind while the host's values hold
+    (the counters then read the same whenever they are written); every source reads
+    exactly what it reads with every writer written every second."""
+    for name, until in (("interrupt-storm", 330), ("dataloader-single-process", 120)):
+        assert _read_by_the_host_sources(name, until, False) == (
+            _read_by_the_host_sources(name, until, True))

@@ -120,22 +120,23 @@ class Timer:
 
 def nvml_calls(nv: Any, handle: Any) -> Iterator[tuple[str, str, tuple[Any, ...], int]]:
     """(label, function, args, repetitions) for every per-GPU call the sources make."""
-    from gpuwatchd.sources.nvml import FIELDS, READS
+    from gpuwatchd.sources.nvml import POWER_READ, READS
 
     calls: list[tuple[str, str, tuple[Any, ...], int]] = []
-    for read in READS:  # the nvml source's table: one call each per poll
+    for read in (*READS, POWER_READ):  # the nvml source's table (and its power fallback)
         args = tuple(getattr(nv, a) for a in read.args)
         for name in read.functions:
             label = name + "".join(f"({a})" for a in read.args)
-            # PcieThroughput samples the link for ~20 ms per call: fewer of them
-            reps = 8 if name == "nvmlDeviceGetPcieThroughput" else 30
-            calls.append((label, name, (handle, *args), reps))
+            calls.append((label, name, (handle, *args), 30))
+    # never called by the sources (it samples the link for ~20 ms per call): measured to
+    # show what the byte-counter fields save; fewer of them
+    for direction in ("NVML_PCIE_UTIL_TX_BYTES", "NVML_PCIE_UTIL_RX_BYTES"):
+        name = "nvmlDeviceGetPcieThroughput"
+        calls.append((f"{name}({direction})", name, (handle, getattr(nv, direction)), 8))
     for name in ("nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetPciInfo_v3"):
         calls.append((name, name, (handle,), 10))  # identity, read once per GPU
-    field_ids = [getattr(nv, f) for f, _, _ in FIELDS]
-    calls.append(
-        ("nvmlDeviceGetFieldValues(FIELDS)", "nvmlDeviceGetFieldValues", (handle, field_ids), 30)
-    )
+    fields = "nvmlDeviceGetFieldValues"
+    calls.append((f"{fields}(FIELDS)", fields, (handle, batch(nv, handle)), 30))
     calls.append(("nvmlDeviceGetNvLinkState(0)", "nvmlDeviceGetNvLinkState", (handle, 0), 30))
     calls.append(
         ("nvmlDeviceGetSupportedEventTypes", "nvmlDeviceGetSupportedEventTypes", (handle,), 10)
@@ -261,6 +262,20 @@ def event_calls(nv: Any, handle: Any, timer: Timer) -> list[dict[str, Any]]:
     return rows
 
 
+def batch(nv: Any, handle: Any) -> list[tuple[int, int]]:
+    """The nvml source's field-values request for this GPU: FIELDS, and each NVLink's
+    state (as many links as NVML_FI_DEV_NVLINK_LINK_COUNT says)."""
+    from gpuwatchd.sources.nvml import FIELDS, NVLINK_COUNT, NVLINK_STATE
+
+    ids = [(getattr(nv, f.constant), 0) for f in FIELDS if hasattr(nv, f.constant)]
+    links = 0
+    with contextlib.suppress(Exception):
+        (count,) = nv.nvmlDeviceGetFieldValues(handle, [getattr(nv, NVLINK_COUNT)])
+        links = int(count.value.ullVal) if count.nvmlReturn == 0 else 0
+    state = getattr(nv, NVLINK_STATE.constant, None)
+    return ids + ([(state, link) for link in range(links)] if state is not None else [])
+
+
 def count_nvlinks(nv: Any, handle: Any) -> int | str:
     """Links 0..N-1 answer nvmlDeviceGetNvLinkState, as the nvml source counts them."""
     for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
@@ -272,29 +287,25 @@ def count_nvlinks(nv: Any, handle: Any) -> int | str:
 
 
 def poll_estimate_ms(gpu: dict[str, Any]) -> float:
-    """What one nvml-source poll of this GPU costs: the median of each call it makes
-    every poll (first supported alternative of each read, field values, NVLinks)."""
+    """What one nvml-source poll of this GPU costs: the median of each call it makes,
+    a slow read's share (1 / its cadence), the field values and the event drain."""
     from gpuwatchd.sources.nvml import READS
 
     rows = {r["call"]: r for r in gpu["calls"]}
     total = 0.0
     for read in READS:
-        if read.static:
+        if not read.every:  # read once
             continue
         for name in read.functions:
             row = rows.get(name + "".join(f"({a})" for a in read.args))
             if row and "median_us" in row and row.get("error") != "NVML_ERROR_FUNCTION_NOT_FOUND":
-                total += row["median_us"]
+                total += row["median_us"] / read.every
                 break
     fields = rows.get("nvmlDeviceGetFieldValues(FIELDS)", {})
     total += fields.get("median_us", 0.0)
     for label, row in rows.items():
         if label.startswith("nvmlEventSetWait"):
             total += row.get("median_us", 0.0)
-    links = gpu.get("nvlinks")
-    link = rows.get("nvmlDeviceGetNvLinkState(0)", {})
-    if isinstance(links, int):
-        total += link.get("median_us", 0.0) * links
     return round(total / 1000, 2)
 
 

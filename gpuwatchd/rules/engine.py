@@ -9,6 +9,11 @@ then resolves to inactive; holding again meanwhile cancels that countdown. A rul
 inputs are absent (a source it reads is disabled or down, or a series it needed has no
 value for the GPU) is `not_evaluable`: never firing, never healthy, and its pending or
 firing state is dropped. Time is the pipeline's clock (virtual in `simulate`).
+
+A rule is evaluated again on a GPU only when what its last evaluation read may have
+changed (`language.Reads`): the rows of a series it looked up, a window that gained or
+lost a point, time(). Otherwise its last outcome stands and only the state machine runs,
+so `for` and `keep_firing_for` advance with the clock exactly as if it had been.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -25,15 +32,14 @@ from pathlib import Path
 from gpuwatchd.exposition import Rows
 from gpuwatchd.metrics import GPU_LABELS, PREFIX, MetricSpec, counter, gauge
 from gpuwatchd.rules.language import (
-    GPU,
-    PCIE,
     Catalog,
     Evaluator,
     GpuRef,
     Missing,
-    Snapshot,
+    Reads,
 )
 from gpuwatchd.rules.ruleset import Rule, RulesError, RuleSet, load_rules
+from gpuwatchd.rules.snapshot import Changed, LiveIndex
 from gpuwatchd.store import Store
 
 log = logging.getLogger(__name__)
@@ -107,6 +113,8 @@ class AlertState:
     seconds_total: float = 0.0
     reason: str = ""  # why not evaluable
     summary: str = ""
+    reads: Reads | None = None  # what the last evaluation read; None: evaluate next cycle
+    outcome: bool | str = False  # its result: holds, or why it was not evaluable
 
 
 @dataclass(frozen=True)
@@ -151,7 +159,7 @@ class RuleEngine:
         self.rules = rules
         self.source_up = source_up
         self.catalog = catalog
-        self.evaluator = Evaluator(store.window)
+        self.evaluator = Evaluator(store.window, store.window_values)
         self.gpus: dict[str, GpuRef] = {}  # by uuid; a GPU once seen stays (lost GPUs too)
         self.states: dict[tuple[str, str], AlertState] = {}  # (uuid, cause)
         self.errors: dict[str, int] = defaultdict(int)
@@ -160,72 +168,95 @@ class RuleEngine:
         self.reload_ok = True
         self.reload_time: float | None = None
         self._scope = {f.spec.name: f.scope for f in catalog.families.values()}
-        self._wanted: dict[str, str] = {}
+        self.index = LiveIndex(store, {})
+        self.changes = 0  # bumped whenever a state shown by rows() may have changed
+        self._firing = False  # some cause fires (its seconds grow every cycle)
+        self._sorted: list[GpuRef] = []
         self.set_rules(rules)
 
     def set_rules(self, rules: RuleSet) -> None:
         """Use `rules` from now on; rules kept by name keep their state."""
         names = {r.name for r in rules.rules}
         self.states = {k: v for k, v in self.states.items() if k[1] in names}
+        for state in self.states.values():
+            state.reads = None  # read by the old expressions
         self.rules = rules
         # the families the snapshot indexes: what the rules read, and the GPUs' identity
         wanted = {_INFO, _LOST, PREFIX + "gpu_process_pid"}
+        windowed: set[str] = set()
         for rule in rules.rules:
             for compiled in (rule.expr, *(c for _, c in rule.summary if c is not None)):
                 wanted.update(s.family.spec.name for s in compiled.selectors)
-        self._wanted = {name: self._scope[name] for name in wanted}
+                windowed |= compiled.windowed()
+        self.index = LiveIndex(self.store, {name: self._scope[name] for name in wanted})
+        self.store.keep_history(windowed)  # history only where a window reads it
+        self.changes += 1
 
     # one cycle --------------------------------------------------------------------
-    def _snapshot(self, now: float) -> Snapshot:
-        snap = Snapshot(now)
-        wanted = self._wanted
-        for (name, labels), value in self.store.latest(now):
-            scope = wanted.get(name)
-            if scope is None:
-                continue
-            if scope == GPU:
-                snap.per_gpu.setdefault(name, {}).setdefault((labels[0], labels[1]), []).append(
-                    (labels, value)
-                )
-                if name in (_INFO, _LOST):
-                    gpu = self.gpus.get(labels[1])
-                    bus = labels[3] if name == _INFO else (gpu.bus_id if gpu else None)
-                    if gpu is None or gpu.gpu != labels[0] or gpu.bus_id != bus:
-                        self.gpus[labels[1]] = GpuRef(labels[0], labels[1], bus)
-            elif scope == PCIE:
-                snap.per_bus.setdefault(name, {}).setdefault(labels[0], []).append((labels, value))
-            else:
-                snap.host.setdefault(name, []).append((labels, value))
-        return snap
+    def _refresh(self, now: float) -> tuple[Changed, set[str], bool]:
+        """Bring the snapshot to `now`: (changed keys, polled sources, GPUs changed)."""
+        changed, polled = self.index.update(now)
+        per_gpu = self.index.snapshot.per_gpu
+        moved = False
+        if any(name in (_INFO, _LOST) for name, _ in changed):
+            for name in (_INFO, _LOST):
+                for (index, uuid), rows in per_gpu.get(name, {}).items():
+                    gpu = self.gpus.get(uuid)
+                    bus = rows[0][0][3] if name == _INFO else (gpu.bus_id if gpu else None)
+                    if gpu is None or gpu.gpu != index or gpu.bus_id != bus:
+                        self.gpus[uuid] = GpuRef(index, uuid, bus)
+                        moved = True
+        if moved or len(self._sorted) != len(self.gpus):
+            self._sorted = sorted(self.gpus.values(), key=lambda g: (_index(g.gpu), g.uuid))
+            moved = True
+        return changed, polled, moved
 
     def evaluate(self, now: float) -> list[Transition]:
         """Evaluate every rule on every GPU at `now`; the state changes it made."""
         started = time.thread_time()
-        snapshot = self._snapshot(now)
-        gpus = sorted(self.gpus.values(), key=lambda g: (_index(g.gpu), g.uuid))
-        self.evaluator.begin(snapshot, gpus)
+        changed, polled, moved = self._refresh(now)
+        gpus = self._sorted
+        self.evaluator.begin(self.index.snapshot, gpus)
         dt = 0.0 if self.last_eval is None else max(0.0, now - self.last_eval)
         transitions: list[Transition] = []
         down_cache: dict[frozenset[str], list[str]] = {}
+        errors = sum(self.errors.values())
+        firing = False
+        states = self.states
         for rule in self.rules.rules:
-            sources = rule.expr.sources
+            name, sources = rule.name, rule.expr.sources
             down = down_cache.get(sources)
             if down is None:
                 down = down_cache[sources] = sorted(s for s in sources if not self.source_up(s))
             for gpu in gpus:
-                key = (gpu.uuid, rule.name)
-                state = self.states.get(key)
+                state = states.get((gpu.uuid, name))
                 if state is None:
-                    state = self.states[key] = AlertState()
+                    state = states[(gpu.uuid, name)] = AlertState()
                 old = state.state
-                if state.state == FIRING:
+                if old == FIRING:
                     state.seconds_total += dt
-                self._step(rule, gpu, state, now, down)
+                if moved:  # peers() and the GPUs' identity: evaluate everything again
+                    state.reads = None
+                elif old == INACTIVE and state.outcome is False and not down:
+                    reads = state.reads  # most pairs, most cycles: nothing can change
+                    if (
+                        reads is not None
+                        and not reads.always
+                        and now <= reads.until
+                        and reads.keys.isdisjoint(changed)
+                        and reads.sources.isdisjoint(polled)
+                    ):  # Reads.still, inline
+                        continue
+                self._step(rule, gpu, state, now, down, changed, polled)
+                firing = firing or state.state == FIRING
                 if state.state != old:
                     detail = state.summary if state.state == FIRING else state.reason
                     transitions.append(
-                        Transition(now, gpu.gpu, gpu.uuid, rule.name, old, state.state, detail)
+                        Transition(now, gpu.gpu, gpu.uuid, name, old, state.state, detail)
                     )
+        if transitions or moved or sum(self.errors.values()) != errors:
+            self.changes += 1
+        self._firing = firing
         self.last_eval = now
         self.duration = time.thread_time() - started
         return transitions
@@ -235,9 +266,9 @@ class RuleEngine:
 
         The alerting state (pending, firing, seconds, errors) is neither read nor changed.
         """
-        snapshot = self._snapshot(now)
-        gpus = sorted(self.gpus.values(), key=lambda g: (_index(g.gpu), g.uuid))
-        self.evaluator.begin(snapshot, gpus)
+        self._refresh(now)
+        gpus = self._sorted
+        self.evaluator.begin(self.index.snapshot, gpus)
         findings = []
         for gpu in gpus:
             for rule in self.rules.rules:
@@ -271,23 +302,41 @@ class RuleEngine:
         return findings
 
     def _step(
-        self, rule: Rule, gpu: GpuRef, state: AlertState, now: float, down: list[str]
+        self,
+        rule: Rule,
+        gpu: GpuRef,
+        state: AlertState,
+        now: float,
+        down: list[str],
+        changed: Changed,
+        polled: set[str],
     ) -> None:
         if down:
+            state.reads = None
             self._not_evaluable(state, f"source {', '.join(down)} down or disabled")
             return
-        try:
-            holds = bool(self.evaluator.evaluate(rule.expr, gpu))
-        except Missing as e:
-            self._not_evaluable(state, f"no value for {e}")
+        reads = state.reads
+        if reads is not None and reads.still(now, changed, polled):
+            outcome = state.outcome  # the same inputs: the same outcome
+        else:
+            reads = Reads()
+            try:
+                outcome = bool(self.evaluator.evaluate(rule.expr, gpu, reads))
+            except Missing as e:
+                outcome = f"no value for {e}"
+            except Exception as e:  # a rule must never stop the others
+                self.errors[rule.name] += 1
+                reason = f"error: {type(e).__name__}: {e}"
+                if state.reason != reason:
+                    log.warning("rule %s on GPU %s: %s", rule.name, gpu.gpu, reason)
+                state.reads = None  # an error is counted each time: evaluate again
+                self._not_evaluable(state, reason)
+                return
+            state.reads, state.outcome = reads, outcome
+        if isinstance(outcome, str):
+            self._not_evaluable(state, outcome)
             return
-        except Exception as e:  # a rule must never stop the others
-            self.errors[rule.name] += 1
-            reason = f"error: {type(e).__name__}: {e}"
-            if state.reason != reason:
-                log.warning("rule %s on GPU %s: %s", rule.name, gpu.gpu, reason)
-            self._not_evaluable(state, reason)
-            return
+        holds = outcome
         state.reason = ""
         spec = rule.spec
         old = state.state
@@ -326,6 +375,26 @@ class RuleEngine:
 
     # what the exporter shows --------------------------------------------------------
     def rows(self) -> dict[str, Rows]:
+        """Every family the engine exports."""
+        out = self._state_rows()
+        out.update(self._seconds_rows())
+        out[DURATION.name].append(((), self.duration))
+        return out
+
+    def exposition(self) -> list[tuple[Callable[[], object], Callable[[], dict[str, Rows]]]]:
+        """rows() in parts for the exporter, (version, rows) each: the states, rendered
+        again on a transition or a reload; the seconds, every cycle while a cause fires;
+        the evaluation's duration, every cycle."""
+        return [
+            (
+                lambda: (self.changes, self.reload_ok, self.reload_time, id(self.rules)),
+                self._state_rows,
+            ),
+            (lambda: (self.changes, self._firing and self.last_eval), self._seconds_rows),
+            (lambda: self.duration, lambda: {DURATION.name: [((), self.duration)]}),
+        ]
+
+    def _state_rows(self) -> dict[str, Rows]:
         out: dict[str, Rows] = defaultdict(list)
         for gpu in self.gpus.values():
             starved = 0.0
@@ -341,7 +410,6 @@ class RuleEngine:
                     out[INFO.name].append((labels, 1.0))
                 out[PENDING_METRIC.name].append((base, float(state.state == PENDING)))
                 out[NOT_EVALUABLE_METRIC.name].append((base, float(state.state == NOT_EVALUABLE)))
-                out[SECONDS.name].append((base, state.seconds_total))
             out[STARVED.name].append(((gpu.gpu, gpu.uuid), starved))
         for rule in self.rules.rules:
             out[ERRORS.name].append(((rule.name,), float(self.errors.get(rule.name, 0))))
@@ -349,8 +417,15 @@ class RuleEngine:
         if self.reload_time is not None:
             out[RELOAD_TIME.name].append(((), self.reload_time))
         out[RULES.name].append(((), float(len(self.rules.rules))))
-        out[DURATION.name].append(((), self.duration))
         return out
+
+    def _seconds_rows(self) -> dict[str, Rows]:
+        rows: Rows = []
+        for gpu in self.gpus.values():
+            for rule in self.rules.rules:
+                state = self.states.get((gpu.uuid, rule.name))
+                rows.append(((gpu.gpu, gpu.uuid, rule.name), state.seconds_total if state else 0.0))
+        return {SECONDS.name: rows}
 
     def firing(self) -> list[tuple[str, str, str]]:
         """(gpu, cause, summary) of every firing cause, by GPU then rule order."""
@@ -377,17 +452,37 @@ def _format(value: float) -> str:
 class RuleFileWatcher:
     """Loads the rule file; reloads on request (SIGHUP) or when the file changes.
 
-    A file that fails to load keeps the last good rules running, logs every problem,
-    and sets `gpuwatchd_rules_last_reload_successful` to 0 until a good load.
+    `check` runs on the evaluation thread and only stats the file and swaps in rules
+    that are ready: reading and compiling happen on a loader thread (`start`), so a big
+    or hostile file never stalls evaluation, and the swap is one assignment between two
+    cycles. A changed file is loaded once it has stayed the same (mtime, size, inode)
+    across two checks, so a file caught while being copied is not parsed half-written;
+    a request loads at once. Any failure to load keeps the last good rules running, logs
+    every problem, and sets `gpuwatchd_rules_last_reload_successful` to 0 until a load
+    succeeds.
     """
 
-    def __init__(self, engine: RuleEngine, path: Path | None, now: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        engine: RuleEngine,
+        path: Path | None,
+        now: Callable[[], float],
+        start: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.path = path
         self.now = now
-        self._stamp = self._file_stamp()
+        self._start = start or self.in_a_thread
+        self._stamp = self._file_stamp()  # of the file last loaded
+        self._seen = self._stamp  # at the last check
         self._requested = False
+        self._loading: threading.Event | None = None  # set when the load in flight is done
+        self._done: queue.SimpleQueue[RuleSet | RulesError] = queue.SimpleQueue()
         engine.reload_time = now()
+
+    @staticmethod
+    def in_a_thread(job: Callable[[], None]) -> None:
+        threading.Thread(target=job, name="rules-loader", daemon=True).start()
 
     def _file_stamp(self) -> tuple[int, int, int] | None:
         if self.path is None:
@@ -403,25 +498,58 @@ class RuleFileWatcher:
         self._requested = True
 
     def check(self) -> bool | None:
-        """Reload if requested or the file changed: True/False = loaded/failed, None = no."""
+        """Swap in a finished load (True: loaded, False: failed; None: none finished), and
+        start a load if one was requested or the file changed and has settled."""
+        finished = self._finish()
+        if self._loading is not None:
+            return finished
         stamp = self._file_stamp()
-        if not self._requested and stamp == self._stamp:
-            return None
-        self._requested = False
-        self._stamp = stamp
+        settled, self._seen = stamp == self._seen, stamp
+        if self._requested or (stamp != self._stamp and settled):
+            self._requested = False
+            self._stamp = stamp
+            self._loading = threading.Event()
+            self._start(self._load)  # swapped in by a later check
+        return finished
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait for the load in flight, if any, to finish (tests, shutdown)."""
+        loading = self._loading
+        return loading is None or loading.wait(timeout)
+
+    def _load(self) -> None:
+        """On the loader thread: load the file and hand the result to `check`."""
+        assert self._loading is not None
+        done = self._loading
         try:
-            rules = load_rules(self.path, self.engine.catalog)
+            result: RuleSet | RulesError = load_rules(self.path, self.engine.catalog)
         except RulesError as e:
-            self.engine.reload_ok = False
+            result = e
+        except Exception as e:  # whatever goes wrong, the reload has failed
+            where = self.path or "the default rules"
+            result = RulesError([f"{where}: cannot load: {type(e).__name__}: {e}"])
+        self._done.put(result)
+        done.set()
+
+    def _finish(self) -> bool | None:
+        try:
+            result = self._done.get_nowait()
+        except queue.Empty:
+            return None
+        self._loading = None
+        engine = self.engine
+        engine.changes += 1  # reload_successful, or the rules, change what rows() shows
+        if isinstance(result, RulesError):
+            engine.reload_ok = False
             log.error(
                 "rules: reload of %s failed, keeping the last good rules (%d):\n%s",
                 self.path or "the default rules",
-                len(self.engine.rules.rules),
-                e,
+                len(engine.rules.rules),
+                result,
             )
             return False
-        self.engine.set_rules(rules)
-        self.engine.reload_ok = True
-        self.engine.reload_time = self.now()
-        log.info("rules: loaded %d rules from %s", len(rules.rules), rules.origin)
+        engine.set_rules(result)
+        engine.reload_ok = True
+        engine.reload_time = self.now()
+        log.info("rules: loaded %d rules from %s", len(result.rules), result.origin)
         return True

@@ -1,11 +1,13 @@
-"""The rule language: Python expression syntax, parsed and evaluated by simpleeval.
+"""The rule language: Python expression syntax, parsed by simpleeval, run as bytecode.
 
 An expression is parsed once, at load, by simpleeval (Python's own `ast` underneath),
 checked against the series the sources declare, and rewritten so that evaluation needs
 no name lookups: every series reference becomes a call to an internal function with
-the index of a pre-built `Selector`. Load-time problems (syntax, unknown series,
-unknown labels, wrong argument types, a labelled family used as a single value) carry
-the line and column of the offending node. docs/rules.md is the reference.
+the index of a pre-built `Selector`. The rewritten tree (numbers, operators and those
+calls, nothing else) is compiled by Python once and evaluated without builtins.
+Load-time problems (syntax, unknown series, unknown labels, wrong argument types, a
+labelled family used as a single value) carry the line and column of the offending
+node. docs/rules.md is the reference.
 """
 
 from __future__ import annotations
@@ -133,6 +135,20 @@ MULTI_WINDOW = {"rate", "change", "min_over", "max_over"}
 PEER_GROUPING = ("gpu_process_job", "gpu_process_pid")
 AGGREGATES = ("max", "min", "sum", "avg", "count")
 
+# Bounds on what a rule file may ask of the engine, per GPU and cycle (`rules check`
+# enforces them, with the position): a mistaken or hostile file must not exhaust the
+# parser's stack, stall evaluation, or make the engine multiply thousand-digit integers.
+MAX_EXPRESSION_CHARS = 4096  # the default rules' longest expression: 476
+MAX_DEPTH = 50  # nesting of the syntax tree; the default rules' deepest: 10
+MAX_NUMBER = 1e18  # number literals; integers are evaluated as floats
+MAX_STRING_CHARS = 256  # durations, series names, label values
+# Cost: the steps one evaluation may take. A node is one; a window function reads its
+# samples, counted at one a second (16 series for one over a labelled family, at most
+# the store's 3600 points a series); peers() reads a value from up to 64 GPUs.
+MAX_EXPRESSION_COST = 20_000
+MAX_FILE_COST = 100_000  # every rule's expression and summary placeholders together
+_WINDOW_POINTS, _MULTI_SERIES, _PEERS = 3600, 16, 64
+
 
 @dataclass
 class Compiled:
@@ -143,6 +159,28 @@ class Compiled:
     selectors: list[Selector]
     sources: frozenset[str]  # sources whose series it needs (present() excluded)
     max_window: float = 0.0
+    code: Any = field(default=None, repr=False, compare=False)  # the tree as bytecode
+    cost: float = 0.0  # evaluation steps, at most (see MAX_EXPRESSION_COST)
+
+    def bytecode(self) -> Any:
+        """The rewritten tree compiled by Python, once: it holds only numbers, operators
+        and calls of the evaluator's own functions (the checker let nothing else through),
+        so it runs with no builtins at all."""
+        if self.code is None:
+            self.code = compile(ast.Expression(body=self.tree), "<rule>", "eval")  # type: ignore[arg-type]
+        return self.code
+
+    def windowed(self) -> set[str]:
+        """The families its window functions read (the ones whose history must be kept)."""
+        names = set()
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                kinds = WINDOW_FUNCTIONS.get(node.func.id.removeprefix("_"))
+                if kinds is not None and node.func.id.startswith("_"):
+                    index = node.args[kinds.index("sel")]
+                    if isinstance(index, ast.Constant) and isinstance(index.value, int):
+                        names.add(self.selectors[index.value].family.spec.name)
+        return names
 
 
 class _Checker:
@@ -156,6 +194,7 @@ class _Checker:
         self.max_window = 0.0
         self.problems: list[Problem] = []
         self._optional = 0
+        self.cost = 0.0
 
     # helpers --------------------------------------------------------------------
     def fail(self, node: ast.AST, message: str) -> None:
@@ -165,6 +204,16 @@ class _Checker:
             col = col - 1 if line == 1 else col  # the "(" the expression was wrapped in
             col += 1  # 1-based
         self.problems.append(Problem(self.field, message, line, col))
+
+    def spend(self, node: ast.AST, steps: float) -> None:
+        """Count evaluation steps; the node that takes the cost past the bound is named."""
+        before, self.cost = self.cost, self.cost + steps
+        if before <= MAX_EXPRESSION_COST < self.cost:
+            self.fail(
+                node,
+                f"costs more than the {MAX_EXPRESSION_COST} steps allowed per GPU and cycle "
+                "(each window function reads a sample per second of its window)",
+            )
 
     def _call(self, name: str, *args: ast.expr) -> ast.Call:
         return ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=list(args), keywords=[])
@@ -285,9 +334,12 @@ class _Checker:
 
     def visit(self, node: ast.expr) -> tuple[Any, ast.expr | None]:
         """(type, rewritten node): type is NUM, STR, LIST or a Selector."""
+        self.spend(node, 1)
         if isinstance(node, ast.Constant):
-            if isinstance(node.value, (bool, int, float)):
+            if isinstance(node.value, bool):
                 return NUM, node
+            if isinstance(node.value, (int, float)):  # in range: checked by _bounds
+                return NUM, ast.Constant(value=float(node.value))  # never a bignum
             if isinstance(node.value, str):
                 return STR, node
             self.fail(node, f"unsupported literal {node.value!r}")
@@ -362,6 +414,7 @@ class _Checker:
                 )
                 return None, None
             out: list[ast.expr] = []
+            points = 0.0  # samples it reads
             for arg, kind in zip(args, kinds, strict=True):
                 if kind == "sel":
                     got, _ = self.visit(arg)
@@ -383,11 +436,13 @@ class _Checker:
                     if seconds is None:
                         return None, None
                     out.append(self._const(seconds))
+                    points = min(seconds, _WINDOW_POINTS) * (_MULTI_SERIES if got.multi else 1)
                 else:
                     value = self.expect(arg, NUM)
                     if value is None:
                         return None, None
                     out.append(value)
+            self.spend(node, points)
             return NUM, self._call("_" + name, *out)
         if name in AGGREGATES:
             if len(args) == 1:
@@ -417,6 +472,7 @@ class _Checker:
             if not isinstance(got, Selector) or got.multi:
                 self.fail(args[0], "peers(): expected a series with one value per GPU")
                 return None, None
+            self.spend(node, _PEERS)
             # the series peers() groups GPUs by are inputs too (the engine indexes the
             # families an expression's selectors name), though never required ones
             for grouping in PEER_GROUPING:
@@ -472,9 +528,16 @@ def compile_expression(text: str, catalog: Catalog, field_name: str = "expr") ->
     stripped = text.strip()
     if not stripped:
         raise CompileError([Problem(field_name, "empty expression")])
+    if len(stripped) > MAX_EXPRESSION_CHARS:
+        limit = MAX_EXPRESSION_CHARS  # where the limit falls: its line and column
+        where = (stripped.count("\n", 0, limit) + 1, limit - stripped.rfind("\n", 0, limit))
+        message = f"{len(stripped)} characters, more than the {limit} allowed"
+        raise CompileError([Problem(field_name, message, *where)])
     try:
         # wrapped in parentheses so an expression may span lines (YAML block scalars)
         node = SimpleEval.parse("(" + stripped + "\n)")
+    except (RecursionError, MemoryError) as e:  # how CPython's parser says "too deep"
+        raise CompileError([Problem(field_name, "nested too deeply to parse", 1, 1)]) from e
     except SyntaxError as e:
         lines = stripped.split("\n")
         line, col = e.lineno, e.offset
@@ -486,6 +549,9 @@ def compile_expression(text: str, catalog: Catalog, field_name: str = "expr") ->
     if not isinstance(node, ast.Expr):
         raise CompileError([Problem(field_name, "expected an expression", 1, 1)])
     checker = _Checker(catalog, field_name)
+    _bounds(node.value, checker)  # first: the checker recurses, and converts literals
+    if checker.problems:
+        raise CompileError(checker.problems)
     rewritten = checker.expect(node.value, NUM)
     if checker.problems or rewritten is None:
         raise CompileError(checker.problems or [Problem(field_name, "invalid expression")])
@@ -496,22 +562,60 @@ def compile_expression(text: str, catalog: Catalog, field_name: str = "expr") ->
         checker.selectors,
         frozenset(checker.required_sources),
         checker.max_window,
+        cost=checker.cost,
     )
+
+
+def _bounds(tree: ast.expr, checker: _Checker) -> None:
+    """Depth and literal bounds, checked without recursion."""
+    stack: list[tuple[ast.AST, int]] = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            checker.fail(node, f"nested more than {MAX_DEPTH} deep")
+            return
+        if isinstance(node, ast.Constant):
+            value = node.value
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if not abs(value) <= MAX_NUMBER:  # NaN and infinities too
+                    checker.fail(
+                        node, f"expected a number literal of at most {MAX_NUMBER:g} in magnitude"
+                    )
+            elif isinstance(value, str) and len(value) > MAX_STRING_CHARS:
+                checker.fail(
+                    node, f"expected a string literal of at most {MAX_STRING_CHARS} characters"
+                )
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
 
 
 # ------------------------------------------------------------------ evaluation
 
 
-class _Evaluator(SimpleEval):
-    """simpleeval, with a shorter path for calls: after the rewrite every call is to
-    one of the engine's own functions, with positional arguments only."""
-
-    def _eval_call(self, node: ast.Call) -> Any:
-        function = self.functions[node.func.id]  # type: ignore[attr-defined]
-        return function(*[self._eval(arg) for arg in node.args])
-
-
 Row = tuple[tuple[str, ...], float]
+
+
+class Reads:
+    """What one evaluation read. Evaluated again on the same inputs it comes out the same,
+    so it need not be: none of `keys` (family, index key) has other rows, none of
+    `sources` has polled (a window gains a point), no window has lost its oldest point
+    (`until`), and it did not read time() (`always`)."""
+
+    __slots__ = ("keys", "sources", "until", "always")
+
+    def __init__(self) -> None:
+        self.keys: set[tuple[str, Any]] = set()
+        self.sources: set[str] = set()
+        self.until = math.inf
+        self.always = False
+
+    def still(self, now: float, changed: set[tuple[str, Any]], polled: set[str]) -> bool:
+        """True if an evaluation at `now` would read the same as this one did."""
+        return (
+            not self.always
+            and now <= self.until
+            and self.sources.isdisjoint(polled)
+            and self.keys.isdisjoint(changed)
+        )
 
 
 @dataclass
@@ -535,13 +639,17 @@ class Evaluator:
     """Evaluates compiled expressions for one GPU at a time; Missing means not evaluable."""
 
     def __init__(
-        self, window: Callable[[str, tuple[str, ...], float], list[tuple[float, float]]]
+        self,
+        window: Callable[[str, tuple[str, ...], float], list[tuple[float, float]]],
+        values: Callable[[str, tuple[str, ...], float], tuple[float, float, Sequence[float]]],
     ) -> None:
-        self._window = window
+        self._window = window  # (time, value) points of one series since a time
+        self._values = values  # ... their values only, and the first and last ones' times
         self.snapshot = Snapshot(0.0)
         self.gpus: list[GpuRef] = []
         self.gpu = GpuRef("", "", None)
         self.compiled: Compiled | None = None
+        self.reads: Reads | None = None  # what the evaluation in progress reads, if asked
         self._jobs: dict[str, float | None] = {}
         functions: dict[str, Callable[..., Any]] = {
             "_value": self._value,
@@ -550,7 +658,7 @@ class Evaluator:
             "_peers": self._peers,
             "_div": self._div,
             "_abs": abs,
-            "_time": lambda: self.snapshot.now,
+            "_time": self._time,
             "_max_of": max,
             "_min_of": min,
         }
@@ -559,7 +667,7 @@ class Evaluator:
         for name in AGGREGATES:
             functions[f"_{name}_series"] = self._series_aggregate(name)
             functions[f"_{name}_list"] = self._list_aggregate(name)
-        self._simple = _Evaluator(functions=functions, names={})
+        self._globals: dict[str, Any] = {"__builtins__": {}, **functions}
 
     # the cycle ------------------------------------------------------------------
     def begin(self, snapshot: Snapshot, gpus: list[GpuRef]) -> None:
@@ -567,22 +675,32 @@ class Evaluator:
         self.gpus = gpus
         self._jobs = {}
 
-    def evaluate(self, compiled: Compiled, gpu: GpuRef) -> float:
-        """The expression's value for `gpu`; raises Missing, or anything a bug raises."""
-        self.compiled, self.gpu = compiled, gpu
-        return float(self._simple.eval(compiled.text, previously_parsed=compiled.tree))
+    def evaluate(self, compiled: Compiled, gpu: GpuRef, reads: Reads | None = None) -> float:
+        """The expression's value for `gpu`; raises Missing, or anything a bug raises.
+        With `reads`, what the evaluation reads is added to it."""
+        self.compiled, self.gpu, self.reads = compiled, gpu, reads
+        try:
+            return float(eval(compiled.bytecode(), self._globals))
+        finally:
+            self.reads = None
 
     # lookups --------------------------------------------------------------------
     def rows(self, selector: Selector, gpu: GpuRef | None = None) -> list[Row]:
         gpu = gpu or self.gpu
         family = selector.family
         name = family.spec.name
+        key: Any
         if family.scope == GPU:
-            rows = self.snapshot.per_gpu.get(name, {}).get((gpu.gpu, gpu.uuid), [])
+            key = (gpu.gpu, gpu.uuid)
+            rows = self.snapshot.per_gpu.get(name, {}).get(key, [])
         elif family.scope == PCIE:
-            rows = self.snapshot.per_bus.get(name, {}).get(gpu.bus_id or "", [])
+            key = gpu.bus_id or ""
+            rows = self.snapshot.per_bus.get(name, {}).get(key, [])
         else:
+            key = None
             rows = self.snapshot.host.get(name, [])
+        if self.reads is not None:
+            self.reads.keys.add((name, key))
         if selector.matchers:
             rows = [r for r in rows if all(r[0][i] == v for i, v in selector.matchers)]
         return rows
@@ -607,6 +725,11 @@ class Evaluator:
         rows = self.rows(self._sel(index))
         return rows[0][1] if rows else fallback
 
+    def _time(self) -> float:
+        if self.reads is not None:
+            self.reads.always = True
+        return self.snapshot.now
+
     def _div(self, a: float, b: float) -> float:
         if b == 0:
             raise Missing("division by zero")
@@ -615,10 +738,13 @@ class Evaluator:
     def _job(self, gpu: GpuRef) -> float | None:
         """What peers() groups `gpu` by: its main process's job, else that process's pid
         (where the job series is absent), else None (no main process known)."""
+        key = (gpu.gpu, gpu.uuid)
+        if self.reads is not None:
+            self.reads.keys.update((PREFIX + name, key) for name in PEER_GROUPING)
         if gpu.uuid not in self._jobs:
             job = None
             for name in PEER_GROUPING:
-                rows = self.snapshot.per_gpu.get(PREFIX + name, {}).get((gpu.gpu, gpu.uuid))
+                rows = self.snapshot.per_gpu.get(PREFIX + name, {}).get(key)
                 if rows:
                     job = rows[0][1]
                     break
@@ -677,13 +803,34 @@ class Evaluator:
             raise Missing(selector.describe())
         since = self.snapshot.now - seconds
         name = selector.family.spec.name
-        return [self._window(name, labels, since) for labels, _ in rows]
+        series = [self._window(name, labels, since) for labels, _ in rows]
+        reads = self.reads
+        if reads is not None:  # a new point, or the oldest leaving, changes the window
+            reads.sources.add(selector.family.source)
+            for points in series:
+                if points:
+                    reads.until = min(reads.until, points[0][0] + seconds)
+        return series
 
-    def _single(self, index: int, seconds: float) -> list[float]:
-        series = self._points(index, seconds)
-        values = [v for _, v in series[0]] if series else []
+    def _single(self, index: int, seconds: float) -> Sequence[float]:
+        """The values of the one series a window function of one series reads."""
+        selector = self._sel(index)
+        rows = self.rows(selector)
+        if not rows:
+            raise Missing(selector.describe())
+        first, last, values = self._values(
+            selector.family.spec.name, rows[0][0], self.snapshot.now - seconds
+        )
+        reads = self.reads
+        if reads is not None and values and min(values) == max(values):
+            # every point the same: more of them (the series' value unchanged: it is read)
+            # or fewer change nothing, until the window is empty (the last one leaves it)
+            reads.until = min(reads.until, last + seconds)
+        elif reads is not None:  # a new point, or the oldest leaving, changes the window
+            reads.sources.add(selector.family.source)
+            reads.until = min(reads.until, first + seconds)
         if not values:
-            raise Missing(self._sel(index).describe())
+            raise Missing(selector.describe())
         return values
 
     def _w_avg_over(self, index: int, seconds: float) -> float:

@@ -16,10 +16,18 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from gpuwatchd.config import parse_duration
-from gpuwatchd.rules.language import Catalog, Compiled, CompileError, compile_expression
+from gpuwatchd.config import FileError, brief, parse_duration, read_text_file
+from gpuwatchd.rules.language import (
+    MAX_FILE_COST,
+    Catalog,
+    Compiled,
+    CompileError,
+    compile_expression,
+)
 
 DEFAULT_RULES = "default.yaml"  # in the gpuwatchd.rules package
+MAX_RULES = 1000  # the default file has 28
+MAX_TEXT_CHARS = 4096  # a summary or remedy (they become label values of starvation_info)
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _PLACEHOLDER = re.compile(r"\{\{(.*?)\}\}", re.S)
@@ -40,20 +48,20 @@ class RulesError(Exception):
 class RuleSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    name: Annotated[str, Field(pattern=_NAME.pattern)]
+    name: Annotated[str, Field(pattern=_NAME.pattern, max_length=64)]
     dimension: Dimension
     severity: Severity
     expr: str
     for_: Duration0 = Field(0.0, alias="for")
     keep_firing_for: Duration0 = 0.0
-    summary: str
-    remedy: str
+    summary: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+    remedy: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 
 
 class RuleFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    rules: list[dict[str, Any]] = Field(min_length=1)
+    rules: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_RULES)
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,11 @@ class Rule:
         """The remedy on one line, as alerts, pages and doctor show it."""
         return " ".join(self.spec.remedy.split())
 
+    @property
+    def cost(self) -> float:
+        """Evaluation steps per GPU, at most: the expression and the summary's values."""
+        return self.expr.cost + sum(c.cost for _, c in self.summary if c is not None)
+
 
 @dataclass(frozen=True)
 class RuleSet:
@@ -80,6 +93,11 @@ class RuleSet:
     @property
     def max_window(self) -> float:
         return max((r.expr.max_window for r in self.rules), default=0.0)
+
+    @property
+    def cost(self) -> float:
+        """Evaluation steps per GPU and cycle, at most (see language.MAX_FILE_COST)."""
+        return sum(r.cost for r in self.rules)
 
 
 def _summary(text: str, catalog: Catalog) -> list[tuple[str, Compiled | None]]:
@@ -114,7 +132,7 @@ def _describe(err: Any) -> tuple[str, str]:
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "string_pattern_mismatch":
         message = "expected lower_snake_case (a-z, 0-9, _)"
-    return field, f"{message}, got {err.get('input')!r}"
+    return field, f"{message}, got {brief(err.get('input'))}"
 
 
 def parse_rules(text: str, where: str, catalog: Catalog | None = None) -> RuleSet:
@@ -124,6 +142,8 @@ def parse_rules(text: str, where: str, catalog: Catalog | None = None) -> RuleSe
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise RulesError([f"{where}: not valid YAML: {' '.join(str(e).split())}"]) from e
+    except RecursionError as e:
+        raise RulesError([f"{where}: not valid YAML: nested too deeply"]) from e
     try:
         document = RuleFile.model_validate(data)
     except ValidationError as e:
@@ -168,9 +188,15 @@ def parse_rules(text: str, where: str, catalog: Catalog | None = None) -> RuleSe
             continue
         if compiled is not None:
             rules.append(Rule(spec, compiled, summary))
+    ruleset = RuleSet(tuple(rules), where)
+    if not problems and ruleset.cost > MAX_FILE_COST:
+        problems.append(
+            f"{where}: the rules cost {ruleset.cost:.0f} steps per GPU and cycle, more than "
+            f"the {MAX_FILE_COST} allowed: fewer rules, or shorter windows"
+        )
     if problems:
         raise RulesError(problems)
-    return RuleSet(tuple(rules), where)
+    return ruleset
 
 
 def load_rules(path: Path | None, catalog: Catalog | None = None) -> RuleSet:
@@ -179,7 +205,7 @@ def load_rules(path: Path | None, catalog: Catalog | None = None) -> RuleSet:
         text = (resources.files("gpuwatchd.rules") / DEFAULT_RULES).read_text()
         return parse_rules(text, "built-in default rules", catalog)
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise RulesError([f"{path}: cannot read: {e.strerror}"]) from e
+        text = read_text_file(Path(path))
+    except FileError as e:
+        raise RulesError([f"{path}: {e}"]) from e
     return parse_rules(text, str(path), catalog)

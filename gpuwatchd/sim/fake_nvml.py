@@ -15,7 +15,16 @@ makes every call on it answer NVML_ERROR_GPU_IS_LOST, `hung` makes it block (rea
 until the GPU is no longer hung or `release()` is called, and the model's `unsupported`
 symbols answer NVML_ERROR_NOT_SUPPORTED. Tests reach the fake as
 `module._gpuwatchd_fake` to inject errors (`fail`, `fail_field`), hang a GPU (`hang`),
-raise Xid events (`inject_xid`) and count calls (`calls`, `gpu_calls`).
+raise Xid events (`inject_xid`) and count calls (`calls`, `gpu_calls`, `calls_total`,
+`field_calls`).
+
+What a call costs is a setting, `NvmlCosts`: `DRIVER_COSTS` spends what a real driver
+spends (CPU in every call, as its ioctl does; `nvmlDeviceGetPcieThroughput` blocking for
+its 20 ms sample), so benchmarks and `run --simulate` see what a node would;
+`FREE` (the default, and virtual-time `simulate`) spends nothing. `stats_path` (or the
+environment variable GPUWATCHD_SIM_NVML_STATS) names a file the fake rewrites about once a
+second with "<monotonic seconds> <calls so far>", so a benchmark can count the calls per
+second of a process it runs.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ import ctypes
 import hashlib
 import importlib.util
 import itertools
+import os
 import re
+import struct
 import sys
 import threading
 import time
@@ -45,6 +56,7 @@ ERROR_UNINITIALIZED = 1
 ERROR_INVALID_ARGUMENT = 2
 ERROR_NOT_SUPPORTED = 3
 ERROR_INSUFFICIENT_SIZE = 7
+ERROR_NOT_FOUND = 6
 ERROR_DRIVER_NOT_LOADED = 9
 ERROR_TIMEOUT = 10
 ERROR_GPU_IS_LOST = 15
@@ -70,7 +82,52 @@ REAL_TIME_RESOLUTION = 0.05  # real-time clocks: state is recomputed at most thi
 MIB = 2**20
 
 _VERSION_SUFFIX = re.compile(r"_v\d+$")
+FieldReader = Callable[[int, dict[str, Any], int], "int | None"]
+# nvmlFieldValue_t: fieldId, scopeId, timestamp, latencyUsec, valueType, nvmlReturn, value
+_RECORD = struct.Struct("<IIqqIIQ")
+_RECORD_IDS = struct.Struct("<II32x")
+
+
+@dataclass
+class _FieldPlan:
+    fields: list[tuple[int, int, int, Any]]  # (field id, scope, code, reader or None)
+    counted: list[tuple[int, int]]  # (field id, gpu) of each, for field_calls
+    value_type: int
+
+
 _module_ids = itertools.count()
+STATS_ENV = "GPUWATCHD_SIM_NVML_STATS"
+
+
+@dataclass(frozen=True)
+class NvmlCosts:
+    """What the fake spends per call, as a real driver would.
+
+    `per_call`: CPU seconds every call spends (busy, in the calling thread: a real call
+    is an ioctl into the kernel module; unlike it, the fake holds the GIL meanwhile).
+    `per_field`: more CPU per field of nvmlDeviceGetFieldValues. `pcie_sample`: real
+    seconds nvmlDeviceGetPcieThroughput blocks, sampling a byte counter over a window
+    (20 ms on a real driver, per NVML's API reference).
+    """
+
+    per_call: float = 0.0
+    per_field: float = 0.0
+    pcie_sample: float = 0.0
+
+
+FREE = NvmlCosts()
+# Tens of microseconds of CPU per call: the cost the issue measured through pynvml on a
+# driver-like fake (~55 µs a call with pynvml's own work). To be replaced by what
+# bench/hardware measures on a real GPU (nvml.json's per-call latencies).
+DRIVER_COSTS = NvmlCosts(per_call=25e-6, per_field=1e-6, pcie_sample=0.020)
+
+
+def _spend(seconds: float, since: float) -> None:
+    """Busy-wait until this thread has spent `seconds` of CPU since `since` (its
+    thread_time then): the fake's own work counts towards what the call costs."""
+    end = since + seconds
+    while time.thread_time() < end:
+        pass
 
 
 def load_private_pynvml() -> ModuleType:
@@ -101,6 +158,8 @@ def make_pynvml(
     driver_loaded: bool = True,
     missing_functions: Iterable[str] = (),
     hang_cap: float = HANG_CAP_SECONDS,
+    costs: NvmlCosts = FREE,
+    stats_path: str | None = None,
 ) -> ModuleType:
     """A private pynvml whose C library is a FakeNvmlLib playing `timeline` at `clock`.
 
@@ -116,6 +175,8 @@ def make_pynvml(
         driver_loaded=driver_loaded,
         missing_functions=missing_functions,
         hang_cap=hang_cap,
+        costs=costs,
+        stats_path=stats_path,
     )
     # nvmlLib: what _LoadNvmlLibrary's CDLL("libnvidia-ml.so.1") would have set
     vars(module).update(nvmlLib=fake, _gpuwatchd_fake=fake)
@@ -169,6 +230,8 @@ class FakeNvmlLib:
         driver_loaded: bool = True,
         missing_functions: Iterable[str] = (),
         hang_cap: float = HANG_CAP_SECONDS,
+        costs: NvmlCosts = FREE,
+        stats_path: str | None = None,
     ) -> None:
         self.nv = pynvml
         self.timeline = timeline
@@ -178,8 +241,13 @@ class FakeNvmlLib:
         self.driver_loaded = driver_loaded
         self.missing = set(missing_functions)
         self.hang_cap = hang_cap
+        self.costs = costs
+        self.calls_total = 0
+        self._stats_path = stats_path or os.environ.get(STATS_ENV) or None
+        self._stats_due = 0.0
         self.calls: Counter[str] = Counter()  # symbol -> calls
         self.gpu_calls: Counter[tuple[str, int]] = Counter()  # (symbol, gpu) -> calls
+        self.field_calls: Counter[tuple[int, int]] = Counter()  # (field id, gpu) -> asked
         self.blocked = threading.Event()  # set when a call starts blocking on a hung GPU
         self.hang_timeouts = 0  # hung calls that gave up at hang_cap
         self._released = threading.Event()
@@ -193,13 +261,24 @@ class FakeNvmlLib:
         count = self.node.gpu_count
         self._devices = [pynvml.struct_c_nvmlDevice_t() for _ in range(count)]
         self._device_index = {ctypes.addressof(s): i for i, s in enumerate(self._devices)}
+        self._handles: dict[int, tuple[Any, int]] = {}  # id of a handle object -> it, gpu
+        self._values: list[dict[str, Any]] = []  # every GPU's scenario values ...
+        self._values_at: float | None = None  # ... at this time
         self._uuids = [gpu_uuid(self.node.hostname, i) for i in range(count)]
         self._unsupported = set(self.model.unsupported)
+        self._unsupported_names: dict[str, bool] = {}  # symbol or field name -> unsupported
         self._reason_bits = {
             name: int(getattr(pynvml, constant))
             for name, constant in CLOCK_EVENT_REASON_CONSTANTS.items()
         }
+        self._pcie: dict[tuple[int, str], float] = {}  # (gpu, "tx" | "rx") -> bytes so far
+        self._pcie_at = 0.0  # the clock's time they were counted to
+        self._field_t = 0.0  # the time of the field values being read
         self._field_handlers = self._build_field_handlers()
+        record = pynvml.c_nvmlFieldValue_t
+        layout = [getattr(record, name).offset for name, _ in record._fields_]
+        assert ctypes.sizeof(record) == _RECORD.size and layout == [0, 4, 8, 16, 24, 28, 32]
+        self._field_plans: dict[tuple[int, tuple[tuple[int, int], ...]], _FieldPlan] = {}
         self._install_symbols()
 
     # -- the symbol table -------------------------------------------------------------
@@ -218,6 +297,21 @@ class FakeNvmlLib:
 
     def _invoke(self, name: str, impl: Callable[..., int], kind: str, args: tuple) -> int:
         self.calls[name] += 1
+        self.calls_total += 1
+        if self._stats_path is not None:
+            self._write_stats()
+        cost = self.costs.per_call if kind != "noinit" else 0.0
+        if not cost:
+            return self._call(name, impl, kind, args)
+        if name == "nvmlDeviceGetFieldValues":
+            cost += self.costs.per_field * max(0, _value(args[1]))
+        since = time.thread_time()
+        try:
+            return self._call(name, impl, kind, args)
+        finally:
+            _spend(cost, since)
+
+    def _call(self, name: str, impl: Callable[..., int], kind: str, args: tuple) -> int:
         if kind != "noinit" and self._refcount == 0:
             return ERROR_UNINITIALIZED
         if kind == "device" or kind == "index":
@@ -245,14 +339,35 @@ class FakeNvmlLib:
                 return code
         return impl(*args)
 
+    def _write_stats(self) -> None:
+        now = time.monotonic()
+        if now < self._stats_due or self._stats_path is None:
+            return
+        self._stats_due = now + 1.0
+        tmp = f"{self._stats_path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{now:.6f} {self.calls_total}\n")
+        os.replace(tmp, self._stats_path)
+
     def _gpu_of(self, handle: Any) -> int | None:
+        known = self._handles.get(id(handle))
+        if known is not None and known[0] is handle:  # the same pointer object as before
+            return known[1]
         try:
-            return self._device_index.get(ctypes.addressof(handle.contents))
+            gpu = self._device_index.get(ctypes.addressof(handle.contents))
         except (AttributeError, ValueError, TypeError):  # NULL or not a device handle
             return None
+        if gpu is not None:  # kept alive here, so its id stays its own
+            self._handles[id(handle)] = (handle, gpu)
+        return gpu
 
     def _is_unsupported(self, name: str) -> bool:
-        return name in self._unsupported or _VERSION_SUFFIX.sub("", name) in self._unsupported
+        unsupported = self._unsupported_names.get(name)
+        if unsupported is None:
+            base = _VERSION_SUFFIX.sub("", name)
+            unsupported = name in self._unsupported or base in self._unsupported
+            self._unsupported_names[name] = unsupported
+        return unsupported
 
     # -- test hooks ---------------------------------------------------------------------
 
@@ -268,10 +383,12 @@ class FakeNvmlLib:
     def fail_field(self, field_id: int, code: int, gpu: int | None = None) -> None:
         """Make nvmlDeviceGetFieldValues report `code` in this field's nvmlReturn."""
         self._field_failures[(gpu, field_id)] = code
+        self._field_plans.clear()
 
     def clear_failures(self) -> None:
         self._failures.clear()
         self._field_failures.clear()
+        self._field_plans.clear()
 
     def hang(self, gpu: int) -> None:
         """Make every call on `gpu` block until `release()` (or hang_cap)."""
@@ -312,7 +429,10 @@ class FakeNvmlLib:
         return t
 
     def _gpu_values(self, gpu: int) -> dict[str, Any]:
-        return self.timeline.state(self._now())[0][gpu]
+        t = self._now()
+        if t != self._values_at:
+            self._values, self._values_at = self.timeline.state(t)[0], t
+        return self._values[gpu]
 
     def _is_hung(self, gpu: int, values: dict[str, Any]) -> bool:
         if self._released.is_set():
@@ -571,6 +691,8 @@ class FakeNvmlLib:
 
     @symbol("device")
     def _nvmlDeviceGetPcieThroughput(self, gpu: int, handle: Any, counter: Any, out: Any) -> int:
+        if self.costs.pcie_sample:  # the driver samples its byte counter over a window
+            time.sleep(self.costs.pcie_sample)
         which = _value(counter)
         if which == self.nv.NVML_PCIE_UTIL_TX_BYTES:
             mb_s = self._gpu_values(gpu)["pcie_tx_mb_s"]
@@ -663,16 +785,115 @@ class FakeNvmlLib:
     ) -> int:
         return self._running_processes(gpu, "graphics", count, infos)
 
+    # -- what other tools ask (nvitop-exporter in bench/bench_vs_peer.py) ----------------
+
+    def _video(self, gpu: int, out: Any, period: Any) -> int:
+        out._obj.value, period._obj.value = 0, 167_000  # idle, over the driver's µs window
+        return SUCCESS
+
+    @symbol("device")
+    def _nvmlDeviceGetEncoderUtilization(self, gpu: int, handle: Any, out: Any, period: Any) -> int:
+        return self._video(gpu, out, period)  # the model's `unsupported`: no NVENC
+
+    @symbol("device")
+    def _nvmlDeviceGetDecoderUtilization(self, gpu: int, handle: Any, out: Any, period: Any) -> int:
+        return self._video(gpu, out, period)
+
+    @symbol("device")
+    def _nvmlDeviceGetFanSpeed(self, gpu: int, handle: Any, out: Any) -> int:
+        out._obj.value = 30  # percent; passively cooled models list it `unsupported`
+        return SUCCESS
+
+    @symbol("device")
+    def _nvmlDeviceGetMigMode(self, gpu: int, handle: Any, current: Any, pending: Any) -> int:
+        if not self.model.mig:
+            return ERROR_NOT_SUPPORTED
+        current._obj.value = pending._obj.value = 0  # MIG disabled
+        return SUCCESS
+
+    @symbol("device")
+    def _nvmlDeviceIsMigDeviceHandle(self, gpu: int, handle: Any, out: Any) -> int:
+        out._obj.value = 0  # the simulator's handles are whole GPUs
+        return SUCCESS
+
+    @symbol("device")
+    def _nvmlDeviceGetConfComputeMemSizeInfo(self, gpu: int, handle: Any, out: Any) -> int:
+        return ERROR_NOT_SUPPORTED  # confidential computing is off
+
+    @symbol("device")
+    def _nvmlDeviceGetRunningProcessDetailList(self, gpu: int, handle: Any, out: Any) -> int:
+        """R545's list of the processes of a mode (compute, graphics, MPS: none, all),
+        with the two-call protocol: too small an array gives the count and
+        INSUFFICIENT_SIZE."""
+        details = out._obj
+        if details.version != self.nv.nvmlProcessDetailList_v1:
+            return ERROR_ARGUMENT_VERSION_MISMATCH
+        kinds = {0: ("compute",), 1: ("graphics",), 2: (), 3: ("compute", "graphics")}
+        wanted = kinds.get(int(details.mode))
+        if wanted is None:
+            return ERROR_INVALID_ARGUMENT
+        processes = [p for p in self._gpu_values(gpu)["processes"] if _kind(p) in wanted]
+        capacity = details.numProcArrayEntries
+        details.numProcArrayEntries = len(processes)
+        if not processes:
+            return SUCCESS
+        if len(processes) > capacity or not details.procArray:
+            return ERROR_INSUFFICIENT_SIZE
+        for i, process in enumerate(processes):
+            entry = details.procArray[i]
+            entry.pid = int(_field(process, "pid"))
+            entry.usedGpuMemory = round(float(_field(process, "gpu_memory_mib")) * MIB)
+            entry.gpuInstanceId = entry.computeInstanceId = NOT_AVAILABLE_UINT
+            entry.usedGpuCcProtectedMemory = 0
+        return SUCCESS
+
+    @symbol("device")
+    def _nvmlDeviceGetProcessUtilization(
+        self, gpu: int, handle: Any, samples: Any, count: Any, since: Any
+    ) -> int:
+        """One sample per compute process: the GPU's utilization, as if it ran alone."""
+        values = self._gpu_values(gpu)
+        processes = [p for p in values["processes"] if _kind(p) == "compute"]
+        if not processes:
+            return ERROR_NOT_FOUND  # no samples since `since`
+        capacity = count._obj.value
+        count._obj.value = len(processes)
+        if samples is None or len(processes) > capacity:
+            return ERROR_INSUFFICIENT_SIZE
+        stamp = int(self.clock.now() * 1e6)
+        for sample, process in zip(samples, processes, strict=False):
+            sample.pid, sample.timeStamp = int(_field(process, "pid")), stamp
+            sample.smUtil = round(values["utilization_gpu"])
+            sample.memUtil = round(values["utilization_memory"])
+            sample.encUtil = sample.decUtil = 0
+        return SUCCESS
+
     # -- field values ---------------------------------------------------------------------
 
-    def _build_field_handlers(self) -> dict[int, tuple[str, Callable[[int], int]]]:
-        """field id -> (symbol whose support it shares, reader returning an integer)."""
+    def _build_field_handlers(self) -> dict[int, tuple[str, FieldReader]]:
+        """field id -> (symbol whose support it shares, reader of (gpu, values, scope id)).
+
+        A reader answers an integer in the field's unit from the GPU's scenario values,
+        or None for a scope the GPU lacks (NVML_ERROR_INVALID_ARGUMENT). The PCIe byte
+        counters share their support with their own field name, so a model can list them
+        unsupported (drivers before R555 lack them).
+        """
         nv = self.nv
 
-        def scenario(key: str) -> Callable[[int], int]:
-            return lambda gpu: int(self._gpu_values(gpu)[key])
+        def scenario(key: str, scale: float = 1.0) -> FieldReader:
+            return lambda gpu, values, scope: round(values[key] * scale)
+
+        def nvlink_state(gpu: int, values: dict[str, Any], link: int) -> int | None:
+            if not 0 <= link < self.model.nvlinks:
+                return None
+            return 0 if link in values["nvlink_down"] else 1
 
         ecc = "nvmlDeviceGetTotalEccErrors"
+        datacenter = int(self.model.datacenter)
+        ecc_mode = ("nvmlDeviceGetEccMode", lambda gpu, values, scope: datacenter)
+        power = ("nvmlDeviceGetPowerUsage", scenario("power_w", 1000))  # mW
+        limit = round(self.model.power_limit_w * 1000)
+        tx, rx = "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES"
         return {
             nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER: (
                 "nvmlDeviceGetPcieReplayCounter",
@@ -682,37 +903,79 @@ class FakeNvmlLib:
             nv.NVML_FI_DEV_ECC_DBE_AGG_TOTAL: (ecc, scenario("ecc_uncorrected_total")),
             nv.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: (ecc, scenario("ecc_corrected_total")),
             nv.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: (ecc, scenario("ecc_uncorrected_total")),
+            nv.NVML_FI_DEV_ECC_CURRENT: ecc_mode,
+            nv.NVML_FI_DEV_ECC_PENDING: ecc_mode,
+            nv.NVML_FI_DEV_POWER_INSTANT: power,
+            nv.NVML_FI_DEV_POWER_AVERAGE: power,
+            nv.NVML_FI_DEV_POWER_CURRENT_LIMIT: (
+                "nvmlDeviceGetEnforcedPowerLimit",
+                lambda gpu, values, scope: limit,
+            ),
+            getattr(nv, tx): (tx, lambda gpu, values, scope: self._pcie_bytes(gpu, "tx")),
+            getattr(nv, rx): (rx, lambda gpu, values, scope: self._pcie_bytes(gpu, "rx")),
             nv.NVML_FI_DEV_NVLINK_LINK_COUNT: (
                 "nvmlDeviceGetNvLinkState",
-                lambda gpu: self.model.nvlinks,
+                lambda gpu, values, scope: self.model.nvlinks,
             ),
+            nv.NVML_FI_DEV_NVLINK_GET_STATE: ("nvmlDeviceGetNvLinkState", nvlink_state),
         }
+
+    def _pcie_bytes(self, gpu: int, direction: str) -> int:
+        """Bytes through the GPU's link since the driver loaded: the scenario's MB/s,
+        integrated over the clock's time up to the field values' timestamp (a counter
+        that only rises, loops included)."""
+        t = self._field_t
+        if t > self._pcie_at:
+            for d in ("tx", "rx"):
+                added = self.timeline.integral(f"pcie_{d}_mb_s", self._pcie_at, t)
+                for i, mb in enumerate(added):
+                    self._pcie[(i, d)] = self._pcie.get((i, d), 0.0) + mb * 1e6
+            self._pcie_at = t
+        return int(self._pcie.get((gpu, direction), 0.0))
 
     @symbol("device")
     def _nvmlDeviceGetFieldValues(self, gpu: int, handle: Any, count: Any, values: Any) -> int:
+        """Fills the caller's nvmlFieldValue_t array as the C library does: its memory
+        (pynvml's structures are slow to read and write member by member from Python).
+        What each requested field needs is worked out once per request and kept."""
         array = values._obj
         n = _value(count)
         if n < 0 or n > len(array):
             return ERROR_INVALID_ARGUMENT
-        stamp = int(self.clock.now() * 1e6)  # microseconds since the epoch
-        ull = self.nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-        for i in range(n):
-            field = array[i]
-            field.timestamp, field.latencyUsec = stamp, 0
-            code = self._field_failures.get((gpu, field.fieldId))
+        memory = memoryview(array).cast("B")[: n * _RECORD.size]
+        asked = tuple(_RECORD_IDS.iter_unpack(memory))
+        plan = self._field_plans.get((gpu, asked))
+        if plan is None:
+            plan = self._field_plans[(gpu, asked)] = self._plan(gpu, asked)
+        self.field_calls.update(plan.counted)
+        stamp = int((self.clock.start_wall + self.clock.elapsed()) * 1e6)  # µs since the epoch
+        self._field_t = stamp / 1e6 - self.clock.start_wall  # the time the values are of
+        ull, pack, state = plan.value_type, _RECORD.pack, self._gpu_values(gpu)
+        out = []
+        for field_id, scope, code, read in plan.fields:
+            value = 0
+            if read is not None:
+                got = read(gpu, state, scope)
+                code, value = (ERROR_INVALID_ARGUMENT, 0) if got is None else (SUCCESS, got)
+            out.append(pack(field_id, scope, stamp, 0, ull, code, value))
+        memory[:] = b"".join(out)
+        return SUCCESS
+
+    def _plan(self, gpu: int, asked: tuple[tuple[int, int], ...]) -> _FieldPlan:
+        """Per field asked: its injected failure or NOT_SUPPORTED, else its reader."""
+        failures, handlers = self._field_failures, self._field_handlers
+        fields: list[tuple[int, int, int, FieldReader | None]] = []
+        for field_id, scope in asked:
+            code = failures.get((gpu, field_id))
             if code is None:
-                code = self._field_failures.get((None, field.fieldId))
-            handler = self._field_handlers.get(field.fieldId)
+                code = failures.get((None, field_id))
+            handler = handlers.get(field_id)
             if code is None and (handler is None or self._is_unsupported(handler[0])):
                 code = ERROR_NOT_SUPPORTED
-            if code is not None:
-                field.nvmlReturn = code
-                continue
-            assert handler is not None
-            field.valueType = ull
-            field.value.ullVal = handler[1](gpu)
-            field.nvmlReturn = SUCCESS
-        return SUCCESS
+            read = handler[1] if code is None and handler is not None else None
+            fields.append((field_id, scope, code or 0, read))
+        counted = [(field_id, gpu) for field_id, _ in asked]
+        return _FieldPlan(fields, counted, int(self.nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG))
 
     # -- events ---------------------------------------------------------------------------
 
@@ -817,7 +1080,10 @@ def _kind(process: Any) -> str:
 
 __all__ = [
     "CLOCK_EVENT_REASON_CONSTANTS",
+    "DRIVER_COSTS",
+    "FREE",
     "FakeNvmlLib",
+    "NvmlCosts",
     "gpu_uuid",
     "load_private_pynvml",
     "make_pynvml",

@@ -20,6 +20,7 @@ class GpuModel(BaseModel):
     nvlinks: int = 0
     datacenter: bool = True
     dcgm_profiling: bool = True  # DCGM profiling metrics (1001-1012); not on GeForce or pre-Volta
+    mig: bool = False  # supports MIG (nvmlDeviceGetMigMode answers; MIG itself is off)
     # NVML functions this product answers with NVML_ERROR_NOT_SUPPORTED
     unsupported: tuple[str, ...] = ()
 
@@ -34,6 +35,9 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
         max_mem_clock_mhz=1593,
         pcie_max_gen=4,
         nvlinks=12,
+        mig=True,
+        # no NVENC, no fans (SXM)
+        unsupported=("nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetFanSpeed"),
     ),
     "h100-sxm5-80gb": GpuModel(
         name="NVIDIA H100 80GB HBM3",
@@ -44,6 +48,8 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
         max_mem_clock_mhz=2619,
         pcie_max_gen=5,
         nvlinks=18,
+        mig=True,
+        unsupported=("nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetFanSpeed"),
     ),
     "l40s": GpuModel(
         name="NVIDIA L40S",
@@ -54,7 +60,7 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
         max_mem_clock_mhz=9001,
         pcie_max_gen=4,
         nvlinks=0,
-        unsupported=("nvmlDeviceGetNvLinkState",),
+        unsupported=("nvmlDeviceGetNvLinkState", "nvmlDeviceGetFanSpeed"),  # passive cooling
     ),
     "rtx-4090": GpuModel(
         name="NVIDIA GeForce RTX 4090",

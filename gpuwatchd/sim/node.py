@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
+import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Protocol
 
+from gpuwatchd.scheduler import name_os_thread
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.dcgm import SimDcgm
-from gpuwatchd.sim.fake_nvml import make_pynvml
+from gpuwatchd.sim.fake_nvml import DRIVER_COSTS, FREE, make_pynvml
 from gpuwatchd.sim.probe import SimProbeReceiver
 from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sim.sysfs import SysfsWriter
@@ -37,7 +41,9 @@ class SimNode:
 
     The sources run unchanged against it: the NVML source gets a private copy of the
     real pynvml whose C library is the fake, file sources get roots under a temporary
-    directory that `tick()` keeps in step with the timeline.
+    directory that `tick()` keeps in step with the timeline. In real time the fake NVML
+    costs what a real driver does (`DRIVER_COSTS`); in virtual time it costs nothing, so
+    replays run as fast as the CPU allows.
     """
 
     def __init__(self, scenario: Scenario, virtual: bool, loop: bool = False) -> None:
@@ -45,20 +51,26 @@ class SimNode:
         self.timeline = Timeline(scenario, loop=loop)
         self.clock = SimClock(virtual=virtual)
         self.root = Path(tempfile.mkdtemp(prefix=f"gpuwatchd-sim-{scenario.name}-", dir=_TMPFS))
-        self.pynvml = make_pynvml(self.timeline, self.clock)
+        costs = FREE if virtual else DRIVER_COSTS
+        self.pynvml = make_pynvml(self.timeline, self.clock, costs=costs)
         self.dcgm = SimDcgm(self.timeline, self.clock, self.root)  # bindings under root/usr
         self.probe = SimProbeReceiver(self.timeline, self.clock.now, self.clock.elapsed)
         proc, sys = self.root / "proc", self.root / "sys"
         interrupts = InterruptsWriter(proc, self.timeline)
-        # in tick order: /proc/stat's intr line sums what the interrupts writer wrote
-        self._writers: list[Writer] = [
-            SysfsWriter(sys, self.timeline),
-            interrupts,
-            CpuWriter(proc, self.timeline, interrupts=interrupts),
-            DiskstatsWriter(proc, self.timeline, sysfs=sys),
-            InfinibandWriter(sys, self.timeline),
-            ProcessesWriter(proc, sys, self.timeline),
+        # in tick order (/proc/stat's intr line sums what the interrupts writer wrote),
+        # each with the sources that read its files and whether it keeps counters (rising
+        # between writes: SysfsWriter's files only show the state at the time)
+        self._writers: list[tuple[Writer, frozenset[str], bool]] = [
+            (SysfsWriter(sys, self.timeline), frozenset({"pcie"}), False),
+            (interrupts, frozenset({"interrupts", "cpu"}), True),
+            (CpuWriter(proc, self.timeline, interrupts=interrupts), frozenset({"cpu"}), True),
+            (DiskstatsWriter(proc, self.timeline, sysfs=sys), frozenset({"disks"}), True),
+            (InfinibandWriter(sys, self.timeline), frozenset({"infiniband"}), True),
+            (ProcessesWriter(proc, sys, self.timeline), frozenset({"processes"}), True),
         ]
+        self._written: dict[int, float] = {}  # writer (its index) -> when it last wrote
+        self._ticker: threading.Thread | None = None  # start(): the real-time tick thread
+        self._stopped = threading.Event()
         self.tick()
 
     def context(self) -> Context:
@@ -75,12 +87,41 @@ class SimNode:
             },
         )
 
-    def tick(self) -> None:
-        """Bring the written trees up to the clock's time."""
+    def tick(self, due: Collection[str] | None = None) -> None:
+        """Bring the written trees up to the clock's time.
+
+        With `due` (the sources about to poll), only the files they read: a writer
+        whose readers are not due is left behind while the host's values stay the same
+        since it last wrote, as its counters then rise at the rates they had, and
+        written (its counters brought up to now) as soon as one changes. What a source
+        reads is the same as with every writer written at every tick.
+        """
         t = self.clock.elapsed()
-        for writer in self._writers:
+        for i, (writer, readers, counters) in enumerate(self._writers):
+            last = self._written.get(i)
+            if due is None or last is None or not readers.isdisjoint(due):
+                pass
+            elif not counters or self.timeline.constant(last, t, gpus=False):
+                continue
             writer.write(t)
+            self._written[i] = t
+
+    def start(self) -> None:
+        """Real time: keep the trees in step with the clock, every second, from a thread
+        of the node's own (named gpuwatchd-sim: it plays the kernel, not the daemon, and a
+        benchmark of the daemon leaves its CPU out)."""
+        if self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick_forever, name="sim", daemon=True)
+            self._ticker.start()
+
+    def _tick_forever(self) -> None:
+        name_os_thread("gpuwatchd-sim")
+        while not self._stopped.wait(1.0 - time.monotonic() % 1.0):
+            self.tick()
 
     def close(self) -> None:
+        self._stopped.set()
+        if self._ticker is not None:
+            self._ticker.join(5)
         self.dcgm.close()
         shutil.rmtree(self.root, ignore_errors=True)

@@ -366,6 +366,10 @@ class _CompiledPhase:
     host: dict[str, Any]
     host_ramp: dict[str, tuple[float, float]]
 
+    def ramps(self, gpus: bool) -> bool:
+        """Whether some host value (or, with `gpus`, GPU value) changes during the phase."""
+        return bool(self.host_ramp) or gpus and any(ramp for _, _, ramp in self.changes)
+
 
 class Timeline:
     """Values of every GPU and bridge at virtual time t (seconds since scenario start)."""
@@ -432,6 +436,52 @@ class Timeline:
         t = self._local(t)
         if self._cache is not None and self._cache[0] == t:
             return self._cache[1], self._cache[2]
+        gpus, bridges = self._compute(t)
+        self._cache = (t, gpus, bridges)
+        return gpus, bridges
+
+    def integral(self, key: str, t0: float, t1: float) -> list[float]:
+        """Per GPU, the integral of a rate (`pcie_tx_mb_s`, ...) over [t0, t1]: exact, as
+        values are linear within a phase (a ramp) and the midpoint rule is exact there."""
+        cuts = [t0, *self._boundaries(t0, t1), t1]
+        totals = [0.0] * self.scenario.node.gpu_count
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            if b > a:
+                gpus, _ = self._compute(self._local((a + b) / 2))
+                for i, values in enumerate(gpus):
+                    totals[i] += values[key] * (b - a)
+        return totals
+
+    def constant(self, t0: float, t1: float, gpus: bool = True) -> bool:
+        """True if every value is the same at all times in [t0, t1]: no phase starts or
+        ends within (t0, t1] and no ramp runs in it (`gpus=False`: no host ramp; GPU
+        values set per phase, such as their processes, cannot ramp)."""
+        if t1 <= t0:
+            return True
+        if self.loop and self.duration > 0:
+            if t1 - t0 >= self.duration:
+                return False
+            t0, t1 = self._local(t0), self._local(t1)
+            if t1 < t0:  # wrapped: the loop's start is a boundary
+                return False
+        edges = [*self._starts, self.duration]
+        if any(t0 < e <= t1 for e in edges):
+            return False
+        for start, phase in self._compiled:
+            if start < t1 and t0 < start + phase.duration and phase.ramps(gpus):
+                return False
+        return True
+
+    def _boundaries(self, t0: float, t1: float) -> list[float]:
+        """Times in (t0, t1) where a phase starts or the last one ends (each loop's)."""
+        edges = [*self._starts, self.duration]
+        if not (self.loop and self.duration > 0):
+            return [e for e in edges if t0 < e < t1]
+        period = self.duration
+        cycles = range(int(t0 // period), int(t1 // period) + 1)
+        return sorted({c * period + e for c in cycles for e in edges if t0 < c * period + e < t1})
+
+    def _compute(self, t: float) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
         gpus = [dict(self._base) for _ in range(self.scenario.node.gpu_count)]
         bridges = {name: dict(link) for name, link in self._base_bridges.items()}
         for start, phase in self._compiled:
@@ -446,7 +496,6 @@ class Timeline:
             for name, link in phase.bridges.items():
                 if name in bridges:
                     bridges[name].update(link)
-        self._cache = (t, gpus, bridges)
         return gpus, bridges
 
     def host_state(self, t: float) -> dict[str, Any]:

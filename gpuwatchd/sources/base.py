@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,17 +57,59 @@ def not_mounted(path: object, setting: str, root: Path) -> SourceError:
     )
 
 
+def open_kernel_file(path: str) -> int:
+    """A descriptor for reading a kernel file, opened so that it cannot block the poll.
+
+    procfs and sysfs pseudo-files are regular files; anything else put at such a path (a
+    FIFO, a device) is refused: opening a FIFO to read waits for a writer forever, and a
+    poll stuck there never ends. O_NONBLOCK also turns a pseudo-file that would wait for
+    data (like /proc/kmsg) into EAGAIN. Raises OSError.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO or a device?)", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small(path: str, limit: int = 4096) -> bytes:
+    """A sysfs attribute (one value) in a single read; raises OSError."""
+    fd = open_kernel_file(path)
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: str, limit: int = 4 << 20) -> bytes:
+    """A kernel file's bytes, up to `limit`, read to its end; raises OSError."""
+    fd = open_kernel_file(path)
+    try:
+        parts: list[bytes] = []
+        size = 0
+        while size < limit:
+            chunk = os.read(fd, min(1 << 16, limit - size))
+            if not chunk:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
 def read_text(path: str) -> str:
     """A kernel file's text (raises OSError); bytes that are not UTF-8 become U+FFFD."""
-    with open(path, "rb") as f:
-        return f.read().decode("utf-8", "replace")
+    return read_file(path).decode("utf-8", "replace")
 
 
 def read_kernel_file(path: str, setting: str, root: Path, limit: int = 4 << 20) -> str:
     """A procfs/sysfs file's text, or a SourceError that names the file and the setting."""
     try:
-        with open(path, "rb") as f:
-            return f.read(limit).decode("utf-8", "replace")
+        return read_file(path, limit).decode("utf-8", "replace")
     except FileNotFoundError as e:
         raise not_mounted(path, setting, root) from e
     except OSError as e:

@@ -65,7 +65,7 @@ from typing import NamedTuple
 from gpuwatchd.config import InfinibandConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted
+from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted, read_small
 
 log = logging.getLogger(__name__)
 
@@ -201,15 +201,9 @@ def counter_rate(prev: int, cur: int, seconds: float, may_be_32bit: bool) -> flo
 def _read(path: str) -> str | None:
     """A small sysfs file's text, None if it cannot be read (os.open: 3x cheaper than open)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        return read_small(path, 4096).decode("ascii", "replace")
     except (OSError, ValueError):
         return None
-    try:
-        return os.read(fd, 4096).decode("ascii", "replace")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 @dataclass

@@ -5,12 +5,29 @@ library is a fake), else `import pynvml`. NVML is initialised on the first poll;
 fails (no libnvidia-ml, driver not loaded, ...) the poll raises SourceError with a
 one-line reason and the next poll tries again.
 
-Per GPU, identity (UUID, name, PCI bus id) and static limits (max clocks, max PCIe
-link) are read once and cached; everything else is read on every poll from the table
-`READS` (one NVML call each), plus one nvmlDeviceGetFieldValues call (PCIe replays and
-ECC totals), the NVLink states and the Xid events drained from one event set.
+What a poll costs is counted in NVML calls, each tens of microseconds of CPU in the
+driver. Per GPU and poll:
+- one nvmlDeviceGetFieldValues for everything the driver can batch (`FIELDS`): power,
+  the PCIe TX/RX byte counters (exported as rates between two polls, from the driver's
+  own timestamps), the PCIe replay counter, ECC totals and mode, and the state of every
+  NVLink (a field per link, scoped by link index);
+- one call each for what has no field (`READS`): utilization, memory, SM clock,
+  P-state, clock event reasons and the running compute processes;
+- slow facts (`SLOW`: temperature, memory clock, PCIe link generation and width,
+  persistence mode, power limit, the graphics processes) every `SLOW_EVERY` polls, kept
+  in between;
+- static facts (identity, NVLink count, maximum clocks and link) once;
+- one event wait that drains pending Xid events without blocking.
+nvmlDeviceGetPcieThroughput is never called: it blocks ~20 ms per call to sample a
+counter. Where the driver lacks the byte counters (before R555) the PCIe rates are left
+out (logged once). A field the driver answers NOT_SUPPORTED is dropped from the batch;
+where a classic call reads the same value (power) that call is used instead.
 
-Errors, per GPU and per call:
+The process lists are shared: the nvml source publishes each poll's lists in a
+`ProcessTable` (`context.extras["nvml_processes"]`) that the processes source reads
+instead of asking NVML again.
+
+Errors, per GPU and per call (or field):
 - NOT_SUPPORTED / FUNCTION_NOT_FOUND: the series is dropped for that GPU and the call
   is never made again on it (logged once). A read with an older alternative (clock
   event reasons -> throttle reasons) falls back to it on FUNCTION_NOT_FOUND instead.
@@ -30,6 +47,8 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,12 +134,54 @@ CLOCK_REASONS = {
 }
 
 _MAX_EVENTS_PER_POLL = 1024
-# c_nvmlValue_t member for each NVML_VALUE_TYPE_* (0..6)
-_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+SLOW_EVERY = 10  # polls between two reads of a slow fact
+EVERY_POLL, SLOW, ONCE = 1, SLOW_EVERY, 0  # Read.every
+KINDS = ("compute", "graphics")  # NVML's two process lists
+PROCESS_TABLE = "nvml_processes"  # context.extras key of the shared ProcessTable
 
 
 class _GpuLost(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class ListedGpu:
+    """One GPU in a ProcessTable: its labels, bus id and process lists."""
+
+    index: int
+    labels: tuple[str, ...]  # (gpu, uuid)
+    bus_id: str  # sysfs form
+    lists: dict[str, dict[int, float]] | None  # kind -> {pid: GPU memory bytes}; None: lost
+
+
+class ProcessTable:
+    """The GPU process lists of the nvml source's last poll, for the processes source.
+
+    NVML lists each GPU's processes once per poll, for both sources: the nvml source
+    publishes what it read here, and the processes source uses it while it is fresh.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._read_at: float | None = None
+        self._gpus: list[ListedGpu] = []
+
+    def publish(self, read_at: float, gpus: list[ListedGpu]) -> None:
+        with self._lock:
+            self._read_at, self._gpus = read_at, gpus
+
+    def fresh(self, now: float, max_age: float) -> list[ListedGpu] | None:
+        """The last lists if read at most `max_age` before `now` (same clock), else None."""
+        with self._lock:
+            if self._read_at is None or now - self._read_at > max_age:
+                return None
+            return self._gpus
+
+
+def process_table(context: Context) -> ProcessTable:
+    """The node's shared ProcessTable (one per Context, so per pipeline)."""
+    table: ProcessTable = context.extras.setdefault(PROCESS_TABLE, ProcessTable())
+    return table
 
 
 class _Gpu:
@@ -130,16 +191,20 @@ class _Gpu:
         self.index = index
         self.handle: Any = None
         self.labels: tuple[str, ...] = (str(index), "")
+        self.bus_id = ""
         self.info: Sample | None = None
         self.lost = False
+        self.polls = 0  # polls that read this GPU, for the reads' cadence
+        self.reads: list[Read] = []  # READS, plus the fallbacks of unsupported fields
         self.disabled: set[str] = set()  # read keys found unsupported on this GPU
         self.choice: dict[str, int] = {}  # read key -> alternative in use (after fallbacks)
-        self.static: dict[str, Any] = {}  # read key -> value read once
-        self.nvlinks: int | None = None  # None: not probed yet
-        self.link_labels: list[tuple[str, ...]] = []
+        self.kept: dict[str, list[Sample]] = {}  # read key -> its samples, kept between reads
         self.reason_labels: list[tuple[int, tuple[str, ...]]] = []
-        self.fields: list[tuple[int, str, tuple[str, ...]]] = []  # (field id, metric, labels)
-        self.field_ids: list[int] = []
+        self.batch: list[_Entry] = []  # what this GPU's nvmlDeviceGetFieldValues asks for
+        self.request: Any = None  # ... as the nvmlFieldValue_t array it is asked with
+        # byte counter field -> (value, driver's µs timestamp, rate since the one before)
+        self.counters: dict[int, tuple[int, int | None, float | None]] = {}
+        self.lists: dict[str, dict[int, float]] = {}  # process lists, by kind
         self.events = "pending"  # pending | registered | unsupported
         self.xids: dict[int, int] = {}
         self.last_xid: float | None = None
@@ -160,23 +225,20 @@ def _emit_reasons(gpu: _Gpu, mask: int, out: list[Sample]) -> None:
         out.append(Sample(CLOCK_REASON.name, labels, 1.0 if mask & bit else 0.0))
 
 
-def _emit_ecc_mode(gpu: _Gpu, value: Any, out: list[Sample]) -> None:
-    out.append(Sample(ECC_MODE.name, gpu.labels, float(value[0])))  # [current, pending]
-
-
-def _emit_processes(gpu: _Gpu, processes: Any, out: list[Sample]) -> None:
-    used: dict[int, float] = {}
-    for process in processes:
-        memory = process.usedGpuMemory  # None where the driver cannot tell (WDDM)
-        used[process.pid] = used.get(process.pid, 0.0) + (memory or 0)
+def _emit_compute(gpu: _Gpu, used: dict[int, float], out: list[Sample]) -> None:
     out.append(Sample(PROCESSES.name, gpu.labels, float(len(used))))
     for pid, memory in used.items():
         out.append(Sample(PROCESS_MEMORY.name, gpu.labels + (str(pid),), memory))
 
 
+def _no_samples(gpu: _Gpu, value: Any, out: list[Sample]) -> None:
+    """A read for the processes source only (the graphics processes)."""
+
+
 @dataclass(frozen=True)
 class Read:
-    """One NVML call per GPU per poll (or once, if static) and the samples it gives."""
+    """One NVML call per GPU and the samples it gives, made every `every` polls (the
+    value kept in between) or, with `every` 0, once."""
 
     key: str  # what an unsupported call is remembered by
     functions: tuple[str, ...]  # pynvml functions, preferred first; FunctionNotFound: next
@@ -184,89 +246,252 @@ class Read:
     metric: str = ""  # scalar reads: the metric, and the factor to base units
     scale: float = 1.0
     emit: Callable[[_Gpu, Any, list[Sample]], None] | None = None  # other reads
-    static: bool = False  # read once per GPU, then cached
+    every: int = EVERY_POLL
+    listing: str = ""  # a process list ("compute", "graphics"), read by Direct
 
 
 READS: tuple[Read, ...] = (
     Read("utilization", ("nvmlDeviceGetUtilizationRates",), emit=_emit_utilization),
     Read("memory", ("nvmlDeviceGetMemoryInfo",), emit=_emit_memory),
-    Read("power", ("nvmlDeviceGetPowerUsage",), metric=POWER.name, scale=1e-3),  # mW
-    Read("power_limit", ("nvmlDeviceGetEnforcedPowerLimit",), metric=POWER_LIMIT.name, scale=1e-3),
-    Read(
-        "temperature",
-        ("nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"),
-        ("NVML_TEMPERATURE_GPU",),
-        metric=TEMPERATURE.name,
-    ),
     Read("sm_clock", ("nvmlDeviceGetClockInfo",), ("NVML_CLOCK_SM",), SM_CLOCK.name, 1e6),
-    Read(
-        "sm_clock_max",
-        ("nvmlDeviceGetMaxClockInfo",),
-        ("NVML_CLOCK_SM",),
-        SM_CLOCK_MAX.name,
-        1e6,
-        static=True,
-    ),
-    Read("mem_clock", ("nvmlDeviceGetClockInfo",), ("NVML_CLOCK_MEM",), MEM_CLOCK.name, 1e6),
-    Read(
-        "mem_clock_max",
-        ("nvmlDeviceGetMaxClockInfo",),
-        ("NVML_CLOCK_MEM",),
-        MEM_CLOCK_MAX.name,
-        1e6,
-        static=True,
-    ),
     Read("pstate", ("nvmlDeviceGetPerformanceState",), metric=PSTATE.name),
     Read(
         "clock_reasons",
         ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"),
         emit=_emit_reasons,
     ),
-    Read("pcie_gen", ("nvmlDeviceGetCurrPcieLinkGeneration",), metric=PCIE_GEN.name),
+    Read(
+        "compute_processes",
+        ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
+        emit=_emit_compute,
+        listing="compute",
+    ),
+    # slow facts (the temperature too: the rules only quote it)
+    Read(
+        "temperature",
+        ("nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"),
+        ("NVML_TEMPERATURE_GPU",),
+        metric=TEMPERATURE.name,
+        every=SLOW,
+    ),
+    Read(
+        "mem_clock",
+        ("nvmlDeviceGetClockInfo",),
+        ("NVML_CLOCK_MEM",),
+        MEM_CLOCK.name,
+        1e6,
+        every=SLOW,
+    ),
+    Read("pcie_gen", ("nvmlDeviceGetCurrPcieLinkGeneration",), metric=PCIE_GEN.name, every=SLOW),
+    Read("pcie_width", ("nvmlDeviceGetCurrPcieLinkWidth",), metric=PCIE_WIDTH.name, every=SLOW),
+    Read(
+        "persistence_mode",
+        ("nvmlDeviceGetPersistenceMode",),
+        metric=PERSISTENCE.name,
+        every=SLOW,
+    ),
+    Read(
+        "power_limit",
+        ("nvmlDeviceGetEnforcedPowerLimit",),
+        metric=POWER_LIMIT.name,
+        scale=1e-3,  # mW
+        every=SLOW,
+    ),
+    Read(
+        "graphics_processes",
+        ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2"),
+        emit=_no_samples,
+        every=SLOW,
+        listing="graphics",
+    ),
+    # static facts
+    Read(
+        "sm_clock_max",
+        ("nvmlDeviceGetMaxClockInfo",),
+        ("NVML_CLOCK_SM",),
+        SM_CLOCK_MAX.name,
+        1e6,
+        every=ONCE,
+    ),
+    Read(
+        "mem_clock_max",
+        ("nvmlDeviceGetMaxClockInfo",),
+        ("NVML_CLOCK_MEM",),
+        MEM_CLOCK_MAX.name,
+        1e6,
+        every=ONCE,
+    ),
     Read(
         "pcie_gen_max",
         ("nvmlDeviceGetMaxPcieLinkGeneration",),
         metric=PCIE_GEN_MAX.name,
-        static=True,
+        every=ONCE,
     ),
-    Read("pcie_width", ("nvmlDeviceGetCurrPcieLinkWidth",), metric=PCIE_WIDTH.name),
     Read(
         "pcie_width_max",
         ("nvmlDeviceGetMaxPcieLinkWidth",),
         metric=PCIE_WIDTH_MAX.name,
-        static=True,
-    ),
-    Read(
-        "pcie_tx",
-        ("nvmlDeviceGetPcieThroughput",),
-        ("NVML_PCIE_UTIL_TX_BYTES",),
-        PCIE_TX.name,
-        1024.0,
-    ),  # KB/s, KB = 1024 bytes
-    Read(
-        "pcie_rx",
-        ("nvmlDeviceGetPcieThroughput",),
-        ("NVML_PCIE_UTIL_RX_BYTES",),
-        PCIE_RX.name,
-        1024.0,
-    ),
-    Read("persistence_mode", ("nvmlDeviceGetPersistenceMode",), metric=PERSISTENCE.name),
-    Read("ecc_mode", ("nvmlDeviceGetEccMode",), emit=_emit_ecc_mode),
-    Read(
-        "processes",
-        ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
-        emit=_emit_processes,
+        every=ONCE,
     ),
 )
+# where the driver does not batch power (before R535), the classic call reads it
+POWER_READ = Read("power", ("nvmlDeviceGetPowerUsage",), metric=POWER.name, scale=1e-3)  # mW
 
-# nvmlDeviceGetFieldValues, one call per GPU: (field id constant, metric, extra labels)
-FIELDS = (
-    ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", PCIE_REPLAYS.name, ()),
-    ("NVML_FI_DEV_ECC_SBE_AGG_TOTAL", ECC_ERRORS.name, ("corrected",)),
-    ("NVML_FI_DEV_ECC_DBE_AGG_TOTAL", ECC_ERRORS.name, ("uncorrected",)),
+
+@dataclass(frozen=True)
+class Field:
+    """A value of the nvmlDeviceGetFieldValues batch and the sample it gives."""
+
+    constant: str  # pynvml's NVML_FI_* name
+    metric: str
+    scale: float = 1.0
+    extra: tuple[str, ...] = ()  # label values after gpu and uuid
+    rate: bool = False  # a byte counter: exported as bytes per second between two polls
+    fallback: Read | None = None  # reads the value where the driver lacks the field
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("NVML_FI_DEV_POWER_INSTANT", POWER.name, 1e-3, fallback=POWER_READ),  # mW
+    Field("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", PCIE_TX.name, rate=True),  # R555+
+    Field("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", PCIE_RX.name, rate=True),
+    Field("NVML_FI_DEV_PCIE_REPLAY_COUNTER", PCIE_REPLAYS.name),
+    Field("NVML_FI_DEV_ECC_SBE_AGG_TOTAL", ECC_ERRORS.name, extra=("corrected",)),
+    Field("NVML_FI_DEV_ECC_DBE_AGG_TOTAL", ECC_ERRORS.name, extra=("uncorrected",)),
+    Field("NVML_FI_DEV_ECC_CURRENT", ECC_MODE.name),
 )
-NVLINK_KEY = "nvlink"
+# one per link, scoped by the link's index (R525+); the count is read once per GPU
+NVLINK_STATE = Field("NVML_FI_DEV_NVLINK_GET_STATE", NVLINK.name)
+NVLINK_COUNT = "NVML_FI_DEV_NVLINK_LINK_COUNT"
 FIELDS_KEY = "field_values"
+
+
+class FieldValues:
+    """Reads an array of pynvml's c_nvmlFieldValue_t in one pass: (nvmlReturn, the
+    driver's timestamp in µs, the value as a number) per field.
+
+    pynvml's structures read every member through a Python-level __getattribute__
+    (about a microsecond each, several per field); the layout comes from the binding's
+    own ctypes declarations, so it is the one the library wrote.
+    """
+
+    def __init__(self, nv: Any) -> None:
+        record, union = nv.c_nvmlFieldValue_t, nv.c_nvmlValue_t
+        layout, at = "<", 0
+        for name, kind in record._fields_:
+            offset, size = getattr(record, name).offset, ctypes.sizeof(kind)
+            layout += "x" * (offset - at)
+            layout += _standard(kind) or f"{size}s"
+            at = offset + size
+        layout += "x" * (ctypes.sizeof(record) - at)
+        self._record = struct.Struct(layout)
+        names = [name for name, _ in record._fields_]
+        self._at = [names.index(n) for n in ("nvmlReturn", "valueType", "timestamp", "value")]
+        # NVML_VALUE_TYPE_* is the index of the union's member (dVal, uiVal, ulVal, ...)
+        self._values = [struct.Struct("<" + (_standard(kind) or "x")) for _, kind in union._fields_]
+
+    def read(self, array: Any) -> list[tuple[int, int, float | None]]:
+        out = []
+        code, kind, stamp, raw = self._at
+        values = self._values
+        for record in self._record.iter_unpack(memoryview(array).cast("B")):
+            index = record[kind]
+            number = values[index].unpack_from(record[raw])[0] if index < len(values) else None
+            out.append((record[code], record[stamp], number))
+        return out
+
+
+def _standard(kind: Any) -> str | None:
+    """The struct code (standard size, "<") of a ctypes number type, or None."""
+    code, size = getattr(kind, "_type_", None), ctypes.sizeof(kind)
+    if not isinstance(code, str) or code not in "bBhHiIlLqQfd":
+        return None
+    if code in "fd":
+        return {4: "f", 8: "d"}.get(size)
+    by_size = {1: "b", 2: "h", 4: "i", 8: "q"}.get(size)
+    return None if by_size is None else by_size if code.islower() else by_size.upper()
+
+
+class Direct:
+    """The field values and the process lists through the binding's own function
+    pointers (`_nvmlGetFunctionPointer`, as its wrappers do), with buffers kept between
+    polls: pynvml's wrappers allocate, fill member by member and convert to Python
+    objects on every call, and ask each process list for its length first (two calls).
+    Here a poll is one call each while the buffer is big enough. Without that function
+    (a pynvml that no longer has it), the wrappers are used."""
+
+    def __init__(self, nv: Any) -> None:
+        self.nv = nv
+        self.values = FieldValues(nv)
+        self._pointer = getattr(nv, "_nvmlGetFunctionPointer", None)
+        self._info = nv.c_nvmlProcessInfo_t
+        pid, memory = self._info.pid.offset, self._info.usedGpuMemory.offset
+        self._pid, self._memory = struct.Struct("<I"), struct.Struct("<Q")
+        self._at = (pid, memory, ctypes.sizeof(self._info))
+        self._buffer = (self._info * 16)()
+        self._unknown = int(nv.NVML_VALUE_NOT_AVAILABLE_ulonglong.value)
+
+    def request(self, ids: list[tuple[int, int]]) -> Any:
+        """A reusable nvmlFieldValue_t array asking for these (field id, scope id)."""
+        array = (self.nv.c_nvmlFieldValue_t * len(ids))()
+        for value, (field_id, scope) in zip(array, ids, strict=True):
+            value.fieldId, value.scopeId = field_id, scope
+        return array
+
+    def field_values(self, handle: Any, request: Any) -> list[tuple[int, int, float | None]]:
+        nv = self.nv
+        if self._pointer is None:
+            ids = [(v.fieldId, v.scopeId) for v in request]
+            return self.values.read(nv.nvmlDeviceGetFieldValues(handle, ids))
+        call = self._pointer("nvmlDeviceGetFieldValues")
+        code = call(handle, ctypes.c_int32(len(request)), ctypes.byref(request))
+        if code != nv.NVML_SUCCESS:
+            raise nv.NVMLError(code)
+        return self.values.read(request)
+
+    def lister(self, name: str) -> Callable[[Any], dict[int, float]]:
+        """nvmlDevice{Compute,Graphics}RunningProcesses[_vN] as {pid: GPU memory bytes}."""
+        nv = self.nv
+
+        def wrapped(handle: Any) -> dict[int, float]:
+            used: dict[int, float] = {}
+            for process in getattr(nv, name)(handle):
+                memory = process.usedGpuMemory  # None where the driver cannot tell (WDDM)
+                used[process.pid] = used.get(process.pid, 0.0) + (memory or 0)
+            return used
+
+        def direct(handle: Any) -> dict[int, float]:
+            assert self._pointer is not None
+            call = self._pointer(name)
+            count = ctypes.c_uint(len(self._buffer))
+            code = call(handle, ctypes.byref(count), self._buffer)
+            while code == nv.NVML_ERROR_INSUFFICIENT_SIZE:  # more processes than room
+                self._buffer = (self._info * (count.value * 2 + 5))()
+                count = ctypes.c_uint(len(self._buffer))
+                code = call(handle, ctypes.byref(count), self._buffer)
+            if code != nv.NVML_SUCCESS:
+                raise nv.NVMLError(code)
+            memory = memoryview(self._buffer).cast("B")
+            pid_at, memory_at, size = self._at
+            used: dict[int, float] = {}
+            for base in range(0, count.value * size, size):
+                (pid,) = self._pid.unpack_from(memory, base + pid_at)
+                (value,) = self._memory.unpack_from(memory, base + memory_at)
+                used[pid] = used.get(pid, 0.0) + (0 if value == self._unknown else value)
+            return used
+
+        return wrapped if self._pointer is None else direct
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A field of one GPU's batch, resolved: its id, scope and full labels."""
+
+    field_id: int
+    scope: int
+    field: Field
+    labels: tuple[str, ...]
+    what: str  # for the log: the constant, with the scope
+
 
 _INIT_HINTS = {
     "NVML_ERROR_LIBRARY_NOT_FOUND": (
@@ -383,6 +608,8 @@ class NvmlSource(Source):
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
         self._now: Callable[[], float] = context.extras.get("now", time.time)
+        self._clock: Callable[[], float] = context.extras.get("clock", time.monotonic)
+        self._table = process_table(context)
         self._nv: Any = None  # the binding, once NVML is initialised
         self._gpus: list[_Gpu] = []
         self._globals: list[Sample] = []
@@ -394,11 +621,12 @@ class NvmlSource(Source):
         # resolved from the binding by _start/_resolve
         self._codes: dict[int, str] = {}
         self._calls: dict[str, list[tuple[str, Any, tuple[Any, ...]]]] = {}
-        self._fields: list[tuple[int, str, tuple[str, ...]]] = []
+        self._fields: list[tuple[int, Field]] = []
+        self._nvlink: tuple[int, int] = (0, 0)  # (state field id, count field id); 0: none
         self._reasons: list[tuple[str, int]] = []
+        self._direct: Direct | None = None
         self._xid_type = 0
         self._wait: Any = None
-        self._max_links = 0
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -422,12 +650,25 @@ class NvmlSource(Source):
     def _resolve(self, nv: Any) -> None:
         """Look the functions and constants of READS, FIELDS and the reasons up once."""
 
+        direct = self._direct = Direct(nv)
+
         def bound(read: Read) -> list[tuple[str, Any, tuple[Any, ...]]]:
             args = tuple(getattr(nv, a) for a in read.args)
-            return [(f, getattr(nv, f, None), args) for f in read.functions]
+            functions = [getattr(nv, f, None) for f in read.functions]
+            if read.listing:
+                functions = [
+                    f and direct.lister(name)
+                    for f, name in zip(functions, read.functions, strict=True)
+                ]
+            return [
+                (f, function, args) for f, function in zip(read.functions, functions, strict=True)
+            ]
 
-        self._calls = {read.key: bound(read) for read in READS}
-        self._fields = [(getattr(nv, f), metric, extra) for f, metric, extra in FIELDS]
+        self._calls = {read.key: bound(read) for read in (*READS, POWER_READ)}
+        # a field this pynvml does not know is one the driver cannot be asked for either
+        self._fields = [(getattr(nv, f.constant), f) for f in FIELDS if hasattr(nv, f.constant)]
+        state = getattr(nv, NVLINK_STATE.constant, 0)
+        self._nvlink = (state, getattr(nv, NVLINK_COUNT, 0) if state else 0)
         self._reasons = []
         for label, suffix in CLOCK_REASONS.items():
             bit = getattr(nv, "nvmlClocksEventReason" + suffix, None)
@@ -436,7 +677,6 @@ class NvmlSource(Source):
                 self._reasons.append((label, int(bit)))
         self._xid_type = int(nv.nvmlEventTypeXidCriticalError)
         self._wait = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
-        self._max_links = int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))
 
     def close(self) -> None:
         nv, self._nv = self._nv, None
@@ -485,8 +725,12 @@ class NvmlSource(Source):
             if gpu.handle is not None and gpu.events == "pending":
                 self._register_events(gpu)
         self._drain_events()
+        listed = []
         for gpu in self._gpus:
             self._collect_gpu(gpu, out)
+            lists = None if gpu.lost else dict(gpu.lists)
+            listed.append(ListedGpu(gpu.index, gpu.labels, gpu.bus_id, lists))
+        self._table.publish(self._clock(), listed)
         return out
 
     def _identify(self, gpu: _Gpu) -> None:
@@ -502,17 +746,42 @@ class NvmlSource(Source):
         name = quietly(nv, nv.nvmlDeviceGetName, handle) or ""
         pci_info = getattr(nv, "nvmlDeviceGetPciInfo_v3", None) or nv.nvmlDeviceGetPciInfo
         pci = quietly(nv, pci_info, handle)
-        bus_id = sysfs_bus_id(pci.busId) if pci is not None else ""
+        gpu.bus_id = sysfs_bus_id(pci.busId) if pci is not None else ""
         labels = (str(gpu.index), uuid)
         gpu.labels = labels
-        gpu.info = Sample(INFO.name, labels + (name, bus_id, self._driver, self._cuda), 1.0)
+        gpu.info = Sample(INFO.name, labels + (name, gpu.bus_id, self._driver, self._cuda), 1.0)
         gpu.reason_labels = [(bit, labels + (label,)) for label, bit in self._reasons]
-        gpu.fields = [(fid, metric, labels + extra) for fid, metric, extra in self._fields]
-        gpu.field_ids = [fid for fid, _, _ in gpu.fields]
+        gpu.reads = list(READS)
         gpu.handle = handle
+        self._batch(gpu)
         address = ctypes.cast(handle, ctypes.c_void_p).value
         if address is not None:
             self._by_address[address] = gpu
+
+    def _batch(self, gpu: _Gpu) -> None:
+        """This GPU's field-values request: FIELDS and, per NVLink, its state."""
+        entries = [_Entry(fid, 0, f, gpu.labels + f.extra, f.constant) for fid, f in self._fields]
+        state, count = self._nvlink
+        links = self._links(gpu, count) if count else 0
+        for link in range(links):
+            labels = gpu.labels + (str(link),)
+            entries.append(
+                _Entry(state, link, NVLINK_STATE, labels, f"{NVLINK_STATE.constant}[{link}]")
+            )
+        self._ask(gpu, entries)
+
+    def _links(self, gpu: _Gpu, count_field: int) -> int:
+        """How many NVLinks the GPU has (0: none, or the driver cannot tell)."""
+        nv, direct = self._nv, self._direct
+        assert direct is not None
+        try:
+            ((code, _, count),) = direct.field_values(
+                gpu.handle, direct.request([(count_field, 0)])
+            )
+        except nv.NVMLError as e:
+            log.debug("nvml: GPU %d: NVLink count: %s", gpu.index, self._describe(e))
+            return 0
+        return int(count) if code == nv.NVML_SUCCESS and count is not None else 0
 
     def _register_events(self, gpu: _Gpu) -> None:
         """Ask for this GPU's Xid events; retried each poll until it works or can't."""
@@ -558,15 +827,16 @@ class NvmlSource(Source):
             return
         mine: list[Sample] = []
         try:
-            self._reads(gpu, mine)
             self._field_values(gpu, mine)
-            self._nvlinks(gpu, mine)
+            self._reads(gpu, mine)
         except _GpuLost:
             if not gpu.lost:
                 log.warning("nvml: GPU %d (%s): lost (GPU_IS_LOST)", gpu.index, gpu.labels[1])
             gpu.lost = True
+            gpu.counters.clear()
             out.append(Sample(LOST.name, gpu.labels, 1.0))
             return
+        gpu.polls += 1
         if gpu.lost:
             log.info("nvml: GPU %d: answering again", gpu.index)
             gpu.lost = False
@@ -580,22 +850,33 @@ class NvmlSource(Source):
             out.append(Sample(LAST_XID.name, gpu.labels, gpu.last_xid))
 
     def _reads(self, gpu: _Gpu, out: list[Sample]) -> None:
-        missing = _MISSING
-        for read in READS:
-            value = self._read(gpu, read)
-            if value is missing:
+        polls, kept = gpu.polls, gpu.kept
+        for read in gpu.reads:
+            key, every = read.key, read.every
+            if every != EVERY_POLL and key in kept and (every == ONCE or polls % every):
+                out.extend(kept[key])  # what it gave when it was read
                 continue
+            value = self._read(gpu, read)
+            if value is _MISSING:
+                kept.pop(key, None)  # asked again next poll
+                if read.listing:
+                    gpu.lists.pop(read.listing, None)
+                continue
+            if read.listing:
+                gpu.lists[read.listing] = value
             if read.emit is None:
-                out.append(Sample(read.metric, gpu.labels, value * read.scale))
+                samples = [Sample(read.metric, gpu.labels, value * read.scale)]
             else:
-                read.emit(gpu, value, out)
+                samples = []
+                read.emit(gpu, value, samples)
+            if every != EVERY_POLL:
+                kept[key] = samples
+            out.extend(samples)
 
     def _read(self, gpu: _Gpu, read: Read) -> Any:
         key = read.key
         if key in gpu.disabled:
             return _MISSING
-        if read.static and key in gpu.static:
-            return gpu.static[key]
         calls = self._calls[key]
         choice = gpu.choice.get(key, 0)
         name, function, args = calls[choice]
@@ -610,76 +891,62 @@ class NvmlSource(Source):
                 return self._read(gpu, read)
             self._failed(gpu, key, name, e)
             return _MISSING
-        if read.static:
-            gpu.static[key] = value
         return value
 
     def _field_values(self, gpu: _Gpu, out: list[Sample]) -> None:
-        """PCIe replays and ECC totals in one call; each field has its own nvmlReturn."""
-        if not gpu.field_ids:
+        """FIELDS and the NVLink states in one call; each field has its own nvmlReturn."""
+        if not gpu.batch:
             return
-        nv = self._nv
+        nv, direct = self._nv, self._direct
+        assert direct is not None
         try:
-            values = nv.nvmlDeviceGetFieldValues(gpu.handle, gpu.field_ids)
+            values = direct.field_values(gpu.handle, gpu.request)
         except nv.NVMLError as e:
             self._failed(gpu, FIELDS_KEY, "nvmlDeviceGetFieldValues", e)
             if FIELDS_KEY in gpu.disabled:
-                gpu.field_ids = []
+                self._unsupported(gpu, set(range(len(gpu.batch))))
             return
+        success = nv.NVML_SUCCESS
         unsupported: set[int] = set()
-        for value, (field_id, metric, labels) in zip(values, gpu.fields, strict=False):
-            code = value.nvmlReturn
-            if code == nv.NVML_SUCCESS and value.valueType < len(_VALUE_MEMBERS):
-                member = _VALUE_MEMBERS[value.valueType]
-                out.append(Sample(metric, labels, float(getattr(value.value, member))))
+        for i, ((code, stamp, number), entry) in enumerate(zip(values, gpu.batch, strict=True)):
+            if code == success and number is not None:
+                if entry.field.rate:
+                    self._rate(gpu, entry, int(number), stamp, out)
+                else:
+                    out.append(Sample(entry.field.metric, entry.labels, number * entry.field.scale))
             elif code == nv.NVML_ERROR_GPU_IS_LOST:
                 raise _GpuLost
             elif code in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
-                unsupported.add(field_id)
+                unsupported.add(i)
                 why = self._describe(nv.NVMLError(code))
-                self._log_once(f"field {field_id}", f"field {field_id} ({metric})", gpu, why)
+                self._log_once(entry.what, f"field {entry.what} ({entry.field.metric})", gpu, why)
         if unsupported:
-            gpu.fields = [f for f in gpu.fields if f[0] not in unsupported]
-            gpu.field_ids = [f[0] for f in gpu.fields]
+            self._unsupported(gpu, unsupported)
 
-    def _nvlinks(self, gpu: _Gpu, out: list[Sample]) -> None:
-        """Links 0..N-1; N is found on the first poll (the first link NVML refuses)."""
-        if NVLINK_KEY in gpu.disabled:
-            return
-        nv = self._nv
-        probing = gpu.nvlinks is None
-        end = self._max_links if gpu.nvlinks is None else gpu.nvlinks
-        for link in range(end):
-            try:
-                active = nv.nvmlDeviceGetNvLinkState(gpu.handle, link)
-            except nv.NVMLError as e:
-                if e.value == nv.NVML_ERROR_GPU_IS_LOST:
-                    raise _GpuLost from None
-                if probing:
-                    self._probe_ended(gpu, link, e)
-                    return
-                log.debug("nvml: GPU %d: NVLink %d: %s", gpu.index, link, self._describe(e))
-                continue
-            out.append(Sample(NVLINK.name, self._link_labels(gpu, link), float(active)))
-        gpu.nvlinks = end
+    def _unsupported(self, gpu: _Gpu, indices: set[int]) -> None:
+        """Drop these entries from the GPU's batch; their fallbacks are read from now on."""
+        for i in sorted(indices):
+            fallback = gpu.batch[i].field.fallback
+            if fallback is not None and fallback not in gpu.reads:
+                gpu.reads.append(fallback)
+        self._ask(gpu, [e for i, e in enumerate(gpu.batch) if i not in indices])
 
-    def _probe_ended(self, gpu: _Gpu, link: int, error: Any) -> None:
-        nv = self._nv
-        if error.value in (nv.NVML_ERROR_INVALID_ARGUMENT, nv.NVML_ERROR_NOT_SUPPORTED):
-            gpu.nvlinks = link  # links 0..link-1 exist
-        elif error.value == nv.NVML_ERROR_FUNCTION_NOT_FOUND:
-            gpu.nvlinks = 0
-        else:
-            return  # count again next poll
-        if link == 0 or gpu.nvlinks == 0:
-            gpu.disabled.add(NVLINK_KEY)
-            self._log_once(NVLINK_KEY, "nvmlDeviceGetNvLinkState", gpu, self._describe(error))
+    def _ask(self, gpu: _Gpu, entries: list[_Entry]) -> None:
+        assert self._direct is not None
+        gpu.batch = entries
+        gpu.request = self._direct.request([(e.field_id, e.scope) for e in entries])
 
-    def _link_labels(self, gpu: _Gpu, link: int) -> tuple[str, ...]:
-        labels = gpu.link_labels
-        if link >= len(labels):
-            labels.extend(gpu.labels + (str(i),) for i in range(len(labels), link + 1))
-        return labels[link]
+    def _rate(self, gpu: _Gpu, entry: _Entry, total: int, stamp_us: int, out: list[Sample]) -> None:
+        """A byte counter's rate since the last reading, by the driver's own timestamps
+        (a value the driver has not sampled again since keeps the last rate)."""
+        before, before_us, rate = gpu.counters.get(entry.field_id, (0, None, None))
+        if stamp_us != before_us:
+            rate = None  # the first reading, or a counter that wrapped or reset: no rate yet
+            if before_us is not None and stamp_us > before_us and total >= before:
+                rate = (total - before) * 1e6 / (stamp_us - before_us)
+            gpu.counters[entry.field_id] = (total, stamp_us, rate)
+        if rate is not None:
+            out.append(Sample(entry.field.metric, entry.labels, rate))
 
 
 _MISSING = object()

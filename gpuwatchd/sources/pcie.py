@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from gpuwatchd.config import SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted
+from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted, read_small
 
 NVIDIA_VENDOR = 0x10DE
 DISPLAY_CLASS = 0x03  # PCI base class: display controller (0x0300 VGA, 0x0302 3D)
@@ -109,8 +109,7 @@ def parse_hex(text: str) -> int | None:
 
 def _read(path: str) -> str | None:
     try:
-        with open(path, "rb") as f:
-            return f.read(8192).decode("utf-8", "replace")
+        return read_small(path, 8192).decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
 

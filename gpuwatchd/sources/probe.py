@@ -6,9 +6,12 @@ a report describes the process that really sent it and can only land on the GPUs
 lists that pid on. (With pid namespaces the kernel gives the pid in the daemon's
 namespace; the daemon needs the host's, as NVML does: hostPID in Kubernetes.)
 
-Each poll drains the socket without blocking. A report is checked against `Report`
-(size, JSON, schema); a bad one or one over the pid's rate limit is counted by `result`
-and dropped. The latest report of each pid is kept until the pid exits or stays silent
+A thread drains the socket as datagrams arrive into a queue shared fairly between the
+senders' uids (`Inbox`); each poll empties it. A report is checked against `Report`
+(size, JSON, schema, every number finite and in range); a bad one or one over the pid's
+rate limit is counted by `result` and dropped, and never fails the poll. The socket's
+directory must be the daemon's (or root's) and writable by no other user (see
+`_safe_directory`). The latest report of each pid is kept until the pid exits or stays silent
 for `expire_after`; a pid that reports but is on no GPU is counted in
 `probe_unplaced_processes`.
 
@@ -20,17 +23,22 @@ allocator's state. The simulator stands in for the kernel with
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
+import select
 import socket
+import stat
 import struct
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -43,44 +51,60 @@ from gpuwatchd.sources.nvml import quietly, start_nvml
 log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
-RESULTS = ("accepted", "malformed", "too_large", "rate_limited")
+RESULTS = ("accepted", "malformed", "too_large", "rate_limited", "queue_full")
 
 
 # -- the report's schema ----------------------------------------------------------------
 
 
+# Bounds: what a real process can report, and what a float64 (Prometheus' sample type)
+# carries exactly. A value outside them (10**400 batches, Infinity) refuses the report.
+COUNT_MAX = 2**53  # counts: exact as a float64
+SETTING_MAX = 2**31  # DataLoader settings, ranks, device indices
+SECONDS_MAX = 1e9  # 31 years of waiting, computing or initialising
+BYTES_MAX = 2**60  # an exbibyte: beyond any GPU's memory
+TIMESTAMP_MAX = 1e10  # unix time in the year 2286
+
+Count = Annotated[int, Field(ge=0, lt=COUNT_MAX)]
+Setting = Annotated[int, Field(ge=0, lt=SETTING_MAX)]
+Seconds = Annotated[float, Field(ge=0, lt=SECONDS_MAX)]
+Bytes = Annotated[float, Field(ge=0, lt=BYTES_MAX)]
+Timestamp = Annotated[float, Field(ge=0, lt=TIMESTAMP_MAX)]
+
+
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)  # newer probes may send more
+    # newer probes may send more; NaN and infinities are never a measurement
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
 
 class Loader(_Part):
-    num_workers: int | None = Field(None, ge=0)
+    num_workers: Setting | None = None
     pin_memory: bool | None = None
-    prefetch_factor: int | None = Field(None, ge=0)
+    prefetch_factor: Setting | None = None
     persistent_workers: bool | None = None
-    batch_size: int | None = Field(None, ge=0)
+    batch_size: Setting | None = None
 
 
 class Cuda(_Part):
-    device: int = Field(ge=0)
+    device: Setting
     uuid: str | None = Field(None, max_length=80)
-    reserved_bytes: float = Field(ge=0)
-    allocated_bytes: float = Field(ge=0)
-    inactive_split_bytes: float = Field(0, ge=0)
-    largest_free_block_bytes: float | None = Field(None, ge=0)
-    alloc_retries: int = Field(0, ge=0)
-    ooms: int = Field(0, ge=0)
-    init_seconds: float | None = Field(None, ge=0)
-    init_timestamp: float | None = Field(None, ge=0)
+    reserved_bytes: Bytes
+    allocated_bytes: Bytes
+    inactive_split_bytes: Bytes = 0
+    largest_free_block_bytes: Bytes | None = None
+    alloc_retries: Count = 0
+    ooms: Count = 0
+    init_seconds: Seconds | None = None
+    init_timestamp: Timestamp | None = None
 
 
 class Report(_Part):
-    v: int = Field(ge=1)
-    batches: int = Field(ge=0)
-    wait_seconds: float = Field(ge=0)
-    compute_seconds: float = Field(ge=0)
-    rank: int | None = Field(None, ge=0)
-    local_rank: int | None = Field(None, ge=0)
+    v: Annotated[int, Field(ge=1, lt=SETTING_MAX)]
+    batches: Count
+    wait_seconds: Seconds
+    compute_seconds: Seconds
+    rank: Setting | None = None
+    local_rank: Setting | None = None
     loader: Loader | None = None
     cuda: Cuda | None = None
 
@@ -118,7 +142,9 @@ INIT_TIME = _gpu(
 )
 REPORTS = counter(
     "probe_reports_total",
-    "Probe reports received, by result (accepted, malformed, too_large, rate_limited)",
+    "Probe reports received, by result: accepted, or dropped as malformed (not JSON, not "
+    "the schema, a number out of range), too_large, rate_limited (the pid's), queue_full "
+    "(the daemon's queue was full: from the uid queuing the most)",
     ("result",),
 )
 PROCESSES = gauge("probe_processes", "Processes whose probe reports are current")
@@ -139,58 +165,206 @@ class Receiver(Protocol):
     def close(self) -> None: ...
 
 
-class ProbeSocket:
-    """The daemon's Unix datagram socket; the kernel attaches each sender's pid."""
+INBOX_CAPACITY = 1024  # datagrams waiting for a poll, all senders together (<= 8 MiB)
 
-    def __init__(self, path: Path, max_bytes: int) -> None:
-        self.path = path
-        self.max_bytes = max_bytes
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.is_socket():
-                _take_over(path)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-            sock.bind(os.fspath(path))
-            os.chmod(path, 0o666)  # any local process may report; the kernel says who
-            sock.setblocking(False)
-        except OSError as e:
-            sock.close()
-            raise SourceError(
-                f"cannot listen for probe reports on {path}: {e.strerror or e} "
-                "(set `sources.probe.socket:` to a writable path)"
-            ) from None
-        self._sock = sock
-        self._ancillary = socket.CMSG_SPACE(_UCRED.size)
 
-    def receive(self, limit: int) -> list[tuple[int, bytes]]:
+class Inbox:
+    """Datagrams waiting for the next poll, queued per sender uid.
+
+    Bounded by `capacity` in all. When it is full, the uid holding the most loses its
+    newest datagram ("queue_full"), so a uid that floods only ever loses its own share
+    and every other uid's reports still get through; `take` serves the uids in turn.
+    """
+
+    def __init__(self, capacity: int = INBOX_CAPACITY) -> None:
+        self.capacity = capacity
+        self.dropped = 0
+        self._queues: dict[int, deque[tuple[int, bytes]]] = {}
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def put(self, uid: int, pid: int, data: bytes) -> None:
+        with self._lock:
+            mine = self._queues.setdefault(uid, deque())
+            if self._size >= self.capacity:
+                self.dropped += 1
+                biggest = max(self._queues.values(), key=len)
+                if len(mine) + 1 >= len(biggest):
+                    return  # this uid holds (about) the most: its own datagram goes
+                biggest.pop()
+                self._size -= 1
+            mine.append((pid, data))
+            self._size += 1
+
+    def take(self, limit: int) -> list[tuple[int, bytes]]:
+        """Up to `limit` datagrams, oldest first within a uid, one uid after another."""
         out: list[tuple[int, bytes]] = []
-        while len(out) < limit:
-            try:
-                # one byte more than allowed, to tell a too-large datagram from a full one
-                data, ancillary, flags, _ = self._sock.recvmsg(self.max_bytes + 1, self._ancillary)
-            except (BlockingIOError, InterruptedError):
-                break
-            pid = 0
-            for level, kind, payload in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                    pid = _UCRED.unpack_from(payload)[0]
-            if flags & socket.MSG_TRUNC:
-                data = data + b"\0"  # marks it too large whatever was read
-            out.append((pid, data))
+        with self._lock:
+            while self._size and len(out) < limit:
+                for uid, queue in list(self._queues.items()):
+                    if len(out) == limit:
+                        break
+                    if queue:
+                        out.append(queue.popleft())
+                        self._size -= 1
+                    if not queue:
+                        del self._queues[uid]
         return out
 
-    def close(self) -> None:
-        self._sock.close()
+
+class ProbeSocket:
+    """The daemon's Unix datagram socket, drained by a thread as datagrams arrive.
+
+    The kernel queues at most net.unix.max_dgram_qlen (10 by default) datagrams on the
+    socket, whatever SO_RCVBUF says, and a sender meeting a full queue gets EAGAIN: a
+    socket read once a poll loses most of what many processes send at once. The thread
+    moves each datagram, with the sender's pid and uid as the kernel gives them, into an
+    Inbox that the poll empties.
+    """
+
+    def __init__(self, path: Path, max_bytes: int, capacity: int = INBOX_CAPACITY) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
         try:
-            if self.path.is_socket():
+            self._sock = _bind(path)
+        except OSError as e:
+            why = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else e.strerror
+            raise SourceError(
+                f"cannot listen for probe reports on {path}: {why or e} "
+                "(set `sources.probe.socket:` to a path in a directory of the daemon's own)"
+            ) from None
+        self._sock.setblocking(False)
+        self._ancillary = socket.CMSG_SPACE(_UCRED.size)
+        self._inbox = Inbox(capacity)
+        self._lock = threading.Lock()
+        self._closing = False
+        self._thread = threading.Thread(
+            target=self._wait_and_drain, name="probe-socket", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        """Datagrams dropped because the inbox was full (the flooding uid's)."""
+        return self._inbox.dropped
+
+    def _wait_and_drain(self) -> None:
+        readable = select.poll()  # not select(): the descriptor may be above 1023
+        readable.register(self._sock, select.POLLIN)
+        while not self._closing:
+            if any(events & select.POLLNVAL for _, events in readable.poll()):
+                return  # closed under us
+            self._drain()
+
+    def _drain(self) -> None:
+        """Move every datagram the kernel holds into the inbox. Under the lock, so that a
+        poll's `receive` sees every datagram whose send returned before it."""
+        with self._lock:
+            while not self._closing:
+                try:
+                    # one byte more than allowed, to tell a too-large datagram from a full one
+                    data, ancillary, flags, _ = self._sock.recvmsg(
+                        self.max_bytes + 1, self._ancillary
+                    )
+                except OSError:  # BlockingIOError: all taken
+                    return
+                pid, uid = 0, -1
+                for level, kind, payload in ancillary:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                        pid, uid, _ = _UCRED.unpack_from(payload)
+                if flags & socket.MSG_TRUNC:
+                    data = data + b"\0"  # marks it too large whatever was read
+                self._inbox.put(uid, pid, data)
+
+    def receive(self, limit: int) -> list[tuple[int, bytes]]:
+        self._drain()
+        return self._inbox.take(limit)
+
+    def close(self) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's poll
+        self._thread.join(5)
+        self._sock.close()
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 self.path.unlink()
-        except OSError:
-            pass
+
+
+def _bind(path: Path) -> socket.socket:
+    """A socket bound at `path`, mode 0666, in a directory no other user controls."""
+    _safe_directory(path.parent)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise OSError(errno.EEXIST, "something that is not a socket is there; left alone")
+        _take_over(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # room for bursts
+        sock.bind(os.fspath(path))
+        # no other user can replace the new socket in a safe directory; still, never
+        # follow a symlink to chmod something else (os.chmod has no lchmod on Linux)
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(errno.EEXIST, "what is at the path now is not the socket bound")
+        os.chmod(path, 0o666)  # any local process may report; the kernel says who
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _safe_directory(directory: Path) -> None:
+    """Create the socket's directory (0755, the daemon's), or check that an existing one
+    (systemd's RuntimeDirectory=, a hostPath) belongs to the daemon's user or root and
+    that no other user may write in it: whoever can write there can replace the socket
+    with a symbolic link. A directory writable by all with the sticky bit (/tmp) is safe:
+    others cannot remove or rename what the daemon creates in it. Checked through a
+    descriptor opened without following a symbolic link."""
+    where = f"{directory} "
+    try:
+        os.mkdir(directory, 0o755)
+        created = True
+    except FileExistsError:
+        created = False
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        if stat.S_ISLNK(os.lstat(directory).st_mode):
+            raise OSError(e.errno, where + "is a symbolic link; use the real directory") from e
+        raise OSError(e.errno, where + "is not a directory") from e
+    try:
+        st = os.fstat(fd)
+        me = os.geteuid()
+        if st.st_uid not in (me, 0):
+            raise OSError(
+                errno.EPERM,
+                where + f"is owned by uid {st.st_uid}, not by the daemon's (uid {me}) or root",
+            )
+        if created:
+            os.fchmod(fd, 0o755)  # whatever the umask (systemd's UMask=0077)
+            st = os.fstat(fd)
+        group_writable = st.st_mode & stat.S_IWGRP and st.st_gid not in (os.getegid(), 0)
+        if (st.st_mode & stat.S_IWOTH or group_writable) and not st.st_mode & stat.S_ISVTX:
+            raise OSError(
+                errno.EPERM,
+                where + f"(mode {stat.S_IMODE(st.st_mode):04o}) is writable by other users "
+                "without the sticky bit",
+            )
+    finally:
+        os.close(fd)
 
 
 def _take_over(path: Path) -> None:
     """Remove a dead daemon's socket file; refuse a live one's (doctor beside a daemon)."""
+    if os.lstat(path).st_uid not in (os.geteuid(), 0):
+        raise OSError(errno.EPERM, "another user's socket is there; left alone")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         probe.connect(os.fspath(path))
@@ -253,10 +427,9 @@ class ProbeSource(Source):
         if self._receiver is None:
             self._receiver = ProbeSocket(self.settings.socket, self.settings.max_report_bytes)
         now = self._clock()
-        # a poll takes what arrived since the last one, and a bounded amount of it
-        limit = max(64, int(self.settings.max_reports_per_second * 4 * (len(self._pids) + 16)))
-        for pid, data in self._receiver.receive(limit):
+        for pid, data in self._receiver.receive(INBOX_CAPACITY):  # all since the last poll
             self._accept(pid, data, now)
+        self._results["queue_full"] = getattr(self._receiver, "dropped", 0)
         self._expire(now)
         samples: list[Sample] = []
         placed = self._gpu_samples(samples) if self._pids else set()
@@ -285,7 +458,8 @@ class ProbeSource(Source):
             return
         try:
             report = Report.model_validate(json.loads(data))
-        except (ValueError, ValidationError) as e:  # JSONDecodeError is a ValueError
+        # JSONDecodeError is a ValueError; a deeply nested array exhausts the decoder's stack
+        except (ValueError, ValidationError, RecursionError) as e:
             self._drop(pid, "malformed", str(e).splitlines()[0])
             return
         if pid <= 0:

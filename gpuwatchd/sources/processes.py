@@ -1,8 +1,11 @@
 """GPU processes: what feeds each GPU on the CPU side, and who else is on it.
 
-Every poll asks NVML which processes hold each GPU (its compute and graphics lists,
-through `context.pynvml` or the installed nvidia-ml-py), then reads /proc and the cgroup
-tree (`context.procfs`, `context.sysfs`) for the process that matters on each GPU.
+Every poll takes which processes hold each GPU (NVML's compute and graphics lists) from
+the nvml source, which lists them once per poll for both sources (its `ProcessTable`),
+then reads /proc and the cgroup tree (`context.procfs`, `context.sysfs`) for the process
+that matters on each GPU. Without a fresh table (the nvml source disabled, or not polled
+within this source's interval) it asks NVML itself, through `context.pynvml` or the
+installed nvidia-ml-py.
 
 The main process
 ----------------
@@ -104,7 +107,7 @@ from gpuwatchd.config import ProcessesConfig, SourceConfig
 from gpuwatchd.metrics import GPU_LABELS, Sample, counter, gauge
 from gpuwatchd.sources import register
 from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted
-from gpuwatchd.sources.nvml import quietly, start_nvml, sysfs_bus_id
+from gpuwatchd.sources.nvml import ListedGpu, process_table, quietly, start_nvml, sysfs_bus_id
 
 log = logging.getLogger(__name__)
 
@@ -605,9 +608,11 @@ class ProcessesSource(Source):
         self._proc = os.fspath(context.procfs)
         self._sys = os.fspath(context.sysfs)
         self._cgroup_root = os.path.join(self._sys, "fs", "cgroup")
+        self._table = process_table(context)  # the nvml source's lists, when it runs
         self._nv: Any = None
         self._codes: dict[int, str] = {}
-        self._gpus: list[_Gpu] = []
+        self._gpus: list[_Gpu] = []  # as NVML counts them, when this source asks it itself
+        self._shared: dict[int, _Gpu] = {}  # the GPUs of the nvml source's lists, by index
         self._functions: dict[str, list[tuple[str, Any]]] = {}
         self.polls = 0
         self.scans = 0
@@ -702,25 +707,18 @@ class ProcessesSource(Source):
     # -- polling --------------------------------------------------------------------------
 
     def collect(self) -> list[Sample]:
-        if self._nv is None:
+        now = self._clock()
+        shared = self._table.fresh(now, self.config.interval)
+        if shared is None and self._nv is None:
             self._start()
         if not os.path.isdir(self._proc):
             raise not_mounted(self._proc, "procfs", self.context.procfs)
         self.polls += 1
-        now = self._clock()
         scan = self.settings.desktop or not self._children_file
         scanning = (self.polls - 1) % self.settings.scan_every == 0
 
         # 1. who is on which GPU
-        on_gpu: list[tuple[_Gpu, dict[str, dict[int, float]]]] = []
-        for gpu in self._gpus:
-            if gpu.handle is None:
-                self._identify(gpu)
-                if gpu.handle is None:
-                    continue
-            lists = self._list(gpu)
-            if lists is not None:
-                on_gpu.append((gpu, lists))
+        on_gpu = self._listed(shared) if shared is not None else self._ask_nvml()
         listed = {pid for _, lists in on_gpu for used in lists.values() for pid in used}
         names = self._names_of(listed)
 
@@ -755,6 +753,31 @@ class ProcessesSource(Source):
             self._gpu_samples(gpu, lists, names, mains[gpu.index], facts, jobs, scanning, samples)
         self._desktop_samples(now, samples)
         return samples
+
+    def _listed(self, shared: list[ListedGpu]) -> list[tuple[_Gpu, dict[str, dict[int, float]]]]:
+        """The nvml source's lists, on this source's GPU records (lost GPUs left out)."""
+        on_gpu = []
+        for listed in shared:
+            gpu = self._shared.get(listed.index)
+            if gpu is None or gpu.labels != listed.labels:
+                gpu = self._shared[listed.index] = _Gpu(listed.index, labels=listed.labels)
+            gpu.bus_id = listed.bus_id
+            if listed.lists is not None and listed.labels[1]:
+                on_gpu.append((gpu, listed.lists))
+        return on_gpu
+
+    def _ask_nvml(self) -> list[tuple[_Gpu, dict[str, dict[int, float]]]]:
+        """Each GPU's lists, asked of NVML by this source (lost GPUs left out)."""
+        on_gpu = []
+        for gpu in self._gpus:
+            if gpu.handle is None:
+                self._identify(gpu)
+                if gpu.handle is None:
+                    continue
+            lists = self._list(gpu)
+            if lists is not None:
+                on_gpu.append((gpu, lists))
+        return on_gpu
 
     def _names_of(self, pids: set[int]) -> dict[int, str | None]:
         """comm of each pid NVML lists, read once while it stays listed."""
