@@ -131,7 +131,7 @@ def bench_history(scenario: Path) -> dict[str, float]:
             [tracemalloc.Filter(True, store_module.__file__)]
         )
         store = sim.pipeline.store
-        points = sum(len(series.history) for series in store._series.values())
+        points = sum(len(s.history) for s in store._series.values() if s.history is not None)
         store_bytes = sum(stat.size for stat in snapshot.statistics("filename"))
         return {
             "series": store.series_count(),

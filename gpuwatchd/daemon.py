@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -23,12 +23,14 @@ from gpuwatchd.rules import (
     load_rules,
 )
 from gpuwatchd.scheduler import LANES, Poller, ThreadedScheduler, name_os_thread
-from gpuwatchd.sim.node import SimNode
-from gpuwatchd.sim.scenario import Scenario
 from gpuwatchd.sources import Context, Source, load_builtin_sources
 from gpuwatchd.status_page import StatusPage
 from gpuwatchd.store import Store
 from gpuwatchd.web import MetricsServer
+
+if TYPE_CHECKING:  # the simulator is loaded only to simulate (run --simulate)
+    from gpuwatchd.sim.node import SimNode
+    from gpuwatchd.sim.scenario import Scenario
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,11 @@ class Daemon:
 
     def __init__(self, config: Config, scenario: Scenario | None = None) -> None:
         self.config = config
-        self.node = SimNode(scenario, virtual=False, loop=True) if scenario else None
+        self.node: SimNode | None = None
+        if scenario is not None:
+            from gpuwatchd.sim.node import SimNode
+
+            self.node = SimNode(scenario, virtual=False, loop=True)
         if self.node is not None:
             context, now = self.node.context(), self.node.clock.now
         else:

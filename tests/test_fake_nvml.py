@@ -403,6 +403,7 @@ def test_calls_cost_what_the_settings_say(monkeypatch):
     slept: list[float] = []
     monkeypatch.setattr(fake_nvml, "_spend", lambda seconds, since: spent.append(seconds))
     monkeypatch.setattr(fake_nvml.time, "sleep", slept.append)
+    monkeypatch.setattr(fake_nvml.time, "thread_time", lambda: 0.0)  # the fake takes no time
     costs = NvmlCosts(per_call=30e-6, per_field=2e-6, pcie_sample=0.02)
     nv, fake, _, _ = start("healthy-8gpu", costs=costs)
     h = nv.nvmlDeviceGetHandleByIndex(0)
@@ -414,6 +415,12 @@ def test_calls_cost_what_the_settings_say(monkeypatch):
     nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES)
     assert slept == [0.02]  # the driver's sampling window, blocking
     assert fake.calls_total == sum(fake.calls.values())
+    assert fake.overshoot == 0
+    ticks = iter([0.0, 100e-6])  # a call whose own work takes 100 µs of CPU
+    monkeypatch.setattr(fake_nvml.time, "thread_time", lambda: next(ticks))
+    spent.clear()
+    nv.nvmlDeviceGetUtilizationRates(h)
+    assert spent == [] and fake.overshoot == pytest.approx(70e-6)  # beyond the 30 µs
 
 
 def test_free_costs_nothing_and_run_simulate_costs_what_a_driver_does(monkeypatch):
@@ -450,8 +457,8 @@ def test_call_counts_are_written_for_a_benchmark(tmp_path, monkeypatch):
     monkeypatch.setenv(fake_nvml.STATS_ENV, str(path))
     nv, fake, _, _ = start("healthy-8gpu")
     nv.nvmlDeviceGetCount()
-    at, calls = path.read_text().split()
-    assert float(at) > 0 and 1 <= int(calls) <= fake.calls_total
+    at, calls, overshoot = path.read_text().split()
+    assert float(at) > 0 and 1 <= int(calls) <= fake.calls_total and float(overshoot) >= 0
 
 
 def xid_scenario() -> Scenario:

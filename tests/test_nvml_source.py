@@ -16,12 +16,10 @@ from gpuwatchd.sim.fake_nvml import gpu_uuid, make_pynvml
 from gpuwatchd.sim.scenario import CLOCK_EVENT_REASONS, Scenario, Timeline, load_scenario
 from gpuwatchd.sources import REGISTRY, load_builtin_sources
 from gpuwatchd.sources.base import Context, SourceError
-from gpuwatchd.sources.nvml import (
-    CLOCK_REASONS,
-    SLOW_EVERY,
+from gpuwatchd.sources.nvml import CLOCK_REASONS, SLOW_EVERY, NvmlSource
+from gpuwatchd.sources.nvmlapi import (
     Direct,
     FieldValues,
-    NvmlSource,
     ProcessTable,
     cuda_version_string,
     sysfs_bus_id,
@@ -326,7 +324,7 @@ def test_pcie_rates_from_the_byte_counters():
 def test_pcie_counter_reset_skips_one_rate():
     sim = Sim(scenario([{"name": "p", "duration": 100, "set": {"pcie_tx_mb_s": 10}}]), at=50)
     sim.polls(2)
-    sim.fake._pcie[(0, "tx")] = 0.0  # the driver reloaded: the counter starts over
+    sim.fake._pcie[(0, "tx")] = (0.0, sim.clock.elapsed())  # the driver reloaded: from 0
     sim.clock.advance(1)
     got = sim.collect()
     assert got.gpu("gpu_pcie_tx_bytes_per_second", 0) == {}

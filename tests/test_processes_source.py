@@ -30,8 +30,7 @@ from gpuwatchd.sim.writers.processes import (
     thread_id,
     worker_pid,
 )
-from gpuwatchd.sources import REGISTRY, SourceError
-from gpuwatchd.sources import nvml as nvml_module
+from gpuwatchd.sources import REGISTRY, SourceError, nvmlapi
 from gpuwatchd.sources import processes as processes_module
 from gpuwatchd.sources.base import Context
 from gpuwatchd.sources.nvml import NvmlSource
@@ -1063,7 +1062,7 @@ def test_nvml_unavailable_is_a_source_error(tmp_path: Path, monkeypatch) -> None
     def no_module(name: str) -> Any:
         raise ImportError(name)
 
-    monkeypatch.setattr(nvml_module.importlib, "import_module", no_module)
+    monkeypatch.setattr(nvmlapi.importlib, "import_module", no_module)
     with pytest.raises(SourceError, match="module pynvml\\) is not installed"):
         ProcessesSource(ProcessesConfig(), Context(procfs=tmp_path)).collect()
 

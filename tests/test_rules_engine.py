@@ -9,7 +9,7 @@ import pytest
 from gpuwatchd.metrics import Sample
 from gpuwatchd.rules import Catalog, RuleEngine, parse_rules
 from gpuwatchd.rules.engine import FIRING, INACTIVE, NOT_EVALUABLE, PENDING
-from gpuwatchd.rules.language import _increase, _quantile
+from gpuwatchd.rules.evaluator import _increase, _quantile
 from gpuwatchd.store import Store
 
 CATALOG = Catalog.builtin()
@@ -104,7 +104,7 @@ def test_derived_series_for_every_gpu_and_rule():
     assert dict(rows["gpuwatchd_rules_last_reload_successful"]) == {(): 1}
     assert node.engine.firing() == [("0", "cause_x", "util 90%")]
     # the firing cause's evidence (frozen when it started firing) and remedy, GPU 0 only
-    (labels, value), = rows["gpuwatchd_starvation_info"]
+    ((labels, value),) = rows["gpuwatchd_starvation_info"]
     assert value == 1
     assert labels[:5] == ("0", "GPU-a", "cause_x", "compute", "warning")
     assert labels[5] == "util 90%"
@@ -393,13 +393,19 @@ def test_time_is_read_every_cycle():
 
 
 @pytest.mark.parametrize(
-    "scenario, until", [("straggler-gpu", 600), ("bursty-input-pipeline", 500),
-                        ("ecc-uncorrectable-xid", 400), ("nccl-stall", 700)])
+    "scenario, until",
+    [
+        ("straggler-gpu", 450),
+        ("bursty-input-pipeline", 200),
+        ("ecc-uncorrectable-xid", 260),
+        ("nccl-stall", 450),
+    ],
+)
 def test_skipping_changes_no_transition(monkeypatch, scenario, until):
     """Replays with every rule evaluated on every cycle and with the skipping: the same
     transitions at the same times, details included."""
     from gpuwatchd.config import Config
-    from gpuwatchd.rules.language import Reads
+    from gpuwatchd.rules.evaluator import Reads
     from gpuwatchd.sim.scenario import load_scenario
     from gpuwatchd.simulate import Simulation
 

@@ -164,3 +164,22 @@ def test_integrator_turns_rates_into_rising_counters():
         every_second.advance(t, {"irq": 0.1})
     once.advance(0, {"irq": 0.1})
     assert once.advance(10, {"irq": 0.1}) == every_second.totals
+
+
+def test_timeline_says_when_values_hold():
+    from gpuwatchd.sim.scenario import Scenario, Timeline
+
+    scenario = Scenario.model_validate({"name": "t", "node": {"gpu_count": 1}, "phases": [
+        {"name": "a", "duration": 10},
+        {"name": "b", "duration": 10, "ramp": {"temperature_c": [40, 60]}},
+        {"name": "c", "duration": 10, "host_ramp": {"cpu_busy_percent": [0, 50]}},
+    ]})  # fmt: skip
+    timeline = Timeline(scenario)
+    assert timeline.constant(1, 9) and timeline.constant(9, 9)
+    assert not timeline.constant(9, 10)  # phase b starts at 10
+    assert not timeline.constant(11, 12)  # a GPU ramp runs ...
+    assert timeline.constant(11, 12, gpus=False)  # ... but no host value moves
+    assert not timeline.constant(21, 22, gpus=False)  # a host ramp
+    assert timeline.constant(31, 100)  # after the end, everything stays
+    looping = Timeline(scenario, loop=True)
+    assert not looping.constant(29, 31) and not looping.constant(0, 45)

@@ -11,9 +11,12 @@ every other scenario (firing before `onset`, or on a GPU no expectation lets it 
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import os
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from functools import cache
 
 from gpuwatchd.config import Config
 from gpuwatchd.rules.check import Intervals, firing_intervals, time_to_resolve
@@ -28,9 +31,34 @@ class Replay:
     simulated_seconds: float
 
 
-@cache
+_played: dict[str, Replay] = {}
+
+
 def replay(name: str) -> Replay:
     """Play the built-in scenario `name` to its end with the default config (cached)."""
+    if name not in _played:
+        _played[name] = _play(name)
+    return _played[name]
+
+
+def replays(names: list[str] | None = None) -> dict[str, Replay]:
+    """Every built-in scenario (or `names`) played, those not played yet in parallel,
+    one process per CPU, the longest first (cached as `replay`)."""
+    names = builtin_scenarios() if names is None else names
+    todo = sorted(
+        (n for n in set(names) if n not in _played),
+        key=lambda n: -load_scenario(n).duration,
+    )
+    workers = min(len(todo), os.cpu_count() or 1)
+    if workers > 1:
+        context = multiprocessing.get_context("spawn")  # no threads of ours come along
+        quiet = logging.root.manager.disable  # the workers log as this process would
+        with ProcessPoolExecutor(workers, context, logging.disable, (quiet,)) as pool:
+            _played.update(zip(todo, pool.map(_play, todo), strict=True))
+    return {name: replay(name) for name in names}
+
+
+def _play(name: str) -> Replay:
     from gpuwatchd.simulate import Simulation
 
     scenario = load_scenario(name)
@@ -60,14 +88,13 @@ def _seconds(values: list[float]) -> str:
 def detection_table() -> str:
     """docs/detection.md, as Markdown."""
     rules = load_rules(None).rules
-    names = builtin_scenarios()
-    replays = [replay(name) for name in names]
+    played = list(replays().values())
     fires: dict[str, list[str]] = defaultdict(list)  # cause -> table cells
     resolves: dict[str, list[str]] = defaultdict(list)
     twins: dict[str, list[str]] = defaultdict(list)
     false_twin: dict[str, list[str]] = defaultdict(list)
     false_other: dict[str, list[str]] = defaultdict(list)
-    for r in replays:
+    for r in played:
         s = r.scenario
         count = s.node.gpu_count
         allowed: dict[tuple[int, str], float] = {}  # (gpu, cause) -> onset
@@ -126,7 +153,7 @@ def detection_table() -> str:
         "- **false firings**: firings on a twin, or on any other scenario before the onset",
         "  or on a GPU no expectation names. Must be none.",
         "",
-        f"{len(rules)} causes, {len(names)} scenarios.",
+        f"{len(rules)} causes, {len(played)} scenarios.",
         "",
         "| cause | dimension | fired by (time from onset to firing) "
         "| time to resolve (fault end to firing stopped) | benign twins "

@@ -11,7 +11,7 @@ value for the GPU) is `not_evaluable`: never firing, never healthy, and its pend
 firing state is dropped. Time is the pipeline's clock (virtual in `simulate`).
 
 A rule is evaluated again on a GPU only when what its last evaluation read may have
-changed (`language.Reads`): the rows of a series it looked up, a window that gained or
+changed (`evaluator.Reads`): the rows of a series it looked up, a window that gained or
 lost a point, time(). Otherwise its last outcome stands and only the state machine runs,
 so `for` and `keep_firing_for` advance with the clock exactly as if it had been.
 """
@@ -31,13 +31,8 @@ from pathlib import Path
 
 from gpuwatchd.exposition import Rows
 from gpuwatchd.metrics import GPU_LABELS, PREFIX, MetricSpec, counter, gauge
-from gpuwatchd.rules.language import (
-    Catalog,
-    Evaluator,
-    GpuRef,
-    Missing,
-    Reads,
-)
+from gpuwatchd.rules.evaluator import Evaluator, GpuRef, Reads
+from gpuwatchd.rules.language import Catalog, Missing
 from gpuwatchd.rules.ruleset import Rule, RulesError, RuleSet, load_rules
 from gpuwatchd.rules.snapshot import Changed, LiveIndex
 from gpuwatchd.store import Store

@@ -3,7 +3,7 @@
 Each cycle, for each source that polled since the last (or went stale, or came back),
 only the series whose value changed are looked at (`Store.changes`), and the (family,
 key) pairs whose rows changed are reported with the sources that polled: what the engine
-needs to tell which rules could come out otherwise (`language.Reads`). Keys are what the
+needs to tell which rules could come out otherwise (`evaluator.Reads`). Keys are what the
 evaluator looks rows up by: (gpu, uuid) for GPU families, the bus id for PCIe families,
 None for host families.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuwatchd.rules.language import GPU, PCIE, Row, Snapshot
+from gpuwatchd.rules.evaluator import Row, Snapshot
+from gpuwatchd.rules.language import GPU, PCIE
 from gpuwatchd.store import SeriesKey, Store
 
 Changed = set[tuple[str, Any]]

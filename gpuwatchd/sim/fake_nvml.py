@@ -21,10 +21,13 @@ raise Xid events (`inject_xid`) and count calls (`calls`, `gpu_calls`, `calls_to
 What a call costs is a setting, `NvmlCosts`: `DRIVER_COSTS` spends what a real driver
 spends (CPU in every call, as its ioctl does; `nvmlDeviceGetPcieThroughput` blocking for
 its 20 ms sample), so benchmarks and `run --simulate` see what a node would;
-`FREE` (the default, and virtual-time `simulate`) spends nothing. `stats_path` (or the
-environment variable GPUWATCHD_SIM_NVML_STATS) names a file the fake rewrites about once a
-second with "<monotonic seconds> <calls so far>", so a benchmark can count the calls per
-second of a process it runs.
+`FREE` (the default, and virtual-time `simulate`) spends nothing. The fake's own Python
+work counts towards a call's cost; where it takes longer, the excess is counted in
+`overshoot` (CPU seconds), what the simulator costs beyond a real driver. `stats_path` (or
+the environment variable GPUWATCHD_SIM_NVML_STATS) names a file the fake rewrites about
+once a second with "<monotonic seconds> <calls so far> <overshoot so far>", so a
+benchmark can count the calls per second of a process it runs and leave the overshoot
+out of its CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ import importlib.util
 import itertools
 import os
 import re
-import struct
 import sys
 import threading
 import time
@@ -47,21 +49,23 @@ from types import ModuleType
 from typing import Any
 
 from gpuwatchd.sim.clock import SimClock
+from gpuwatchd.sim.fake_nvml_device import (
+    _RECORD,
+    ERROR_DRIVER_NOT_LOADED,
+    ERROR_GPU_IS_LOST,
+    ERROR_INSUFFICIENT_SIZE,
+    ERROR_INVALID_ARGUMENT,
+    ERROR_NOT_SUPPORTED,
+    ERROR_TIMEOUT,
+    ERROR_UNINITIALIZED,
+    NOT_AVAILABLE_UINT,
+    SUCCESS,
+    DeviceReads,
+    _FieldPlan,
+    _value,
+)
 from gpuwatchd.sim.fakelib import Symbol, install_symbols, symbol
 from gpuwatchd.sim.scenario import Timeline
-
-# Return codes (nvml.h); the same numbers as pynvml's NVML_SUCCESS / NVML_ERROR_*
-SUCCESS = 0
-ERROR_UNINITIALIZED = 1
-ERROR_INVALID_ARGUMENT = 2
-ERROR_NOT_SUPPORTED = 3
-ERROR_INSUFFICIENT_SIZE = 7
-ERROR_NOT_FOUND = 6
-ERROR_DRIVER_NOT_LOADED = 9
-ERROR_TIMEOUT = 10
-ERROR_GPU_IS_LOST = 15
-ERROR_ARGUMENT_VERSION_MISMATCH = 25
-ERROR_UNKNOWN = 999
 
 # scenario clock_event_reasons name -> pynvml constant (bit in the reasons mask)
 CLOCK_EVENT_REASON_CONSTANTS = {
@@ -76,23 +80,10 @@ CLOCK_EVENT_REASON_CONSTANTS = {
     "display_clock_setting": "nvmlClocksEventReasonDisplayClockSetting",
 }
 
-NOT_AVAILABLE_UINT = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId when MIG is off
 HANG_CAP_SECONDS = 60.0  # a hung call never blocks longer than this (real time)
 REAL_TIME_RESOLUTION = 0.05  # real-time clocks: state is recomputed at most this often
-MIB = 2**20
 
 _VERSION_SUFFIX = re.compile(r"_v\d+$")
-FieldReader = Callable[[int, dict[str, Any], int], "int | None"]
-# nvmlFieldValue_t: fieldId, scopeId, timestamp, latencyUsec, valueType, nvmlReturn, value
-_RECORD = struct.Struct("<IIqqIIQ")
-_RECORD_IDS = struct.Struct("<II32x")
-
-
-@dataclass
-class _FieldPlan:
-    fields: list[tuple[int, int, int, Any]]  # (field id, scope, code, reader or None)
-    counted: list[tuple[int, int]]  # (field id, gpu) of each, for field_calls
-    value_type: int
 
 
 _module_ids = itertools.count()
@@ -205,11 +196,6 @@ class _Failure:
     remaining: int | None  # None: every call
 
 
-def _value(arg: Any) -> int:
-    """An integer argument as the C function sees it (ctypes scalar or Python int)."""
-    return int(arg.value) if hasattr(arg, "value") else int(arg)
-
-
 class _EventSet:
     def __init__(self, struct: Any, created_at: float) -> None:
         self.struct = struct
@@ -218,7 +204,7 @@ class _EventSet:
         self.pending: list[tuple[int, int, int]] = []  # (gpu, event type, data)
 
 
-class FakeNvmlLib:
+class FakeNvmlLib(DeviceReads):
     """libnvidia-ml's symbols as Python callables with the C signatures."""
 
     def __init__(
@@ -243,6 +229,7 @@ class FakeNvmlLib:
         self.hang_cap = hang_cap
         self.costs = costs
         self.calls_total = 0
+        self.overshoot = 0.0  # CPU seconds the fake's own work spent beyond `costs`
         self._stats_path = stats_path or os.environ.get(STATS_ENV) or None
         self._stats_due = 0.0
         self.calls: Counter[str] = Counter()  # symbol -> calls
@@ -271,8 +258,8 @@ class FakeNvmlLib:
             name: int(getattr(pynvml, constant))
             for name, constant in CLOCK_EVENT_REASON_CONSTANTS.items()
         }
-        self._pcie: dict[tuple[int, str], float] = {}  # (gpu, "tx" | "rx") -> bytes so far
-        self._pcie_at = 0.0  # the clock's time they were counted to
+        # (gpu, "tx" | "rx") -> (bytes so far, the clock's time they were counted to)
+        self._pcie: dict[tuple[int, str], tuple[float, float]] = {}
         self._field_t = 0.0  # the time of the field values being read
         self._field_handlers = self._build_field_handlers()
         record = pynvml.c_nvmlFieldValue_t
@@ -309,7 +296,11 @@ class FakeNvmlLib:
         try:
             return self._call(name, impl, kind, args)
         finally:
-            _spend(cost, since)
+            over = time.thread_time() - since - cost
+            if over > 0:  # the fake's own work took longer than the driver it plays
+                self.overshoot += over
+            else:
+                _spend(cost, since)
 
     def _call(self, name: str, impl: Callable[..., int], kind: str, args: tuple) -> int:
         if kind != "noinit" and self._refcount == 0:
@@ -326,11 +317,14 @@ class FakeNvmlLib:
             values = self._gpu_values(gpu)
             if values["lost"]:
                 return ERROR_GPU_IS_LOST
-            if self._is_hung(gpu, values):
+            if (values["hung"] or self._forced_hung) and self._is_hung(gpu, values):
                 values = self._block(gpu)
                 if values["lost"]:
                     return ERROR_GPU_IS_LOST
-            if self._is_unsupported(name):
+            unsupported = self._unsupported_names.get(name)
+            if unsupported is None:
+                unsupported = self._is_unsupported(name)
+            if unsupported:
                 return ERROR_NOT_SUPPORTED
             return impl(gpu, *args)
         if self._failures:
@@ -346,7 +340,7 @@ class FakeNvmlLib:
         self._stats_due = now + 1.0
         tmp = f"{self._stats_path}.tmp"
         with open(tmp, "w") as f:
-            f.write(f"{now:.6f} {self.calls_total}\n")
+            f.write(f"{now:.6f} {self.calls_total} {self.overshoot:.6f}\n")
         os.replace(tmp, self._stats_path)
 
     def _gpu_of(self, handle: Any) -> int | None:
@@ -526,457 +520,6 @@ class FakeNvmlLib:
         info.pciSubSystemId = (self.model.pci_device_id << 16) | 0x10DE
         return SUCCESS
 
-    # -- utilization, memory, power, temperature, clocks ----------------------------------
-
-    @symbol("device")
-    def _nvmlDeviceGetUtilizationRates(self, gpu: int, handle: Any, out: Any) -> int:
-        values = self._gpu_values(gpu)
-        out._obj.gpu = round(values["utilization_gpu"])
-        out._obj.memory = round(values["utilization_memory"])
-        return SUCCESS
-
-    def _memory(self, gpu: int) -> tuple[int, int]:
-        total = self.model.memory_total_mib * MIB
-        used = min(total, round(self._gpu_values(gpu)["memory_used_mib"] * MIB))
-        return total, used
-
-    @symbol("device")
-    def _nvmlDeviceGetMemoryInfo(self, gpu: int, handle: Any, out: Any) -> int:
-        total, used = self._memory(gpu)
-        out._obj.total, out._obj.used, out._obj.free = total, used, total - used
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetMemoryInfo_v2(self, gpu: int, handle: Any, out: Any) -> int:
-        memory = out._obj
-        if memory.version != self.nv.nvmlMemory_v2:
-            return ERROR_ARGUMENT_VERSION_MISMATCH
-        total, used = self._memory(gpu)
-        memory.total, memory.reserved, memory.used = total, 0, used
-        memory.free = total - used
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetPowerUsage(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = round(self._gpu_values(gpu)["power_w"] * 1000)  # mW
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetEnforcedPowerLimit(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = round(self.model.power_limit_w * 1000)
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetPowerManagementLimit(self, gpu: int, handle: Any, out: Any) -> int:
-        return self._nvmlDeviceGetEnforcedPowerLimit(gpu, handle, out)
-
-    def _temperature(self, gpu: int, sensor: int) -> int | None:
-        if sensor != self.nv.NVML_TEMPERATURE_GPU:
-            return None
-        return round(self._gpu_values(gpu)["temperature_c"])
-
-    @symbol("device")
-    def _nvmlDeviceGetTemperature(self, gpu: int, handle: Any, sensor: Any, out: Any) -> int:
-        value = self._temperature(gpu, _value(sensor))
-        if value is None:
-            return ERROR_INVALID_ARGUMENT
-        out._obj.value = value
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetTemperatureV(self, gpu: int, handle: Any, out: Any) -> int:
-        reading = out._obj
-        if reading.version != self.nv.nvmlTemperature_v1:
-            return ERROR_ARGUMENT_VERSION_MISMATCH
-        value = self._temperature(gpu, reading.sensorType)
-        if value is None:
-            return ERROR_INVALID_ARGUMENT
-        reading.temperature = value
-        return SUCCESS
-
-    def _clock(self, gpu: int, clock_type: int, maximum: bool) -> int | None:
-        nv = self.nv
-        if clock_type in (nv.NVML_CLOCK_GRAPHICS, nv.NVML_CLOCK_SM):
-            key, limit = "sm_clock_mhz", self.model.max_sm_clock_mhz
-        elif clock_type == nv.NVML_CLOCK_MEM:
-            key, limit = "mem_clock_mhz", self.model.max_mem_clock_mhz
-        elif clock_type == nv.NVML_CLOCK_VIDEO:  # video clock tracks SM at ~87 %
-            key, limit = "sm_clock_mhz", round(self.model.max_sm_clock_mhz * 0.87)
-            if not maximum:
-                return round(self._gpu_values(gpu)[key] * 0.87)
-        else:
-            return None
-        return limit if maximum else round(self._gpu_values(gpu)[key])
-
-    @symbol("device")
-    def _nvmlDeviceGetClockInfo(self, gpu: int, handle: Any, clock_type: Any, out: Any) -> int:
-        value = self._clock(gpu, _value(clock_type), maximum=False)
-        if value is None:
-            return ERROR_INVALID_ARGUMENT
-        out._obj.value = value
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetMaxClockInfo(self, gpu: int, handle: Any, clock_type: Any, out: Any) -> int:
-        value = self._clock(gpu, _value(clock_type), maximum=True)
-        if value is None:
-            return ERROR_INVALID_ARGUMENT
-        out._obj.value = value
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetPerformanceState(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = int(self._gpu_values(gpu)["pstate"])
-        return SUCCESS
-
-    def _reasons(self, gpu: int) -> int:
-        mask = 0
-        for name in self._gpu_values(gpu)["clock_event_reasons"]:
-            mask |= self._reason_bits[name]
-        return mask
-
-    @symbol("device")
-    def _nvmlDeviceGetCurrentClocksEventReasons(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = self._reasons(gpu)
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetCurrentClocksThrottleReasons(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = self._reasons(gpu)
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetSupportedClocksEventReasons(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = int(self.nv.nvmlClocksEventReasonAll)
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetSupportedClocksThrottleReasons(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = int(self.nv.nvmlClocksEventReasonAll)
-        return SUCCESS
-
-    # -- PCIe -----------------------------------------------------------------------------
-
-    def _max_gen(self, gpu: int) -> int:
-        """Max generation "possible with this device and system": min of both ends."""
-        topology = self.timeline.topology
-        fn = topology.gpu(gpu)
-        parent = topology.functions.get(fn.parent) if fn.parent else None
-        return min(fn.max_gen, parent.max_gen) if parent else fn.max_gen
-
-    @symbol("device")
-    def _nvmlDeviceGetCurrPcieLinkGeneration(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = int(self._gpu_values(gpu)["pcie_gen"])
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetMaxPcieLinkGeneration(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = self._max_gen(gpu)
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetGpuMaxPcieLinkGeneration(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = self.model.pcie_max_gen
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetCurrPcieLinkWidth(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = int(self._gpu_values(gpu)["pcie_width"])
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetMaxPcieLinkWidth(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = self.timeline.topology.gpu(gpu).max_width
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetPcieThroughput(self, gpu: int, handle: Any, counter: Any, out: Any) -> int:
-        if self.costs.pcie_sample:  # the driver samples its byte counter over a window
-            time.sleep(self.costs.pcie_sample)
-        which = _value(counter)
-        if which == self.nv.NVML_PCIE_UTIL_TX_BYTES:
-            mb_s = self._gpu_values(gpu)["pcie_tx_mb_s"]
-        elif which == self.nv.NVML_PCIE_UTIL_RX_BYTES:
-            mb_s = self._gpu_values(gpu)["pcie_rx_mb_s"]
-        else:
-            return ERROR_INVALID_ARGUMENT
-        out._obj.value = round(mb_s * 1e6 / 1024)  # KB/s, KB = 1024 bytes
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetPcieReplayCounter(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = int(self._gpu_values(gpu)["pcie_replay_count"])
-        return SUCCESS
-
-    # -- modes, ECC, NVLink, processes -----------------------------------------------------
-
-    @symbol("device")
-    def _nvmlDeviceGetPersistenceMode(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = 1 if self._gpu_values(gpu)["persistence_mode"] else 0
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetEccMode(self, gpu: int, handle: Any, current: Any, pending: Any) -> int:
-        current._obj.value = pending._obj.value = 1 if self.model.datacenter else 0
-        return SUCCESS
-
-    def _ecc_total(self, gpu: int, error_type: int) -> int | None:
-        if error_type == self.nv.NVML_MEMORY_ERROR_TYPE_CORRECTED:
-            return int(self._gpu_values(gpu)["ecc_corrected_total"])
-        if error_type == self.nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
-            return int(self._gpu_values(gpu)["ecc_uncorrected_total"])
-        return None
-
-    @symbol("device")
-    def _nvmlDeviceGetTotalEccErrors(
-        self, gpu: int, handle: Any, error_type: Any, counter_type: Any, out: Any
-    ) -> int:
-        # volatile (since driver load) and aggregate (lifetime) read the same here
-        value = self._ecc_total(gpu, _value(error_type))
-        if value is None or _value(counter_type) not in (0, 1):
-            return ERROR_INVALID_ARGUMENT
-        out._obj.value = value
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetNvLinkState(self, gpu: int, handle: Any, link: Any, out: Any) -> int:
-        index = _value(link)
-        if not 0 <= index < self.model.nvlinks:
-            return ERROR_INVALID_ARGUMENT
-        down = self._gpu_values(gpu)["nvlink_down"]
-        out._obj.value = 0 if index in down else 1
-        return SUCCESS
-
-    def _running_processes(self, gpu: int, kind: str, count: Any, infos: Any) -> int:
-        """The two-call protocol of nvmlDeviceGet{Compute,Graphics}RunningProcesses:
-        with too small a buffer (or none), the count and INSUFFICIENT_SIZE."""
-        processes = [p for p in self._gpu_values(gpu)["processes"] if _kind(p) == kind]
-        capacity = count._obj.value
-        count._obj.value = len(processes)
-        if len(processes) > capacity or (processes and infos is None):
-            return ERROR_INSUFFICIENT_SIZE
-        for info, process in zip(infos or (), processes, strict=False):
-            info.pid = int(_field(process, "pid"))
-            info.usedGpuMemory = round(float(_field(process, "gpu_memory_mib")) * MIB)
-            info.gpuInstanceId = info.computeInstanceId = NOT_AVAILABLE_UINT
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetComputeRunningProcesses_v3(
-        self, gpu: int, handle: Any, count: Any, infos: Any
-    ) -> int:
-        return self._running_processes(gpu, "compute", count, infos)
-
-    @symbol("device")
-    def _nvmlDeviceGetComputeRunningProcesses_v2(
-        self, gpu: int, handle: Any, count: Any, infos: Any
-    ) -> int:
-        return self._running_processes(gpu, "compute", count, infos)
-
-    @symbol("device")
-    def _nvmlDeviceGetGraphicsRunningProcesses_v3(
-        self, gpu: int, handle: Any, count: Any, infos: Any
-    ) -> int:
-        return self._running_processes(gpu, "graphics", count, infos)
-
-    @symbol("device")
-    def _nvmlDeviceGetGraphicsRunningProcesses_v2(
-        self, gpu: int, handle: Any, count: Any, infos: Any
-    ) -> int:
-        return self._running_processes(gpu, "graphics", count, infos)
-
-    # -- what other tools ask (nvitop-exporter in bench/bench_vs_peer.py) ----------------
-
-    def _video(self, gpu: int, out: Any, period: Any) -> int:
-        out._obj.value, period._obj.value = 0, 167_000  # idle, over the driver's µs window
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetEncoderUtilization(self, gpu: int, handle: Any, out: Any, period: Any) -> int:
-        return self._video(gpu, out, period)  # the model's `unsupported`: no NVENC
-
-    @symbol("device")
-    def _nvmlDeviceGetDecoderUtilization(self, gpu: int, handle: Any, out: Any, period: Any) -> int:
-        return self._video(gpu, out, period)
-
-    @symbol("device")
-    def _nvmlDeviceGetFanSpeed(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = 30  # percent; passively cooled models list it `unsupported`
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetMigMode(self, gpu: int, handle: Any, current: Any, pending: Any) -> int:
-        if not self.model.mig:
-            return ERROR_NOT_SUPPORTED
-        current._obj.value = pending._obj.value = 0  # MIG disabled
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceIsMigDeviceHandle(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = 0  # the simulator's handles are whole GPUs
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetConfComputeMemSizeInfo(self, gpu: int, handle: Any, out: Any) -> int:
-        return ERROR_NOT_SUPPORTED  # confidential computing is off
-
-    @symbol("device")
-    def _nvmlDeviceGetRunningProcessDetailList(self, gpu: int, handle: Any, out: Any) -> int:
-        """R545's list of the processes of a mode (compute, graphics, MPS: none, all),
-        with the two-call protocol: too small an array gives the count and
-        INSUFFICIENT_SIZE."""
-        details = out._obj
-        if details.version != self.nv.nvmlProcessDetailList_v1:
-            return ERROR_ARGUMENT_VERSION_MISMATCH
-        kinds = {0: ("compute",), 1: ("graphics",), 2: (), 3: ("compute", "graphics")}
-        wanted = kinds.get(int(details.mode))
-        if wanted is None:
-            return ERROR_INVALID_ARGUMENT
-        processes = [p for p in self._gpu_values(gpu)["processes"] if _kind(p) in wanted]
-        capacity = details.numProcArrayEntries
-        details.numProcArrayEntries = len(processes)
-        if not processes:
-            return SUCCESS
-        if len(processes) > capacity or not details.procArray:
-            return ERROR_INSUFFICIENT_SIZE
-        for i, process in enumerate(processes):
-            entry = details.procArray[i]
-            entry.pid = int(_field(process, "pid"))
-            entry.usedGpuMemory = round(float(_field(process, "gpu_memory_mib")) * MIB)
-            entry.gpuInstanceId = entry.computeInstanceId = NOT_AVAILABLE_UINT
-            entry.usedGpuCcProtectedMemory = 0
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceGetProcessUtilization(
-        self, gpu: int, handle: Any, samples: Any, count: Any, since: Any
-    ) -> int:
-        """One sample per compute process: the GPU's utilization, as if it ran alone."""
-        values = self._gpu_values(gpu)
-        processes = [p for p in values["processes"] if _kind(p) == "compute"]
-        if not processes:
-            return ERROR_NOT_FOUND  # no samples since `since`
-        capacity = count._obj.value
-        count._obj.value = len(processes)
-        if samples is None or len(processes) > capacity:
-            return ERROR_INSUFFICIENT_SIZE
-        stamp = int(self.clock.now() * 1e6)
-        for sample, process in zip(samples, processes, strict=False):
-            sample.pid, sample.timeStamp = int(_field(process, "pid")), stamp
-            sample.smUtil = round(values["utilization_gpu"])
-            sample.memUtil = round(values["utilization_memory"])
-            sample.encUtil = sample.decUtil = 0
-        return SUCCESS
-
-    # -- field values ---------------------------------------------------------------------
-
-    def _build_field_handlers(self) -> dict[int, tuple[str, FieldReader]]:
-        """field id -> (symbol whose support it shares, reader of (gpu, values, scope id)).
-
-        A reader answers an integer in the field's unit from the GPU's scenario values,
-        or None for a scope the GPU lacks (NVML_ERROR_INVALID_ARGUMENT). The PCIe byte
-        counters share their support with their own field name, so a model can list them
-        unsupported (drivers before R555 lack them).
-        """
-        nv = self.nv
-
-        def scenario(key: str, scale: float = 1.0) -> FieldReader:
-            return lambda gpu, values, scope: round(values[key] * scale)
-
-        def nvlink_state(gpu: int, values: dict[str, Any], link: int) -> int | None:
-            if not 0 <= link < self.model.nvlinks:
-                return None
-            return 0 if link in values["nvlink_down"] else 1
-
-        ecc = "nvmlDeviceGetTotalEccErrors"
-        datacenter = int(self.model.datacenter)
-        ecc_mode = ("nvmlDeviceGetEccMode", lambda gpu, values, scope: datacenter)
-        power = ("nvmlDeviceGetPowerUsage", scenario("power_w", 1000))  # mW
-        limit = round(self.model.power_limit_w * 1000)
-        tx, rx = "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES"
-        return {
-            nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER: (
-                "nvmlDeviceGetPcieReplayCounter",
-                scenario("pcie_replay_count"),
-            ),
-            nv.NVML_FI_DEV_ECC_SBE_AGG_TOTAL: (ecc, scenario("ecc_corrected_total")),
-            nv.NVML_FI_DEV_ECC_DBE_AGG_TOTAL: (ecc, scenario("ecc_uncorrected_total")),
-            nv.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: (ecc, scenario("ecc_corrected_total")),
-            nv.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: (ecc, scenario("ecc_uncorrected_total")),
-            nv.NVML_FI_DEV_ECC_CURRENT: ecc_mode,
-            nv.NVML_FI_DEV_ECC_PENDING: ecc_mode,
-            nv.NVML_FI_DEV_POWER_INSTANT: power,
-            nv.NVML_FI_DEV_POWER_AVERAGE: power,
-            nv.NVML_FI_DEV_POWER_CURRENT_LIMIT: (
-                "nvmlDeviceGetEnforcedPowerLimit",
-                lambda gpu, values, scope: limit,
-            ),
-            getattr(nv, tx): (tx, lambda gpu, values, scope: self._pcie_bytes(gpu, "tx")),
-            getattr(nv, rx): (rx, lambda gpu, values, scope: self._pcie_bytes(gpu, "rx")),
-            nv.NVML_FI_DEV_NVLINK_LINK_COUNT: (
-                "nvmlDeviceGetNvLinkState",
-                lambda gpu, values, scope: self.model.nvlinks,
-            ),
-            nv.NVML_FI_DEV_NVLINK_GET_STATE: ("nvmlDeviceGetNvLinkState", nvlink_state),
-        }
-
-    def _pcie_bytes(self, gpu: int, direction: str) -> int:
-        """Bytes through the GPU's link since the driver loaded: the scenario's MB/s,
-        integrated over the clock's time up to the field values' timestamp (a counter
-        that only rises, loops included)."""
-        t = self._field_t
-        if t > self._pcie_at:
-            for d in ("tx", "rx"):
-                added = self.timeline.integral(f"pcie_{d}_mb_s", self._pcie_at, t)
-                for i, mb in enumerate(added):
-                    self._pcie[(i, d)] = self._pcie.get((i, d), 0.0) + mb * 1e6
-            self._pcie_at = t
-        return int(self._pcie.get((gpu, direction), 0.0))
-
-    @symbol("device")
-    def _nvmlDeviceGetFieldValues(self, gpu: int, handle: Any, count: Any, values: Any) -> int:
-        """Fills the caller's nvmlFieldValue_t array as the C library does: its memory
-        (pynvml's structures are slow to read and write member by member from Python).
-        What each requested field needs is worked out once per request and kept."""
-        array = values._obj
-        n = _value(count)
-        if n < 0 or n > len(array):
-            return ERROR_INVALID_ARGUMENT
-        memory = memoryview(array).cast("B")[: n * _RECORD.size]
-        asked = tuple(_RECORD_IDS.iter_unpack(memory))
-        plan = self._field_plans.get((gpu, asked))
-        if plan is None:
-            plan = self._field_plans[(gpu, asked)] = self._plan(gpu, asked)
-        self.field_calls.update(plan.counted)
-        stamp = int((self.clock.start_wall + self.clock.elapsed()) * 1e6)  # µs since the epoch
-        self._field_t = stamp / 1e6 - self.clock.start_wall  # the time the values are of
-        ull, pack, state = plan.value_type, _RECORD.pack, self._gpu_values(gpu)
-        out = []
-        for field_id, scope, code, read in plan.fields:
-            value = 0
-            if read is not None:
-                got = read(gpu, state, scope)
-                code, value = (ERROR_INVALID_ARGUMENT, 0) if got is None else (SUCCESS, got)
-            out.append(pack(field_id, scope, stamp, 0, ull, code, value))
-        memory[:] = b"".join(out)
-        return SUCCESS
-
-    def _plan(self, gpu: int, asked: tuple[tuple[int, int], ...]) -> _FieldPlan:
-        """Per field asked: its injected failure or NOT_SUPPORTED, else its reader."""
-        failures, handlers = self._field_failures, self._field_handlers
-        fields: list[tuple[int, int, int, FieldReader | None]] = []
-        for field_id, scope in asked:
-            code = failures.get((gpu, field_id))
-            if code is None:
-                code = failures.get((None, field_id))
-            handler = handlers.get(field_id)
-            if code is None and (handler is None or self._is_unsupported(handler[0])):
-                code = ERROR_NOT_SUPPORTED
-            read = handler[1] if code is None and handler is not None else None
-            fields.append((field_id, scope, code or 0, read))
-        counted = [(field_id, gpu) for field_id, _ in asked]
-        return _FieldPlan(fields, counted, int(self.nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG))
-
     # -- events ---------------------------------------------------------------------------
 
     def _event_set(self, handle: Any) -> _EventSet | None:
@@ -1065,17 +608,6 @@ def _copy_string(buf: Any, size: Any, text: str) -> int:
         return ERROR_INSUFFICIENT_SIZE
     buf.value = data
     return SUCCESS
-
-
-def _field(process: Any, key: str) -> Any:
-    return process[key] if isinstance(process, dict) else getattr(process, key)
-
-
-def _kind(process: Any) -> str:
-    """Which NVML list a scenario process is in: "compute" (the default) or "graphics"."""
-    if isinstance(process, dict):
-        return str(process.get("kind", "compute"))
-    return str(getattr(process, "kind", "compute"))
 
 
 __all__ = [

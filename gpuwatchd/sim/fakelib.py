@@ -47,16 +47,18 @@ class Symbol:
 
 
 def install_symbols(lib: FakeLib, missing: Collection[str] = ()) -> dict[str, Symbol]:
-    """Set every marked implementation of `lib`'s class as an instance attribute.
+    """Set every marked implementation of `lib`'s class (and of the classes it is made
+    of) as an instance attribute.
 
     A symbol in `missing` stays absent: the binding's getattr fails as it does against
     an older driver, and the binding raises its FunctionNotFound equivalent.
     """
     symbols = {}
-    for attr, impl in type(lib).__dict__.items():
-        kind = getattr(impl, KIND, None)
-        name = attr[1:]
-        if kind is not None and name not in missing:
-            symbols[name] = Symbol(lib, name, getattr(lib, attr), kind)
-            setattr(lib, name, symbols[name])
+    for klass in reversed(type(lib).__mro__):  # a library may be made of several classes
+        for attr, impl in vars(klass).items():
+            kind = getattr(impl, KIND, None)
+            name = attr[1:]
+            if kind is not None and name not in missing:
+                symbols[name] = Symbol(lib, name, getattr(lib, attr), kind)
+                setattr(lib, name, symbols[name])
     return symbols

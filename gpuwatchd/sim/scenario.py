@@ -8,6 +8,7 @@ sysfs) render that state in the real bindings' and the kernel's formats.
 from __future__ import annotations
 
 import copy
+from bisect import bisect_right
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -400,6 +401,13 @@ class Timeline:
         self._base_host = copy.deepcopy(HOST_DEFAULTS)
         deep_merge(self._base_host, scenario.node.initial_host.model_dump(exclude_none=True))
         self._compiled = [(start, self._compile(phase)) for start, phase in self.phases()]
+        self._phase_values: dict[tuple[int, str], list[Any]] = {}  # (phase, key) -> per GPU
+        self._xids = [  # (when, on which GPUs, which Xid), as the phases raise them
+            (start, list(self._gpus(change)), xid)
+            for start, phase in self.phases()
+            for change in phase.all_changes()
+            for xid in change.set.xid or []
+        ]
         self._host_cache: tuple[float, dict[str, Any]] | None = None
         self._cache: tuple[float, list[dict[str, Any]], dict[str, dict[str, int]]] | None = None
 
@@ -447,10 +455,20 @@ class Timeline:
         totals = [0.0] * self.scenario.node.gpu_count
         for a, b in zip(cuts, cuts[1:], strict=False):
             if b > a:
-                gpus, _ = self._compute(self._local((a + b) / 2))
-                for i, values in enumerate(gpus):
-                    totals[i] += values[key] * (b - a)
+                for i, value in enumerate(self._values_at(key, self._local((a + b) / 2))):
+                    totals[i] += value * (b - a)
         return totals
+
+    def _values_at(self, key: str, t: float) -> list[Any]:
+        """Every GPU's `key` at t, kept per phase where no change ramps it (then it is the
+        same all through the phase)."""
+        index = bisect_right(self._starts, t) - 1
+        if index < 0 or any(key in ramp for _, _, ramp in self._compiled[index][1].changes):
+            return [values[key] for values in self._compute(t)[0]]
+        kept = self._phase_values.get((index, key))
+        if kept is None:
+            kept = self._phase_values[(index, key)] = [v[key] for v in self._compute(t)[0]]
+        return kept
 
     def constant(self, t0: float, t1: float, gpus: bool = True) -> bool:
         """True if every value is the same at all times in [t0, t1]: no phase starts or
@@ -527,12 +545,10 @@ class Timeline:
         last_cycle = int(t1 // period) if period else 0
         for cycle in range(first_cycle, last_cycle + 1):
             offset = cycle * period if period else 0.0
-            for phase, start in zip(self.scenario.phases, self._starts, strict=True):
-                for change in phase.all_changes():
-                    for xid in change.set.xid or []:
-                        at = offset + start
-                        if t0 < at <= t1:
-                            events.extend(XidEvent(at, i, xid) for i in self._gpus(change))
+            for start, gpus, xid in self._xids:
+                at = offset + start
+                if t0 < at <= t1:
+                    events.extend(XidEvent(at, i, xid) for i in gpus)
         return events
 
 

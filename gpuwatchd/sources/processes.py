@@ -107,7 +107,13 @@ from gpuwatchd.config import ProcessesConfig, SourceConfig
 from gpuwatchd.metrics import GPU_LABELS, Sample, counter, gauge
 from gpuwatchd.sources import register
 from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted
-from gpuwatchd.sources.nvml import ListedGpu, process_table, quietly, start_nvml, sysfs_bus_id
+from gpuwatchd.sources.nvmlapi import (
+    ListedGpu,
+    process_table,
+    quietly,
+    start_nvml,
+    sysfs_bus_id,
+)
 
 log = logging.getLogger(__name__)
 

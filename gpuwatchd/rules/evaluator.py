@@ -1,0 +1,337 @@
+"""Evaluating compiled rule expressions against a cycle's snapshot of the store.
+
+`Evaluator` runs a `Compiled` expression's bytecode for one GPU at a time, with the
+internal functions its rewritten tree calls (series lookups, window functions,
+aggregates). With a `Reads` it records what the evaluation read, so the engine can tell
+when evaluating the same rule again could not come out otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatchd.metrics import PREFIX
+from gpuwatchd.rules.language import (
+    AGGREGATES,
+    GPU,
+    PCIE,
+    PEER_GROUPING,
+    WINDOW_FUNCTIONS,
+    Compiled,
+    Missing,
+    Selector,
+)
+
+Row = tuple[tuple[str, ...], float]
+
+
+class Reads:
+    """What one evaluation read. Evaluated again on the same inputs it comes out the same,
+    so it need not be: none of `keys` (family, index key) has other rows, none of
+    `sources` has polled (a window gains a point), no window has lost its oldest point
+    (`until`), and it did not read time() (`always`)."""
+
+    __slots__ = ("keys", "sources", "until", "always")
+
+    def __init__(self) -> None:
+        self.keys: set[tuple[str, Any]] = set()
+        self.sources: set[str] = set()
+        self.until = math.inf
+        self.always = False
+
+    def still(self, now: float, changed: set[tuple[str, Any]], polled: set[str]) -> bool:
+        """True if an evaluation at `now` would read the same as this one did."""
+        return (
+            not self.always
+            and now <= self.until
+            and self.sources.isdisjoint(polled)
+            and self.keys.isdisjoint(changed)
+        )
+
+
+@dataclass
+class GpuRef:
+    gpu: str
+    uuid: str
+    bus_id: str | None
+
+
+@dataclass
+class Snapshot:
+    """The store's live series for one cycle, indexed for per-GPU lookups."""
+
+    now: float
+    per_gpu: dict[str, dict[tuple[str, str], list[Row]]] = field(default_factory=dict)
+    per_bus: dict[str, dict[str, list[Row]]] = field(default_factory=dict)
+    host: dict[str, list[Row]] = field(default_factory=dict)
+
+
+class Evaluator:
+    """Evaluates compiled expressions for one GPU at a time; Missing means not evaluable."""
+
+    def __init__(
+        self,
+        window: Callable[[str, tuple[str, ...], float], list[tuple[float, float]]],
+        values: Callable[[str, tuple[str, ...], float], tuple[float, float, Sequence[float]]],
+    ) -> None:
+        self._window = window  # (time, value) points of one series since a time
+        self._values = values  # ... their values only, and the first and last ones' times
+        self.snapshot = Snapshot(0.0)
+        self.gpus: list[GpuRef] = []
+        self.gpu = GpuRef("", "", None)
+        self.compiled: Compiled | None = None
+        self.reads: Reads | None = None  # what the evaluation in progress reads, if asked
+        self._jobs: dict[str, float | None] = {}
+        functions: dict[str, Callable[..., Any]] = {
+            "_value": self._value,
+            "_present": self._present,
+            "_default": self._default,
+            "_peers": self._peers,
+            "_div": self._div,
+            "_abs": abs,
+            "_time": self._time,
+            "_max_of": max,
+            "_min_of": min,
+        }
+        for name in WINDOW_FUNCTIONS:
+            functions["_" + name] = getattr(self, "_w_" + name)
+        for name in AGGREGATES:
+            functions[f"_{name}_series"] = self._series_aggregate(name)
+            functions[f"_{name}_list"] = self._list_aggregate(name)
+        self._globals: dict[str, Any] = {"__builtins__": {}, **functions}
+
+    # the cycle ------------------------------------------------------------------
+    def begin(self, snapshot: Snapshot, gpus: list[GpuRef]) -> None:
+        self.snapshot = snapshot
+        self.gpus = gpus
+        self._jobs = {}
+
+    def evaluate(self, compiled: Compiled, gpu: GpuRef, reads: Reads | None = None) -> float:
+        """The expression's value for `gpu`; raises Missing, or anything a bug raises.
+        With `reads`, what the evaluation reads is added to it."""
+        self.compiled, self.gpu, self.reads = compiled, gpu, reads
+        try:
+            return float(eval(compiled.bytecode(), self._globals))
+        finally:
+            self.reads = None
+
+    # lookups --------------------------------------------------------------------
+    def rows(self, selector: Selector, gpu: GpuRef | None = None) -> list[Row]:
+        gpu = gpu or self.gpu
+        family = selector.family
+        name = family.spec.name
+        key: Any
+        if family.scope == GPU:
+            key = (gpu.gpu, gpu.uuid)
+            rows = self.snapshot.per_gpu.get(name, {}).get(key, [])
+        elif family.scope == PCIE:
+            key = gpu.bus_id or ""
+            rows = self.snapshot.per_bus.get(name, {}).get(key, [])
+        else:
+            key = None
+            rows = self.snapshot.host.get(name, [])
+        if self.reads is not None:
+            self.reads.keys.add((name, key))
+        if selector.matchers:
+            rows = [r for r in rows if all(r[0][i] == v for i, v in selector.matchers)]
+        return rows
+
+    def _sel(self, index: int) -> Selector:
+        assert self.compiled is not None
+        return self.compiled.selectors[index]
+
+    def _one(self, selector: Selector, gpu: GpuRef | None = None) -> float:
+        rows = self.rows(selector, gpu)
+        if not rows:
+            raise Missing(selector.describe())
+        return rows[0][1]
+
+    def _value(self, index: int) -> float:
+        return self._one(self._sel(index))
+
+    def _present(self, index: int) -> bool:
+        return bool(self.rows(self._sel(index)))
+
+    def _default(self, index: int, fallback: float) -> float:
+        rows = self.rows(self._sel(index))
+        return rows[0][1] if rows else fallback
+
+    def _time(self) -> float:
+        if self.reads is not None:
+            self.reads.always = True
+        return self.snapshot.now
+
+    def _div(self, a: float, b: float) -> float:
+        if b == 0:
+            raise Missing("division by zero")
+        return a / b
+
+    def _job(self, gpu: GpuRef) -> float | None:
+        """What peers() groups `gpu` by: its main process's job, else that process's pid
+        (where the job series is absent), else None (no main process known)."""
+        key = (gpu.gpu, gpu.uuid)
+        if self.reads is not None:
+            self.reads.keys.update((PREFIX + name, key) for name in PEER_GROUPING)
+        if gpu.uuid not in self._jobs:
+            job = None
+            for name in PEER_GROUPING:
+                rows = self.snapshot.per_gpu.get(PREFIX + name, {}).get(key)
+                if rows:
+                    job = rows[0][1]
+                    break
+            self._jobs[gpu.uuid] = job
+        return self._jobs[gpu.uuid]
+
+    def _peers(self, index: int) -> list[float]:
+        """The selector's value on the other GPUs of this GPU's job."""
+        selector = self._sel(index)
+        mine = self._job(self.gpu)
+        if mine is None:
+            return []
+        values = []
+        for other in self.gpus:
+            if other.uuid != self.gpu.uuid and self._job(other) == mine:
+                rows = self.rows(selector, other)
+                if rows:
+                    values.append(rows[0][1])
+        return values
+
+    def _series_aggregate(self, how: str) -> Callable[[int], float]:
+        def aggregate(index: int) -> float:
+            selector = self._sel(index)
+            rows = self.rows(selector)
+            if how == "count":
+                return float(len(rows))
+            if how == "sum":
+                return math.fsum(r[1] for r in rows)
+            if not rows:
+                raise Missing(selector.describe())
+            values = [r[1] for r in rows]
+            return _reduce(how, values)
+
+        return aggregate
+
+    @staticmethod
+    def _list_aggregate(how: str) -> Callable[[list[float]], float]:
+        def aggregate(values: list[float]) -> float:
+            if how == "count":
+                return float(len(values))
+            if how == "sum":
+                return math.fsum(values)
+            if not values:
+                raise Missing("no peers")
+            return _reduce(how, values)
+
+        return aggregate
+
+    # windows --------------------------------------------------------------------
+    def _points(self, index: int, seconds: float) -> list[list[tuple[float, float]]]:
+        selector = self._sel(index)
+        rows = self.rows(selector)
+        if not rows:
+            if selector.multi:
+                return []
+            raise Missing(selector.describe())
+        since = self.snapshot.now - seconds
+        name = selector.family.spec.name
+        series = [self._window(name, labels, since) for labels, _ in rows]
+        reads = self.reads
+        if reads is not None:  # a new point, or the oldest leaving, changes the window
+            reads.sources.add(selector.family.source)
+            for points in series:
+                if points:
+                    reads.until = min(reads.until, points[0][0] + seconds)
+        return series
+
+    def _single(self, index: int, seconds: float) -> Sequence[float]:
+        """The values of the one series a window function of one series reads."""
+        selector = self._sel(index)
+        rows = self.rows(selector)
+        if not rows:
+            raise Missing(selector.describe())
+        first, last, values = self._values(
+            selector.family.spec.name, rows[0][0], self.snapshot.now - seconds
+        )
+        reads = self.reads
+        if reads is not None and values and min(values) == max(values):
+            # every point the same: more of them (the series' value unchanged: it is read)
+            # or fewer change nothing, until the window is empty (the last one leaves it)
+            reads.until = min(reads.until, last + seconds)
+        elif reads is not None:  # a new point, or the oldest leaving, changes the window
+            reads.sources.add(selector.family.source)
+            reads.until = min(reads.until, first + seconds)
+        if not values:
+            raise Missing(selector.describe())
+        return values
+
+    def _w_avg_over(self, index: int, seconds: float) -> float:
+        values = self._single(index, seconds)
+        return math.fsum(values) / len(values)
+
+    def _w_stddev_over(self, index: int, seconds: float) -> float:
+        values = self._single(index, seconds)
+        mean = math.fsum(values) / len(values)
+        return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+
+    def _w_quantile_over(self, q: float, index: int, seconds: float) -> float:
+        return _quantile(q, sorted(self._single(index, seconds)))
+
+    def _extreme(
+        self, index: int, seconds: float, pick: Callable[[Iterable[float]], float]
+    ) -> float:
+        values = [v for points in self._points(index, seconds) for _, v in points]
+        if not values:
+            raise Missing(self._sel(index).describe())
+        return pick(values)
+
+    def _w_min_over(self, index: int, seconds: float) -> float:
+        return self._extreme(index, seconds, min)
+
+    def _w_max_over(self, index: int, seconds: float) -> float:
+        return self._extreme(index, seconds, max)
+
+    def _w_change(self, index: int, seconds: float) -> float:
+        """Increase of a counter over the window, resets handled; summed over series."""
+        return math.fsum(_increase(points)[0] for points in self._points(index, seconds))
+
+    def _w_rate(self, index: int, seconds: float) -> float:
+        total = 0.0
+        for points in self._points(index, seconds):
+            increase, span = _increase(points)
+            if span > 0:
+                total += increase / span
+        return total
+
+
+def _reduce(how: str, values: Sequence[float]) -> float:
+    if how == "max":
+        return max(values)
+    if how == "min":
+        return min(values)
+    return math.fsum(values) / len(values)  # avg
+
+
+def _quantile(q: float, ordered: list[float]) -> float:
+    """Linear interpolation between closest ranks, as Prometheus' quantile_over_time."""
+    if not 0 <= q <= 1:
+        return math.nan
+    rank = q * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    weight = rank - low
+    return ordered[low] * (1 - weight) + ordered[high] * weight
+
+
+def _increase(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(increase, seconds covered) of a counter's points; a drop is a reset from zero."""
+    if len(points) < 2:
+        return 0.0, 0.0
+    increase = 0.0
+    previous = points[0][1]
+    for _, value in points[1:]:
+        increase += value - previous if value >= previous else value
+        previous = value
+    return increase, points[-1][0] - points[0][0]

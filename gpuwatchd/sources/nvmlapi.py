@@ -1,0 +1,265 @@
+"""The thin adapter around nvidia-ml-py (`pynvml`) the NVML-reading sources share.
+
+Starting NVML (`start_nvml`, with one-line reasons when it cannot be used), reading the
+two calls the nvml source makes most through the binding's own function pointers with
+buffers kept between polls (`Direct`, `FieldValues`), and the `ProcessTable` in which
+the nvml source publishes each poll's process lists for the processes source.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from gpuwatchd.sources.base import Context, SourceError
+
+log = logging.getLogger("gpuwatchd.sources.nvml")
+
+PROCESS_TABLE = "nvml_processes"  # context.extras key of the shared ProcessTable
+
+
+@dataclass(frozen=True)
+class ListedGpu:
+    """One GPU in a ProcessTable: its labels, bus id and process lists."""
+
+    index: int
+    labels: tuple[str, ...]  # (gpu, uuid)
+    bus_id: str  # sysfs form
+    lists: dict[str, dict[int, float]] | None  # kind -> {pid: GPU memory bytes}; None: lost
+
+
+class ProcessTable:
+    """The GPU process lists of the nvml source's last poll, for the processes source.
+
+    NVML lists each GPU's processes once per poll, for both sources: the nvml source
+    publishes what it read here, and the processes source uses it while it is fresh.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._read_at: float | None = None
+        self._gpus: list[ListedGpu] = []
+
+    def publish(self, read_at: float, gpus: list[ListedGpu]) -> None:
+        with self._lock:
+            self._read_at, self._gpus = read_at, gpus
+
+    def fresh(self, now: float, max_age: float) -> list[ListedGpu] | None:
+        """The last lists if read at most `max_age` before `now` (same clock), else None."""
+        with self._lock:
+            if self._read_at is None or now - self._read_at > max_age:
+                return None
+            return self._gpus
+
+
+def process_table(context: Context) -> ProcessTable:
+    """The node's shared ProcessTable (one per Context, so per pipeline)."""
+    table: ProcessTable = context.extras.setdefault(PROCESS_TABLE, ProcessTable())
+    return table
+
+
+class FieldValues:
+    """Reads an array of pynvml's c_nvmlFieldValue_t in one pass: (nvmlReturn, the
+    driver's timestamp in µs, the value as a number) per field.
+
+    pynvml's structures read every member through a Python-level __getattribute__
+    (about a microsecond each, several per field); the layout comes from the binding's
+    own ctypes declarations, so it is the one the library wrote.
+    """
+
+    def __init__(self, nv: Any) -> None:
+        record, union = nv.c_nvmlFieldValue_t, nv.c_nvmlValue_t
+        layout, at = "<", 0
+        for name, kind in record._fields_:
+            offset, size = getattr(record, name).offset, ctypes.sizeof(kind)
+            layout += "x" * (offset - at)
+            layout += _standard(kind) or f"{size}s"
+            at = offset + size
+        layout += "x" * (ctypes.sizeof(record) - at)
+        self._record = struct.Struct(layout)
+        names = [name for name, _ in record._fields_]
+        self._at = [names.index(n) for n in ("nvmlReturn", "valueType", "timestamp", "value")]
+        # NVML_VALUE_TYPE_* is the index of the union's member (dVal, uiVal, ulVal, ...)
+        self._values = [struct.Struct("<" + (_standard(kind) or "x")) for _, kind in union._fields_]
+
+    def read(self, array: Any) -> list[tuple[int, int, float | None]]:
+        out = []
+        code, kind, stamp, raw = self._at
+        values = self._values
+        for record in self._record.iter_unpack(memoryview(array).cast("B")):
+            index = record[kind]
+            number = values[index].unpack_from(record[raw])[0] if index < len(values) else None
+            out.append((record[code], record[stamp], number))
+        return out
+
+
+def _standard(kind: Any) -> str | None:
+    """The struct code (standard size, "<") of a ctypes number type, or None."""
+    code, size = getattr(kind, "_type_", None), ctypes.sizeof(kind)
+    if not isinstance(code, str) or code not in "bBhHiIlLqQfd":
+        return None
+    if code in "fd":
+        return {4: "f", 8: "d"}.get(size)
+    by_size = {1: "b", 2: "h", 4: "i", 8: "q"}.get(size)
+    return None if by_size is None else by_size if code.islower() else by_size.upper()
+
+
+class Direct:
+    """The field values and the process lists through the binding's own function
+    pointers (`_nvmlGetFunctionPointer`, as its wrappers do), with buffers kept between
+    polls: pynvml's wrappers allocate, fill member by member and convert to Python
+    objects on every call, and ask each process list for its length first (two calls).
+    Here a poll is one call each while the buffer is big enough. Without that function
+    (a pynvml that no longer has it), the wrappers are used."""
+
+    def __init__(self, nv: Any) -> None:
+        self.nv = nv
+        self.values = FieldValues(nv)
+        self._pointer = getattr(nv, "_nvmlGetFunctionPointer", None)
+        self._info = nv.c_nvmlProcessInfo_t
+        pid, memory = self._info.pid.offset, self._info.usedGpuMemory.offset
+        self._pid, self._memory = struct.Struct("<I"), struct.Struct("<Q")
+        self._at = (pid, memory, ctypes.sizeof(self._info))
+        self._buffer = (self._info * 16)()
+        self._unknown = int(nv.NVML_VALUE_NOT_AVAILABLE_ulonglong.value)
+
+    def request(self, ids: list[tuple[int, int]]) -> Any:
+        """A reusable nvmlFieldValue_t array asking for these (field id, scope id)."""
+        array = (self.nv.c_nvmlFieldValue_t * len(ids))()
+        for value, (field_id, scope) in zip(array, ids, strict=True):
+            value.fieldId, value.scopeId = field_id, scope
+        return array
+
+    def field_values(self, handle: Any, request: Any) -> list[tuple[int, int, float | None]]:
+        nv = self.nv
+        if self._pointer is None:
+            ids = [(v.fieldId, v.scopeId) for v in request]
+            return self.values.read(nv.nvmlDeviceGetFieldValues(handle, ids))
+        call = self._pointer("nvmlDeviceGetFieldValues")
+        code = call(handle, ctypes.c_int32(len(request)), ctypes.byref(request))
+        if code != nv.NVML_SUCCESS:
+            raise nv.NVMLError(code)
+        return self.values.read(request)
+
+    def lister(self, name: str) -> Callable[[Any], dict[int, float]]:
+        """nvmlDevice{Compute,Graphics}RunningProcesses[_vN] as {pid: GPU memory bytes}."""
+        nv = self.nv
+
+        def wrapped(handle: Any) -> dict[int, float]:
+            used: dict[int, float] = {}
+            for process in getattr(nv, name)(handle):
+                memory = process.usedGpuMemory  # None where the driver cannot tell (WDDM)
+                used[process.pid] = used.get(process.pid, 0.0) + (memory or 0)
+            return used
+
+        def direct(handle: Any) -> dict[int, float]:
+            assert self._pointer is not None
+            call = self._pointer(name)
+            count = ctypes.c_uint(len(self._buffer))
+            code = call(handle, ctypes.byref(count), self._buffer)
+            while code == nv.NVML_ERROR_INSUFFICIENT_SIZE:  # more processes than room
+                self._buffer = (self._info * (count.value * 2 + 5))()
+                count = ctypes.c_uint(len(self._buffer))
+                code = call(handle, ctypes.byref(count), self._buffer)
+            if code != nv.NVML_SUCCESS:
+                raise nv.NVMLError(code)
+            memory = memoryview(self._buffer).cast("B")
+            pid_at, memory_at, size = self._at
+            used: dict[int, float] = {}
+            for base in range(0, count.value * size, size):
+                (pid,) = self._pid.unpack_from(memory, base + pid_at)
+                (value,) = self._memory.unpack_from(memory, base + memory_at)
+                used[pid] = used.get(pid, 0.0) + (0 if value == self._unknown else value)
+            return used
+
+        return wrapped if self._pointer is None else direct
+
+
+_INIT_HINTS = {
+    "NVML_ERROR_LIBRARY_NOT_FOUND": (
+        "libnvidia-ml.so.1 not found",
+        "is the NVIDIA driver installed on this node?",
+    ),
+    "NVML_ERROR_DRIVER_NOT_LOADED": ("NVIDIA driver not loaded", "is this a GPU node?"),
+    "NVML_ERROR_NO_PERMISSION": (
+        "permission denied",
+        "can this user open /dev/nvidiactl and /dev/nvidia*?",
+    ),
+    "NVML_ERROR_LIB_RM_VERSION_MISMATCH": (
+        "NVML library and kernel driver versions differ",
+        "was the driver upgraded without a reboot?",
+    ),
+}
+
+
+def load_binding(context: Context) -> Any:
+    """The NVML binding: `context.pynvml` (the simulator's) or the installed pynvml."""
+    if context.pynvml is not None:
+        return context.pynvml
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError:
+        raise SourceError(
+            "NVML unavailable: the nvidia-ml-py package (module pynvml) is not installed"
+        ) from None
+
+
+def error_codes(nv: Any) -> dict[int, str]:
+    """NVML_ERROR_* value -> its name, from the binding."""
+    return {getattr(nv, n): n for n in dir(nv) if n.startswith("NVML_ERROR_")}
+
+
+def init_failure(error: Any, codes: dict[int, str]) -> str:
+    """The one-line reason nvmlInit failed, with a hint for the common causes."""
+    code = codes.get(error.value, f"code {error.value}")
+    what, hint = _INIT_HINTS.get(code, (f"nvmlInit failed: {error}", ""))
+    return f"NVML unavailable: {what} ({code})" + (f"; {hint}" if hint else "")
+
+
+def start_nvml(context: Context) -> tuple[Any, dict[int, str], int]:
+    """Initialise NVML through the context's binding: (binding, error names, GPU count).
+
+    Raises SourceError with a one-line reason when NVML cannot be used on this node.
+    """
+    nv = load_binding(context)
+    codes = error_codes(nv)
+    try:
+        nv.nvmlInit()
+    except nv.NVMLError as e:
+        raise SourceError(init_failure(e, codes)) from None
+    try:
+        count = nv.nvmlDeviceGetCount()
+    except nv.NVMLError as e:
+        quietly(nv, nv.nvmlShutdown)
+        name = codes.get(e.value, f"code {e.value}")
+        raise SourceError(f"NVML unavailable: nvmlDeviceGetCount failed: {e} ({name})") from None
+    return nv, codes, count
+
+
+def cuda_version_string(version: int) -> str:
+    """12040 (as nvmlSystemGetCudaDriverVersion returns it) -> "12.4"."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def sysfs_bus_id(nvml_bus_id: str) -> str:
+    """NVML's "00000000:34:00.0" -> "0000:34:00.0", as in sysfs (and the pcie source)."""
+    domain, _, rest = nvml_bus_id.strip().lower().partition(":")
+    if not rest:
+        return nvml_bus_id
+    return f"{int(domain or '0', 16):04x}:{rest}"
+
+
+def quietly(nv: ModuleType, function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)`, or None if NVML answers with an error."""
+    try:
+        return function(*args)
+    except nv.NVMLError as e:
+        log.debug("nvml: %s failed: %s", getattr(function, "__name__", function), e)
+        return None
