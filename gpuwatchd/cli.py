@@ -6,6 +6,7 @@ from gpuwatchd import signals  # first of all: from here on SIGHUP is remembered
 
 # isort: split
 import base64
+import contextlib
 import json
 import logging
 import signal
@@ -144,7 +145,10 @@ def run(
     host, port = daemon.address
     what = f"simulated node {scenario.name!r}" if scenario else "this node"
     url = f"{daemon.server.scheme}://{host}:{port}/metrics"
-    click.echo(f"gpuwatchd: serving {what} on {url}", err=True)
+    # stderr may be a file on a full disk (ENOSPC): a line nobody can read must not
+    # stop a daemon that serves (log records that fail to write are dropped the same way)
+    with contextlib.suppress(OSError):
+        click.echo(f"gpuwatchd: serving {what} on {url}", err=True)
     serve(daemon, lambda: _reread(config_file, **overrides))
     daemon.stop()
 

@@ -112,6 +112,10 @@ class SourceConfig(Strict):
 class NvmlConfig(SourceConfig):
     interval: Interval = 1.0
     timeout: Duration = 2.0
+    # NVLinks every GPU with NVLink must have up besides those seen up since the daemon
+    # started: "all", or link indices (bridged H100 PCIe: 0-3, 6-9, 12-15). Says what a
+    # board without NVSwitches wires, so a link down before the start counts too
+    expected_nvlinks: Literal["all"] | tuple[Annotated[int, Field(ge=0, le=63)], ...] = ()
 
 
 class PcieConfig(SourceConfig):
@@ -252,6 +256,27 @@ class ProcessesConfig(SourceConfig):
     scan_every: int = Field(12, ge=1)
     desktop: bool = True  # scan /proc for desktop processes (else only NVML's lists)
     max_threads: int = Field(1024, ge=1)  # threads read per process per poll
+    # owner attribution (docs/fleet.md): gpuwatchd_gpu_owner_info per owned GPU
+    owner: bool = True
+    # read the launcher's variables in /proc/PID/environ (SLURM_*, RANK, WORLD_SIZE, …;
+    # only those kept, never logged). On: they tell a job's ranks from sibling notebooks
+    # (peers()) and give the rank; unreadable (another user, no CAP_SYS_PTRACE) costs
+    # nothing but that
+    owner_environ: bool = True
+    job_mapping_dir: Path | None = None  # a prolog's per-GPU job files; None: not read
+    # the kubelet's pod-resources socket (absent off Kubernetes: not asked); None: never
+    pod_resources_socket: Path | None = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    pod_resources_timeout: Duration = Field(0.5, le=10.0)  # one List call
+    pod_resources_refresh: Duration = Field(10.0, ge=1.0, le=3600.0)  # List at most this often
+
+    @model_validator(mode="after")
+    def _pod_resources_timeout(self) -> ProcessesConfig:
+        if self.pod_resources_timeout >= self.timeout:
+            raise ValueError(
+                f"pod_resources_timeout ({self.pod_resources_timeout:g}s) must be shorter "
+                f"than timeout ({self.timeout:g}s): the List call runs within a poll"
+            )
+        return self
 
 
 class ProbeConfig(SourceConfig):

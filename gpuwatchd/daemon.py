@@ -56,10 +56,41 @@ def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list
     return sorted(keys)
 
 
-class Pipeline:
-    """Sources, store, pollers and exporter for one node, real or simulated."""
+class SteadyClock:
+    """Unix time that moves with the monotonic clock, for everything the daemon measures
+    (poll timeouts, staleness, rule windows and `for`, seconds starved): a step of the
+    system clock (NTP at boot, `date -s`) would otherwise mark every source down or
+    stale, fire pending causes at once, or add the step to `starvation_seconds_total`.
+    Timestamps the daemon exports are put on the wall clock of the moment (`to_wall`),
+    so they stay true after a step."""
 
-    def __init__(self, config: Config, context: Context, now: Callable[[], float]) -> None:
+    def __init__(
+        self, wall: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._wall, self._mono = wall, mono
+        self._offset = wall() - mono()
+
+    def __call__(self) -> float:
+        return self._mono() + self._offset
+
+    def to_wall(self, t: float) -> float:
+        """`t`, a time of this clock, on the wall clock as it reads now."""
+        return t + self._wall() - self()
+
+
+class Pipeline:
+    """Sources, store, pollers and exporter for one node, real or simulated.
+
+    `now` is the clock the pipeline measures with (monotonic in steps: `SteadyClock`, or
+    a simulated node's); `to_wall` puts its times on the wall clock for export."""
+
+    def __init__(
+        self,
+        config: Config,
+        context: Context,
+        now: Callable[[], float],
+        to_wall: Callable[[float], float] | None = None,
+    ) -> None:
         self.config = config
         self.now = now
         self.sources = build_sources(config, context)
@@ -77,7 +108,9 @@ class Pipeline:
         self.engine = RuleEngine(self.store, rules, self._source_up, catalog)
         self.rules_watcher = RuleFileWatcher(self.engine, config.rules_file, now)
         specs = [*all_specs(self.sources), *RULE_METRICS]
-        self.exporter = Exporter(self.store, self.pollers, specs, now, self.engine.exposition())
+        self.exporter = Exporter(
+            self.store, self.pollers, specs, now, self.engine.exposition(), to_wall
+        )
 
     def _source_up(self, name: str) -> bool:
         poller = self._by_name.get(name)
@@ -136,12 +169,15 @@ class Daemon:
             from gpuwatchd.sim.node import SimNode
 
             self.node = SimNode(scenario, virtual=False, loop=True)
+        to_wall = None  # a simulated node's clock is monotonic already
         if self.node is not None:
             context, now = self.node.context(), self.node.clock.now
         else:
-            context, now = Context(procfs=config.procfs, sysfs=config.sysfs), time.time
+            context = Context(procfs=config.procfs, sysfs=config.sysfs)
+            clock = SteadyClock()
+            now, to_wall = clock, clock.to_wall
         try:
-            self.pipeline = Pipeline(config, context, now)
+            self.pipeline = Pipeline(config, context, now, to_wall)
         except Exception:  # a bad rule file: leave no simulated node behind
             if self.node is not None:
                 self.node.close()

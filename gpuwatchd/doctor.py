@@ -211,7 +211,8 @@ HOST_CHECKS = (
         criterion=f"iowait at or over {_pct(IOWAIT)} of CPU time",
         why="iowait (idle with I/O outstanding) is averaged over every core, so the core "
         "count dilutes it; a fifth of all CPU time waiting on storage means the node's "
-        "work waits on its disks (the `storage_io_bound` rule's bar)",
+        "work waits on its disks (a node-wide sign; the `storage_io_bound` rule judges "
+        "the disks the job reads)",
         judge=_iowait,
         remedy="Find who waits on which device (`iostat -x 1`, `pidstat -d 1`); stage the "
         "dataset on local NVMe or in page cache, read a sharded sequential format, "

@@ -77,10 +77,12 @@ class Exporter:
         specs: Iterable[MetricSpec],
         now: Callable[[], float],
         derived: Iterable[Derived] = (),
+        to_wall: Callable[[float], float] | None = None,
     ) -> None:
         self.store = store
         self.pollers = pollers
         self.now = now
+        self.to_wall = to_wall or (lambda t: t)  # `now`'s times as exported timestamps
         owned = {spec.name for poller in pollers for spec in poller.source.metrics}
         self.specs = [spec for spec in (*SELF_METRICS, *specs) if spec.name not in owned]
         self.derived = list(derived)
@@ -156,7 +158,7 @@ class Exporter:
                 rows["gpuwatchd_source_errors_total"].append((source, float(health.errors_total)))
                 if health.last_success is not None:
                     rows["gpuwatchd_source_last_success_timestamp_seconds"].append(
-                        (source, health.last_success)
+                        (source, self.to_wall(health.last_success))
                     )
             return rows
 

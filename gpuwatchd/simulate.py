@@ -10,9 +10,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpuwatchd.config import Config, ConfigError
+from gpuwatchd.config import Config
 from gpuwatchd.daemon import Pipeline
 from gpuwatchd.rules import Transition
+from gpuwatchd.rules.check import MetricWatch
 from gpuwatchd.scheduler import SteppedScheduler
 from gpuwatchd.sim.node import SimNode
 from gpuwatchd.sim.scenario import Scenario
@@ -48,18 +49,8 @@ class SimulationResult:
     started_at: float = 0.0  # the clock's time at the scenario's start
 
 
-def _hangs(scenario: Scenario) -> bool:
-    changes = (change for phase in scenario.phases for change in phase.all_changes())
-    return bool(scenario.node.initial.hung) or any(change.set.hung for change in changes)
-
-
 class Simulation:
     def __init__(self, scenario: Scenario, config: Config) -> None:
-        if _hangs(scenario):
-            raise ConfigError(
-                f"scenario {scenario.name}: `hung: true` needs real time (a blocked call "
-                "stops virtual time too): play it with `gpuwatchd run --simulate`"
-            )
         self.scenario = scenario
         self.config = config
         self.node = SimNode(scenario, virtual=True)
@@ -70,6 +61,8 @@ class Simulation:
             raise
         self.scheduler = SteppedScheduler(self.pipeline.pollers)
         self.transitions: list[Transition] = []
+        # the scenario's metric expectations, seen as causes by the check
+        self.watch = MetricWatch(scenario, self.pipeline.pollers, self.pipeline.store)
 
     def step(self) -> None:
         """One evaluation cycle at the clock's current time: sources due, then the rules."""
@@ -77,6 +70,8 @@ class Simulation:
         self.node.tick(self.scheduler.due(now))  # the files the sources due will read
         self.scheduler.run_due(now)
         self.transitions += self.pipeline.evaluate_rules()
+        if self.watch:
+            self.transitions += self.watch.sample(now)
 
     def run(
         self, until: float | None = None, on_step: Callable[[float], None] | None = None

@@ -16,7 +16,8 @@ it is bounded (`Limits`):
   the loop: a scrape returns the exposition's cached bytes and waits on nothing.
 TLS, basic auth, extra headers and a rate limit come from exporter-toolkit's web config
 file (gpuwatchd/webconfig.py). `/api/...` changes state: POST only, refused unless basic
-auth is configured, rate-limited, and every call is logged with its caller.
+auth is configured, rate-limited, and every call is logged with its caller. `/healthz`
+without credentials answers anyone, with its status only, for probes (docs/security.md).
 """
 
 from __future__ import annotations
@@ -358,11 +359,15 @@ class MetricsServer:
             raise ConnectionResetError("the client did not read the response") from None
 
     async def _route(self, request: web.BaseRequest) -> web.Response:
-        refused = self._refuse(request)
+        # A liveness probe cannot hold a secret (a kubelet's httpGet headers are plain text
+        # in the pod spec), so /healthz without credentials answers anyone, with only its
+        # status: one word, nothing about the node (see _healthz).
+        probe = request.path == "/healthz" and "Authorization" not in request.headers
+        refused = self._refuse(request, rate_limited=not probe)
         if refused is not None:
             return refused
         user = None
-        if self._auth is not None:
+        if self._auth is not None and not probe:
             user_or_refusal = await self._authenticate(request)
             if isinstance(user_or_refusal, web.Response):
                 return user_or_refusal
@@ -376,8 +381,12 @@ class MetricsServer:
             )
         return await endpoint(request, user)
 
-    def _refuse(self, request: web.BaseRequest) -> web.Response | None:
-        """Refusals that need no work: a body, the global rate limit, a certificate's SANs."""
+    def _refuse(self, request: web.BaseRequest, rate_limited: bool = True) -> web.Response | None:
+        """Refusals that need no work: a body, the global rate limit, a certificate's SANs.
+
+        The anonymous /healthz is not `rate_limited`: it costs what a 429 costs, and a
+        flood that used up the tokens would otherwise fail the probes and restart the pod.
+        """
         if (
             "Transfer-Encoding" in request.headers
             or (request.content_length or 0) > self.limits.max_body
@@ -388,7 +397,7 @@ class MetricsServer:
             )
             response.force_close()  # the unread body must not be parsed as a request
             return response
-        if self._limiter is not None and not self._limiter.take():
+        if rate_limited and self._limiter is not None and not self._limiter.take():
             return _text(429, "too many requests\n")
         if self._sans and not self._sans & peer_sans(_peer_certificate(request)):
             response = _text(403, "client certificate has none of the allowed SANs\n")
@@ -430,9 +439,16 @@ class MetricsServer:
         return web.Response(body=current.text, headers={"Content-Type": TEXT_TYPE})
 
     async def _healthz(self, request: web.BaseRequest, user: str | None) -> web.Response:
-        """Healthy while the render loop is alive; sources being down is not unhealthy."""
+        """Healthy while the render loop is alive; sources being down is not unhealthy.
+
+        With basic auth configured, a caller without credentials (a kubelet probe) gets
+        the status and one word; the details (render age, sources) need the password.
+        """
         age = self.exporter.now() - self.exporter.current.rendered_at
-        if not age <= 30:
+        healthy = age <= 30
+        if self._auth is not None and user is None:
+            return _text(200, "ok\n") if healthy else _text(503, "unhealthy\n")
+        if not healthy:
             return _text(503, f"exposition not rendered for {age:.0f}s\n")
         lines = [
             f"source {p.name}: {'up' if p.health.up else 'down'}" for p in self.exporter.pollers

@@ -13,7 +13,9 @@ firing-causes tables, whose info series exists only while a cause fires; and eve
 series is selected by the scrape's `job` and the `node` label a relabelling gives each
 target (docs/dashboards.md). The recording rules of deploy/prometheus/recording.yaml
 keep `cluster`, `job` and `instance` only, so the fleet view joins them to
-`gpuwatchd_build_info` on those to filter by node and show its name.
+`gpuwatchd_build_info` on those to filter by node and show its name. The fleet's job
+view joins per-GPU series to `gpuwatchd_gpu_owner_info` on (job, instance, uuid), as
+deploy/prometheus/jobs.yaml does, and is empty until a GPU has an owner with a job id.
 """
 
 from __future__ import annotations
@@ -118,9 +120,10 @@ def big_number(title: str, description: str, q: prom.Dataquery, unit: str, *,
     )
 
 
-def bars(title: str, description: str, q: prom.Dataquery, unit: str, *,
-         width: int = 12, height: int = 10) -> bargauge.Panel:
-    panel = _common(bargauge.Panel(), title, description, [q], unit, width, height)
+def bars(title: str, description: str, q: prom.Dataquery | list[prom.Dataquery], unit: str,
+         *, width: int = 12, height: int = 10) -> bargauge.Panel:
+    queries = q if isinstance(q, list) else [q]
+    panel = _common(bargauge.Panel(), title, description, queries, unit, width, height)
     return (
         panel.orientation(common.VizOrientation.HORIZONTAL)
         .display_mode(common.BarGaugeDisplayMode.BASIC)
@@ -150,14 +153,31 @@ def timeline(title: str, description: str, queries: list[prom.Dataquery],
     )
 
 
+def heatmap(title: str, description: str, q: prom.Dataquery, *, width: int = 24,
+            height: int = 10) -> statetimeline.Panel:
+    """One row per series, coloured by its 0-1 value (red low, green high): a state
+    timeline as a heat map, which keeps the rows' names (a heatmap panel buckets them)."""
+    panel = _common(statetimeline.Panel(), title, description, [q], RATIO, width, height)
+    return (
+        panel.min(0).max(1)
+        .show_value(common.VisibilityMode.NEVER)
+        .merge_values(False)
+        .row_height(0.95)
+        .fill_opacity(90)
+        .legend(common_b.VizLegendOptions().show_legend(False))
+        .color_scheme(dash.FieldColor().mode(model.FieldColorModeId.CONTINUOUS_RD_YL_GR))
+    )
+
+
 def grid(title: str, description: str, queries: list[prom.Dataquery], *,
          columns: list[str], display: dict[str, tuple[str, str]] | None = None,
          width: int = 24, height: int = 8, link: dict[str, str] | None = None,
-         ) -> table.Panel:
+         sort: str | None = None) -> table.Panel:
     """A table of instant queries: one row per label set, `columns` first, Time hidden.
 
     `display` maps a value field ("Value #A") to (column title, unit); several queries
-    are merged on their labels.
+    are merged on their labels. Rows are sorted by `sort` (a column title, ascending),
+    else by the first column.
     """
     panel = _common(table.Panel(), title, description, queries, "none", width, height)
     if len(queries) > 1:
@@ -184,7 +204,7 @@ def grid(title: str, description: str, queries: list[prom.Dataquery], *,
         panel = panel.override_by_name(columns[0], [
             model.DynamicConfigValue(id_val="links", value=[link]),
         ])
-    return panel.sort_by([common_b.TableSortByFieldState().display_name(columns[0])])
+    return panel.sort_by([common_b.TableSortByFieldState().display_name(sort or columns[0])])
 
 
 def row(title: str, panels: list[Any]) -> dash.Row:
@@ -390,6 +410,150 @@ def fleet_worst() -> dash.Row:
     ])
 
 
+# The job view: a job's GPUs on every node, through the owner info series each node
+# exports per GPU (docs/fleet.md), joined as deploy/prometheus/jobs.yaml joins it. The
+# node selection does not apply: a job spans nodes.
+OWNER = (
+    f'gpuwatchd_gpu_owner_info{{{FLEET_RULES}, job_id=~"$job_id", job_id!=""}}'
+)
+# jobs.yaml's per-GPU rules keep every label of the GPU's series plus the owner's; its
+# per-job rules (job_id:..., job_id_cause:...) keep scheduler and job_id only.
+JOB_GPU_RULES = f'{FLEET_RULES}, job_id=~"$job_id"'
+JOB_RULES = 'job_id=~"$job_id"'
+
+
+def of_job(expr: str, labels: str = "job_id") -> str:
+    """`expr` (per GPU) for the GPUs of $job_id only, with the owner's `labels`."""
+    return f"({expr}) * on (job, instance, uuid) group_left ({labels}) {OWNER}"
+
+
+def fleet_job() -> dash.Row:
+    per_gpu_legend = "{{node}} GPU {{gpu}}"
+    utilization = f"gpu:gpuwatchd_utilization:avg1m{{{JOB_GPU_RULES}}}"
+    median = f"quantile by (scheduler, job_id) (0.5, {utilization})"
+    last_active = f"gpu:gpuwatchd_last_active_timestamp_seconds{{{JOB_GPU_RULES}}}"
+    starved_seconds = f"gpuwatchd_starvation_seconds_total{{{FLEET_RULES}}}"
+
+    def by_gpu(metric: str) -> str:
+        return f"max by (node, gpu) ({of_job(f'gpuwatchd_{metric}{{{FLEET_RULES}}}')})"
+
+    return row("Job $job_id", [
+        big_number(
+            "Nodes of the job", """Nodes with at least one GPU owned by the selected job
+            (job_id:gpuwatchd_nodes:count from deploy/prometheus/jobs.yaml). The cluster,
+            job and node selection does not apply to the job's rules.""",
+            query(f"sum(job_id:gpuwatchd_nodes:count{{{JOB_RULES}}})"), COUNT),
+        big_number(
+            "GPUs of the job", """GPUs the selected job owns across all its nodes
+            (job_id:gpuwatchd_gpus:count), as each node's gpuwatchd_gpu_owner_info names
+            them.""",
+            query(f"sum(job_id:gpuwatchd_gpus:count{{{JOB_RULES}}})"), COUNT),
+        big_number(
+            "GPUs of the job at ≥ 80 %", """The job's GPUs whose 1-minute utilization is
+            at least 80 % (job_id:gpuwatchd_gpus_busy:count). In a data-parallel job the
+            ranks waiting for a straggler spin in the collective at ~100 %, so most GPUs
+            busy and a few idle is the straggler pattern.""",
+            query(f"sum(job_id:gpuwatchd_gpus_busy:count{{{JOB_RULES}}}) or vector(0)"),
+            COUNT),
+        big_number(
+            "GPUs of the job in NCCL stall", """The job's GPUs whose nccl_stall cause fires
+            now (gpu:gpuwatchd_nccl_stall:active). Half of them or more on two or more nodes
+            for a minute pages as GpuJobNcclStall: the job is hung in a collective.""",
+            query(f"sum(gpu:gpuwatchd_nccl_stall:active{{{JOB_GPU_RULES}}})"),
+            COUNT, red_from=1),
+        heatmap(
+            "GPU utilization of the job, per node and GPU", """One row per GPU of the
+            selected job, on every node it runs on (gpuwatchd_gpu_utilization_ratio joined
+            with gpuwatchd_gpu_owner_info on job, instance and uuid): green is busy, red
+            idle. A row (or a node's rows) red while the others are green is the
+            straggler the rest of the job waits for.""",
+            query(by_gpu("gpu_utilization_ratio"), per_gpu_legend)),
+        heatmap(
+            "SM activity of the job, per node and GPU (DCGM)", """Share of cycles an SM
+            had work on each GPU of the selected job (DCGM profiling,
+            gpuwatchd_gpu_sm_active_ratio), one row per node and GPU. Utilization can read
+            100 % while ranks spin in NCCL; SM activity falls, on every row at once in a
+            job-wide hang. Empty where DCGM is not enabled.""",
+            query(by_gpu("gpu_sm_active_ratio"), per_gpu_legend)),
+        grid(
+            "GPUs of the job, slowest first", """Each GPU of the selected job with its
+            rank, its 1-minute utilization (gpu:gpuwatchd_utilization:avg1m) and that over
+            the job's median: the straggler heads the table. GpuJobStraggler fires for a
+            GPU under 20 % for 5 minutes while half the job runs at 80 % or more. Click a
+            node to open its dashboard.""",
+            [
+                query(of_job(utilization, "rank"), instant=True),
+                query(of_job(f"{utilization} / on (scheduler, job_id) group_left {median}",
+                             "rank"), instant=True),
+            ],
+            columns=["node", "gpu", "rank", "user", "namespace", "job"],
+            display={
+                "Value #A": ("Utilization (1m)", RATIO),
+                "Value #B": ("vs job median", RATIO),
+            },
+            width=12, height=10, link=node_link("${__data.fields.job}"),
+            sort="Utilization (1m)"),
+        bars(
+            "Time since each GPU of the job last drew power", """Per GPU of the selected
+            job, how long ago it last drew over 40 % of its power limit
+            (gpu:gpuwatchd_last_active_timestamp_seconds, 30 minutes back), longest first.
+            In a job-wide hang every GPU goes quiet; the one quiet longest stopped first
+            and is the rank to look at.""",
+            query(f"sort_desc(time() - max by (node, gpu) ({last_active}))", per_gpu_legend,
+                  instant=True),
+            SECONDS, height=10),
+        timeline(
+            "Causes firing per node of the job", """Per node of the selected job, how many
+            starvation causes fire on the job's GPUs there (gpuwatchd_starvation_active
+            joined with the owner): green while none does, red with the count. A cause on
+            one node only points at that node.""",
+            [query(f"sum by (node) ({of_job(f'gpuwatchd_starvation_active{{{FLEET_RULES}}}')})",
+                   "{{node}}")],
+            {0: ("none", "green")}, width=12, height=8,
+        ).thresholds(dash.ThresholdsConfig().mode(model.ThresholdsMode.ABSOLUTE).steps([
+            model.Threshold(value=None, color="green"), model.Threshold(value=1, color="red"),
+        ])).show_value(common.VisibilityMode.AUTO),
+        grid(
+            "Firing causes on the job's GPUs", """One row per GPU of the selected job and
+            cause firing now (gpuwatchd_starvation_info joined with the owner): node, GPU,
+            rank, cause, severity, the evidence recorded when it started (summary) and the
+            remedy. Empty while nothing fires on the job; click a node to open its
+            dashboard.""",
+            [query(
+                "max by (node, gpu, rank, cause, severity, summary, remedy, job) ("
+                + of_job(f"gpuwatchd_starvation_info{{{FLEET_RULES}}}", "job_id, rank")
+                + ")", instant=True)],
+            columns=["node", "gpu", "rank", "cause", "severity", "summary", "remedy", "job"],
+            width=12, height=8, link=node_link("${__data.fields.job}")),
+        graph(
+            "GPU-hours the job lost in the last hour, by cause", """GPU-hours each cause
+            cost the selected job over the preceding hour, across all its nodes
+            (job_id_cause:gpuwatchd_starvation_gpu_hours:increase1h), stacked. A GPU that
+            changed jobs within the hour charges it to its new owner.""",
+            [query(f"sum by (cause) (job_id_cause:gpuwatchd_starvation_gpu_hours:increase1h"
+                   f"{{{JOB_RULES}}})", "{{cause}}")],
+            GPU_HOURS, stack=True),
+        bars(
+            "GPU-hours the job lost in the time range, by cause", """GPU-hours lost to each
+            cause on the selected job's GPUs over the dashboard's time range (increase of
+            gpuwatchd_starvation_seconds_total / 3600 on the GPUs the job owns at its
+            end), largest first.""",
+            query(f"sort_desc(sum by (cause) ({of_job(f'increase({starved_seconds}[$__range])')})"
+                  " / 3600)", "{{cause}}", instant=True),
+            GPU_HOURS, width=6, height=8),
+        bars(
+            "GPU-hours lost in the last hour, by namespace and user", """The 10 namespaces
+            and the 10 users whose GPUs lost the most GPU-hours to starvation in the last
+            hour, every cause summed (namespace_cause: and
+            user_cause:gpuwatchd_starvation_gpu_hours:increase1h, from every owned GPU, a
+            pod without a job id too). Not limited to the selected job.""",
+            [query(f"sort_desc(topk(10, sum by ({who}) ({who}_cause:gpuwatchd_starvation_gpu_"
+                   "hours:increase1h)))", f"{who} {{{{{who}}}}}", instant=True)
+             for who in ("namespace", "user")],
+            GPU_HOURS, width=6, height=8),
+    ])
+
+
 def fleet() -> dash.Dashboard:
     d = new_dashboard(
         "gpuwatchd / Fleet", FLEET_UID,
@@ -400,7 +564,10 @@ def fleet() -> dash.Dashboard:
         "job", "Job", 'gpuwatchd_build_info{cluster=~"$cluster"}', multi=True))
     d = d.with_variable(label_variable(
         "node", "Node", 'gpuwatchd_build_info{cluster=~"$cluster", job=~"$job"}', multi=True))
-    for r in (fleet_now(), fleet_lost(), fleet_worst()):
+    d = d.with_variable(label_variable(
+        "job_id", "Job ID",
+        'gpuwatchd_gpu_owner_info{cluster=~"$cluster", job=~"$job", job_id!=""}', multi=False))
+    for r in (fleet_now(), fleet_lost(), fleet_worst(), fleet_job()):
         d = d.with_row(r)
     return d
 

@@ -28,6 +28,7 @@ from gpuwatchd.sources.cpu import (
     ParseError,
     Pressure,
     busy_ratio,
+    interrupt_ratio,
     parse_meminfo,
     parse_pressure,
     parse_stat,
@@ -512,3 +513,45 @@ def test_collect_on_garbage_never_raises_but_source_error(
             assert 0 <= s.value < float("inf")
             if s.name.endswith("_ratio") or s.name.endswith("_ratio_max"):
                 assert s.value <= 1
+
+
+# --- interrupt time per core ------------------------------------------------------------------
+
+
+def test_interrupt_ratio_is_irq_plus_softirq_of_the_interval() -> None:
+    before = (100, 0, 50, 800, 10, 5, 35, 0)
+    after = (150, 0, 60, 820, 10, 25, 135, 0)  # 200 ticks: 20 irq + 100 softirq
+    assert interrupt_ratio(after, before) == pytest.approx(0.6)
+    assert interrupt_ratio(before, before) is None
+
+
+def test_core_split_takes_interrupt_time_from_the_task_first() -> None:
+    columns = core_split(busy=90, iowait=5, steal=0, irq=10, softirq=50)
+    assert columns[5] == pytest.approx(10 + 40 * 0.01)  # its own + the busy split's share
+    assert columns[6] == pytest.approx(50 + 40 * 0.02)
+    assert sum(columns) == pytest.approx(100)
+    assert columns[4] == 0  # no room left for iowait
+
+
+def test_a_storm_costs_the_cpu_it_lands_on(tmp_path: Path) -> None:
+    """The simulator charges each interrupt to its CPU; the source reads it back per core."""
+    hardware = {"nics": [{"name": "mlx5_0", "queues": 4, "bus_id": "0000:0c:00.0"}]}
+    values = {
+        "cpu_busy_percent": 20,
+        "interrupts": {"mlx5_comp1": {"rate": 40_000, "cpus": [3]}},
+        "core_softirq_percent": {5: 7},
+    }
+    timeline = Timeline(scenario(values, host=hardware))
+    interrupts = InterruptsWriter(tmp_path, timeline)
+    writer = CpuWriter(tmp_path, timeline, interrupts=interrupts)
+    source = source_for(tmp_path)
+    for t in (0.0, 10.0):
+        interrupts.write(t)
+        writer.write(t)
+        got = by_key(source.collect())
+    # 40 000/s x (1.5 + 12) µs = 54 %, plus the busy split's 3 % of the 20 % left
+    assert got[("cpu_interrupt_ratio", ("3",))] == pytest.approx(0.54 + 0.2 * 0.03, abs=0.002)
+    assert got[("cpu_interrupt_ratio", ("5",))] == pytest.approx(0.07 + 0.2 * 0.03, abs=0.002)
+    assert got[("cpu_interrupt_ratio", ("0",))] == pytest.approx(0.2 * 0.03, abs=0.002)
+    assert got[("cpu_interrupt_ratio_max", ())] == got[("cpu_interrupt_ratio", ("3",))]
+    assert got[("cpu_busy_ratio", ("3",))] == pytest.approx(0.74, abs=0.002)

@@ -8,6 +8,7 @@ garbage (hypothesis).
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from gpuwatchd.sources.disks import (
     iostat,
     is_partition_name,
     parse_diskstats,
+    whole_disks,
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "diskstats" / "node_exporter"
@@ -582,3 +584,43 @@ def test_a_plain_source_config_gets_the_defaults(tmp_path: Path) -> None:
     src.collect()
     clock.t = 7
     assert "loop0" not in devices(src.collect())  # the default exclude applies
+
+
+# --- which disks a device number is on (per-job attribution) ---------------------------------
+
+
+def test_whole_disks_of_partitions_stacked_devices_and_anonymous_ones(tmp_path: Path) -> None:
+    """/sys/dev/block/MAJ:MIN as the kernel lays it out: links into /sys/devices."""
+    sys = tmp_path / "sys"
+    links = sys / "dev" / "block"
+    links.mkdir(parents=True)
+    sda = sys / "devices" / "pci0000:00" / "0000:00:17.0" / "ata1" / "host0" / "block" / "sda"
+    nvme = sys / "devices" / "pci0000:00" / "0000:00:1d.0" / "nvme" / "nvme0" / "nvme0n1"
+    for disk, part in ((sda, "sda2"), (nvme, "nvme0n1p1")):
+        (disk / part).mkdir(parents=True)
+        (disk / part / "partition").write_text("1\n")
+    (links / "8:0").symlink_to(os.path.relpath(sda, links))
+    (links / "8:2").symlink_to(os.path.relpath(sda / "sda2", links))
+    (links / "259:1").symlink_to(os.path.relpath(nvme / "nvme0n1p1", links))
+    # LVM on a partition of each disk: dm-0's slaves
+    dm = sys / "devices" / "virtual" / "block" / "dm-0"
+    (dm / "slaves").mkdir(parents=True)
+    (dm / "slaves" / "sda2").symlink_to(os.path.relpath(sda / "sda2", dm / "slaves"))
+    (dm / "slaves" / "nvme0n1p1").symlink_to(os.path.relpath(nvme / "nvme0n1p1", dm / "slaves"))
+    (links / "253:0").symlink_to(os.path.relpath(dm, links))
+    root = os.fspath(sys)
+    assert whole_disks(root, 8, 0) == ("sda",)
+    assert whole_disks(root, 8, 2) == ("sda",)
+    assert whole_disks(root, 259, 1) == ("nvme0n1",)
+    assert whole_disks(root, 253, 0) == ("nvme0n1", "sda")
+    assert whole_disks(root, 0, 52) == ()  # NFS, tmpfs: no block device
+    assert whole_disks(os.fspath(tmp_path / "nowhere"), 8, 0) == ()
+
+
+def test_simulated_dev_block_links_lead_to_the_disks(tmp_path: Path) -> None:
+    tl = Timeline(scenario(["nvme0n1", "sdb"], [{"name": "p", "duration": 60}]))
+    DiskstatsWriter(tmp_path / "proc", tl, sysfs=tmp_path / "sys").write(0.0)
+    root = os.fspath(tmp_path / "sys")
+    assert whole_disks(root, 259, 0) == ("nvme0n1",)
+    assert whole_disks(root, 259, 1) == ("nvme0n1",)  # nvme0n1p1
+    assert whole_disks(root, 8, 17) == ("sdb",)  # sdb1

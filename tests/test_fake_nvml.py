@@ -541,8 +541,34 @@ def test_scenario_hang_ends_with_the_phase():
     assert fake.blocked.wait(WAIT)
     assert not done.is_set()
     clock.advance(10)  # the hung phase is over
+    fake.settle()  # virtual time: the blocked call looks at the clock again
     assert done.wait(WAIT)
     worker.join(WAIT)
+
+
+def test_settle_waits_for_blocked_calls_to_look_at_the_new_time():
+    """Virtual time: a blocked call returns only at a settle() after the hang ends, and
+    settle() returns once it has (or blocked again): replays are deterministic."""
+    scn = scenario([
+        {"name": "ok", "duration": 1},
+        {"name": "hung", "duration": 10, "changes": [{"gpus": [0], "set": {"hung": True}}]},
+        {"name": "back", "duration": 10, "changes": [{"gpus": [0], "set": {"hung": False}}]},
+    ])
+    nv, fake, clock, _ = start(scn)
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    clock.advance(1)
+    done = threading.Event()
+    worker = threading.Thread(
+        target=lambda: (nv.nvmlDeviceGetPerformanceState(h), done.set()), daemon=True)
+    worker.start()
+    assert not fake.wait_for(done, worker, WAIT)  # returns as soon as it blocks
+    clock.advance(5)
+    fake.settle()
+    assert worker in fake._blocked_threads and not done.is_set()  # still hung at 5 s
+    clock.advance(6)
+    fake.settle()  # at 12 s the call returns; settle waits for the thread to end
+    assert not worker.is_alive() and done.is_set()
+    assert fake.hang_timeouts == 0
 
 
 def test_hang_is_capped():
@@ -551,3 +577,14 @@ def test_hang_is_capped():
     fake.hang(0)
     assert nv.nvmlDeviceGetPowerUsage(h) > 0  # answers after hang_cap (real time)
     assert fake.hang_timeouts == 1
+
+
+def test_no_library_fails_in_pynvmls_own_loader():
+    """`node.nvml: no_library`: libnvidia-ml.so.1 cannot be opened, as on a node without
+    the driver; pynvml's loader answers NVML_ERROR_LIBRARY_NOT_FOUND, every time."""
+    timeline = Timeline(load_scenario("healthy-8gpu"))
+    nv = make_pynvml(timeline, SimClock(virtual=True), library=False)
+    for _ in range(2):
+        with pytest.raises(nv.NVMLError_LibraryNotFound):
+            nv.nvmlInit()
+    assert nv._gpuwatchd_fake.calls_total == 0

@@ -9,23 +9,33 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 from daemon_process import require_tool, running_daemon
 from dashboards import DASHBOARDS, REGENERATE, generator, panel_queries, panels, substitute
-from servers import running_prometheus
+from prometheus_client.parser import text_string_to_metric_families
+from servers import free_port, running_prometheus
+
+from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIO = Path(__file__).resolve().parent / "fixtures" / "scenarios" / "dashboard-evidence.yaml"
 RECORDING_RULES = REPO / "deploy" / "prometheus" / "recording.yaml"
+JOB_RULES = REPO / "deploy" / "prometheus" / "jobs.yaml"
 FLEET, NODE = DASHBOARDS
+JOB_ID = "torchrun-4242"  # the job the owner stand-in gives the simulated node's GPUs
 
 VARIABLES = {
-    FLEET.name: {"datasource", "cluster", "job", "node"},
+    FLEET.name: {"datasource", "cluster", "job", "node", "job_id"},
     NODE.name: {"datasource", "job", "node", "gpu"},
 }
 
@@ -46,8 +56,9 @@ def load(path: Path) -> dict:
 
 
 def example_values(node: str = "gpu-node-01:9766") -> dict[str, str]:
-    """Values for every dashboard variable: one job and node, All for cluster and gpu."""
-    return {"cluster": ".*", "job": "gpuwatchd", "node": node, "gpu": ".*"}
+    """Values for every dashboard variable: one job, node and job id, All for cluster and
+    gpu."""
+    return {"cluster": ".*", "job": "gpuwatchd", "node": node, "gpu": ".*", "job_id": JOB_ID}
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
@@ -175,10 +186,72 @@ def test_the_scenario_shows_what_it_says():
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]
 
 
+def owner_exposition(metrics_url: str, target: str) -> str:
+    """gpuwatchd_gpu_owner_info for each GPU of the daemon at `metrics_url`, in the labels
+    docs/fleet.md fixes, as its processes source will export it for a torchrun job in a
+    Kubernetes pod; `job`, `instance` and `node` are the daemon's target's (served with
+    honor_labels, so they join with the daemon's own series)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    (info,) = [f for f in text_string_to_metric_families(text) if f.name == "gpuwatchd_gpu_info"]
+    lines = ["# TYPE gpuwatchd_gpu_owner_info gauge"]
+    for sample in info.samples:
+        gpu, uuid = sample.labels["gpu"], sample.labels["uuid"]
+        labels = {
+            "job": "gpuwatchd", "instance": target, "node": target, "gpu": gpu, "uuid": uuid,
+            "scheduler": "kubernetes", "job_id": JOB_ID, "step": "", "rank": gpu,
+            "user": "1000", "namespace": "ml-team", "pod": "train-0", "container": "trainer",
+        }
+        assert labels.keys() == {"job", "instance", "node", "gpu", "uuid", *OWNER_LABELS}
+        lines.append(
+            "gpuwatchd_gpu_owner_info{"
+            + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "} 1"
+        )
+    assert len(lines) > 1, "the daemon lists no GPUs"
+    return "\n".join(lines) + "\n"
+
+
+@contextmanager
+def serving_text(body: str) -> Iterator[str]:
+    """A real HTTP server answering every GET with `body` (text exposition); its host:port."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield "{}:{}".format(*server.server_address)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_every_panel_query_returns_data(tmp_path: Path):
     """Every target of both dashboards, variables substituted, returns a non-empty result
-    from a real Prometheus scraping `gpuwatchd run --simulate` with the recording rules."""
-    with running_daemon(str(SCENARIO)) as metrics_url:
+    from a real Prometheus scraping `gpuwatchd run --simulate` with the recording rules
+    and the job rules (deploy/prometheus/jobs.yaml).
+
+    The job view joins on gpuwatchd_gpu_owner_info. The simulated node's owners are not
+    used: the test serves a stand-in owner series per GPU (owner_exposition, labelled as
+    docs/fleet.md fixes, a job with a job_id, a namespace and a user, which the scenario's
+    process has not), and the daemon's own attribution is switched off
+    (sources.processes.owner: false) so that each GPU has exactly one owner, as on a real
+    node; a second one would make every join many-to-many.
+    """
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(yaml.safe_dump({"sources": {"processes": {"owner": False}}}))
+    with running_daemon(str(SCENARIO), "--config", str(config)) as metrics_url:
         target = urllib.parse.urlparse(metrics_url).netloc
         values = example_values(node=target)  # servers.py labels each target node=host:port
         queries = [
@@ -186,9 +259,15 @@ def test_every_panel_query_returns_data(tmp_path: Path):
             for path in DASHBOARDS
             for title, expr in panel_queries(path, values)
         ]
-        with running_prometheus(
-            tmp_path, {"gpuwatchd": [target]}, rule_files=[RECORDING_RULES]
+        with serving_text(owner_exposition(metrics_url, target)) as owners, running_prometheus(
+            tmp_path, {"gpuwatchd": [target], "owners": [owners]},
+            rule_files=[RECORDING_RULES, JOB_RULES],
+            scrape_options={"honor_labels": True},  # the stand-in's job, instance and node
         ) as prometheus:
+            assert not prometheus.query(
+                f'count by (job, instance, uuid) (gpuwatchd_gpu_owner_info{{instance="{target}"}})'
+                " > 1"
+            ), "a GPU with two owners: the daemon exports its own despite owner: false"
             empty = queries
             deadline = time.monotonic() + 45
             while True:

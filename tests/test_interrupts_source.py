@@ -793,3 +793,30 @@ def test_huge_numbers_do_not_hit_the_int_digit_limit(
     clock.t = 1
     source.collect()
     parse_line(f" 40: {digits} {digits} PCI-MSI 1-edge x", 2)
+
+
+# --- where interrupts land ------------------------------------------------------------------
+
+
+def test_the_hardest_hit_cpu_tells_spread_from_concentrated(tmp_path: Path) -> None:
+    """Four vectors at 12 000/s, one per CPU, against one vector at 30 000/s on CPU 1."""
+    spread = {f"mlx5_comp{q}": {"rate": 12_000, "cpus": [q]} for q in range(4)}
+    for irqs, hardest, busiest_line in (
+        (spread, 12_000, 12_000),
+        ({"mlx5_comp2": {"rate": 30_000, "cpus": [1]}}, 30_000, 30_000),
+    ):
+        values = {"interrupts": irqs}
+        root = tmp_path / str(hardest)
+        writer = InterruptsWriter(root, Timeline(scenario(values, ONE_NIC)))
+        clock = Clock()
+        source = source_for(root, clock)
+        writer.write(0.0)
+        source.collect()
+        clock.t = 10.0
+        writer.write(10.0)
+        got = by_key(source.collect())
+        assert got[("interrupt_cpu_max_per_second", ("nic",))] == pytest.approx(hardest, rel=1e-3)
+        assert got[("interrupt_max_line_per_second", ("nic",))] == pytest.approx(
+            busiest_line, rel=1e-3
+        )
+        assert got[("interrupt_cpu_max_per_second", ("usb",))] < 10

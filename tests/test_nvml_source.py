@@ -39,15 +39,24 @@ def scenario(phases: list[dict[str, Any]], **node: Any) -> Scenario:
 class Sim:
     """A fake node at virtual time, and an NVML source reading it."""
 
-    def __init__(self, scn: Scenario | str, at: float = 0.0, **options: Any) -> None:
+    def __init__(
+        self, scn: Scenario | str, at: float = 0.0, virtual_wait: bool = False, **options: Any
+    ) -> None:
         self.timeline = Timeline(load_scenario(scn) if isinstance(scn, str) else scn)
         self.clock = SimClock(virtual=True, start_wall=1_700_000_000.0)
         self.clock.advance(at)
         self.nv = make_pynvml(self.timeline, self.clock, **options)
         self.fake = self.nv._gpuwatchd_fake
-        extras = {"now": self.clock.now, "clock": self.clock.elapsed}
+        extras: dict[str, Any] = {"now": self.clock.now, "clock": self.clock.elapsed}
+        if virtual_wait:  # as the simulator: a reader that blocks is not waited for
+            extras["nvml_wait"] = self.fake.wait_for
         self.context = Context(pynvml=self.nv, extras=extras)
         self.source = NvmlSource(NvmlConfig(), self.context)
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock, and let calls blocked on a hung GPU see it (as a step does)."""
+        self.clock.advance(seconds)
+        self.fake.settle()
 
     def collect(self) -> Metrics:
         return Metrics(self.source.collect())
@@ -89,8 +98,9 @@ PER_GPU_FAMILIES = {
     "gpu_clock_event_reason_active", "gpu_pcie_link_generation", "gpu_pcie_link_generation_max",
     "gpu_pcie_link_width", "gpu_pcie_link_width_max", "gpu_pcie_tx_bytes_per_second",
     "gpu_pcie_rx_bytes_per_second", "gpu_pcie_replay_errors_total", "gpu_ecc_errors_total",
-    "gpu_persistence_mode", "gpu_ecc_mode", "gpu_nvlink_active", "gpu_compute_processes",
-    "gpu_process_memory_used_bytes",
+    "gpu_persistence_mode", "gpu_ecc_mode", "gpu_nvlink_active", "gpu_nvlink_expected",
+    "gpu_compute_processes", "gpu_process_memory_used_bytes", "gpu_nvml_hung_seconds",
+    "gpu_nvml_stale",
 }
 
 
@@ -158,6 +168,7 @@ def test_healthy_node_every_family_with_its_units():
         assert got.value("gpu_persistence_mode", i) == 1
         assert got.value("gpu_ecc_mode", i) == 1
         assert got.gpu("gpu_nvlink_active", i) == {(str(link),): 1.0 for link in range(12)}
+        assert got.gpu("gpu_nvlink_expected", i) == {(str(link),): 1.0 for link in range(12)}
         assert got.value("gpu_compute_processes", i) == 1
         assert got.gpu("gpu_process_memory_used_bytes", i) == {("4242",): 71680 * MIB}
 
@@ -417,19 +428,41 @@ def lost_scenario() -> Scenario:
     ], gpu_count=3)
 
 
-def test_lost_gpu_reports_only_gpu_lost():
+def test_lost_gpu_reports_only_its_identity_and_gpu_lost():
     sim = Sim(lost_scenario())
     assert sim.collect().value("gpu_lost", 1) == 0
     sim.clock.advance(15)
     for _ in range(2):
         got = sim.collect()
         uuid = gpu_uuid("sim-node", 1)
-        assert got.samples_of(1) == [(P + "gpu_lost", ("1", uuid))]
+        assert got.series_of(1) == {P + f for f in (
+            "gpu_info", "gpu_lost", "gpu_nvml_hung_seconds", "gpu_nvml_stale")}
+        assert {labels[1] for _, labels in got.samples_of(1)} == {uuid}
         assert got.value("gpu_lost", 1) == 1
         for other in (0, 2):
             assert got.value("gpu_lost", other) == 0
             no_processes = PER_GPU_FAMILIES - {"gpu_process_memory_used_bytes"}
             assert got.series_of(other) == {P + f for f in no_processes}
+
+
+def test_the_xid_raised_as_a_gpu_falls_off_is_exported_while_it_is_lost():
+    """Xid 79 and GPU_IS_LOST at once: the poll that first finds the GPU lost still
+    counts the Xid, and every poll while it is lost exports it (xid_error's input)."""
+    sim = Sim(scenario([
+        {"name": "ok", "duration": 10},
+        {"name": "off", "duration": 30,
+         "changes": [{"gpus": [1], "set": {"xid": [79], "lost": True}}]},
+    ], gpu_count=3))
+    sim.collect()
+    sim.clock.advance(11)
+    for _ in range(3):
+        got = sim.collect()
+        assert got.value("gpu_lost", 1) == 1
+        assert got.gpu("gpu_xid_errors_total", 1) == {("79",): 1}
+        assert got.value("gpu_last_xid_timestamp_seconds", 1) == 1_700_000_011.0
+        assert got.gpus_with("gpu_xid_errors_total") == {1}
+        assert got.gpus_with("gpu_utilization_ratio") == {0, 2}
+        sim.clock.advance(5)
 
 
 def test_gpu_lost_before_it_was_ever_seen():
@@ -483,28 +516,69 @@ def test_other_init_failures_are_one_line():
     assert sim.collect().by_name[P + "nvml_devices"] == {(): 8.0}
 
 
-def test_hung_call_marks_the_source_down_then_it_recovers():
-    sim = Sim(scenario([{"name": "p", "duration": 100}]))
-    store = Store()
-    poller = Poller(sim.source, store, now=sim.clock.now)
+def test_a_hung_gpu_holds_up_only_itself():
+    """Item 10 of issue 15: a call that blocks on GPU 1 leaves GPUs 0 and 2 read as
+    before; GPU 1 shows its identity and how long its call has blocked, not stale
+    readings, and no second call is made on it while the first is in flight."""
+    sim = Sim(scenario([{"name": "p", "duration": 100}], gpu_count=3), virtual_wait=True)
+    poller = Poller(sim.source, Store(), now=sim.clock.now)
     poller.poll()
-    assert poller.health.up
     sim.fake.hang(1)
-    sim.fake.blocked.clear()
-    worker = threading.Thread(target=poller.poll, daemon=True)
-    worker.start()
-    assert sim.fake.blocked.wait(WAIT)  # the poll is inside a blocked NVML call
-    poller.check_hung(sim.clock.now() + poller.timeout / 2)
-    assert poller.health.up  # not yet past the timeout
-    poller.check_hung(sim.clock.now() + poller.timeout + 0.1)
-    assert not poller.health.up
-    assert poller.health.last_error == f"poll has not returned after {poller.timeout:g}s"
-    assert worker.is_alive()
+    sim.advance(1)
+    assert poller.poll() and poller.health.up  # the poll did not wait on GPU 1
+    calls_on_1 = sum(n for (_, gpu), n in sim.fake.gpu_calls.items() if gpu == 1)
+    for _ in range(3):
+        sim.advance(5)
+        got = sim.collect()
+        assert got.gpus_with("gpu_utilization_ratio") == {0, 2}
+        assert got.value("gpu_nvml_stale", 0) == got.value("gpu_nvml_stale", 2) == 0
+        assert got.value("gpu_nvml_hung_seconds", 0) == 0
+        assert got.series_of(1) == {P + "gpu_info", P + "gpu_nvml_hung_seconds"}
+    assert got.value("gpu_nvml_hung_seconds", 1) == 15  # blocked since t=1, now t=16
+    assert sum(n for (_, gpu), n in sim.fake.gpu_calls.items() if gpu == 1) == calls_on_1
+    readers = [t for t in threading.enumerate() if t.name.startswith("nvml-reader")]
+    assert sum(t in sim.fake._blocked_threads for t in readers) == 1  # one thread stuck
+    sim.fake.release()  # the driver answers again
+    sim.advance(1)
+    got = sim.collect()
+    assert got.gpus_with("gpu_utilization_ratio") == {0, 1, 2}
+    assert got.value("gpu_nvml_hung_seconds", 1) == 0 and got.value("gpu_nvml_stale", 1) == 0
+    sim.source.close()
+
+
+def test_gpus_not_reached_behind_a_hung_one_keep_their_last_values_marked_stale():
+    sim = Sim(scenario([{"name": "p", "duration": 100, "set": {"utilization_gpu": 40}}],
+                       gpu_count=3), virtual_wait=True)
+    first = sim.collect()
+    sim.fake.hang(0)  # the first GPU the reader reads
+    sim.advance(1)
+    got = sim.collect()
+    assert got.gpus_with("gpu_utilization_ratio") == {1, 2}
+    for gpu in (1, 2):  # not read this poll: the last values, said to be so
+        assert got.value("gpu_nvml_stale", gpu) == 1
+        assert got.gpu("gpu_utilization_ratio", gpu) == first.gpu("gpu_utilization_ratio", gpu)
+    assert got.value("gpu_nvml_hung_seconds", 0) == 0  # it blocked just now
+    sim.advance(1)
+    got = sim.collect()  # a new reader, which leaves GPU 0 alone
+    assert got.value("gpu_nvml_stale", 1) == got.value("gpu_nvml_stale", 2) == 0
+    assert got.value("gpu_nvml_hung_seconds", 0) == 1
     sim.fake.release()
-    worker.join(WAIT)
-    assert not worker.is_alive()
-    assert poller.health.up and poller.health.last_error is None
-    assert store.get(P + "gpu_lost", ("1", gpu_uuid("sim-node", 1))) == 0
+    sim.source.close()
+
+
+def test_the_poll_waits_for_a_blocked_call_half_its_timeout_in_real_time():
+    sim = Sim(scenario([{"name": "p", "duration": 100}]))
+    sim.source = NvmlSource(NvmlConfig(timeout=0.2), sim.context)
+    sim.collect()
+    sim.fake.hang(1)
+    try:
+        got = sim.collect()  # about 0.1 s: the reader blocks on GPU 1, the poll goes on
+        assert got.gpus_with("gpu_utilization_ratio") == {0}
+        assert got.series_of(1) == {P + "gpu_info", P + "gpu_nvml_hung_seconds"}
+        assert sim.fake.blocked.is_set()
+    finally:
+        sim.fake.release()
+    sim.source.close()
 
 
 def test_a_slow_poll_stamps_its_samples_when_read_so_they_are_fresh():
@@ -534,18 +608,19 @@ def test_scenario_hang_recovers_when_the_phase_ends():
         {"name": "hung", "duration": 10, "changes": [{"gpus": [0], "set": {"hung": True}}]},
         {"name": "back", "duration": 10, "changes": [{"gpus": [0], "set": {"hung": False}}]},
     ])
-    sim = Sim(scn)
+    sim = Sim(scn, virtual_wait=True)
     poller = Poller(sim.source, Store(), now=sim.clock.now)
     poller.poll()
-    sim.clock.advance(12)
-    worker = threading.Thread(target=poller.poll, daemon=True)
-    worker.start()
-    assert sim.fake.blocked.wait(WAIT)
-    poller.check_hung(sim.clock.now() + poller.timeout + 1)
-    assert not poller.health.up
-    sim.clock.advance(10)
-    worker.join(WAIT)
-    assert not worker.is_alive() and poller.health.up
+    sim.advance(12)
+    assert poller.poll() and poller.health.up
+    blocked = set(sim.fake._blocked_threads)
+    assert len(blocked) == 1
+    sim.advance(10)  # the phase ends: the blocked call returns, its thread ends
+    assert not any(t.is_alive() for t in blocked)
+    got = sim.collect()
+    assert got.gpus_with("gpu_utilization_ratio") == {0, 1}
+    assert got.value("gpu_nvml_hung_seconds", 0) == 0
+    sim.source.close()
 
 
 def xid_scenario(**node: Any) -> Scenario:
@@ -643,3 +718,122 @@ def test_field_values_are_read_as_pynvml_reads_them():
         setattr(array[i].value, member, number)
     got = FieldValues(pynvml).read(array)
     assert got == [(i % 2, 1_700_000_000_000_000 + i, n) for i, n in enumerate(numbers)]
+
+
+# --- which NVLinks should be up -------------------------------------------------------
+
+
+def nvlinks(got: Metrics, gpu: int) -> tuple[set[int], set[int]]:
+    """(active links, expected links) of a GPU."""
+    active = {int(k[0]) for k, v in got.gpu("gpu_nvlink_active", gpu).items() if v}
+    expected = {int(k[0]) for k, v in got.gpu("gpu_nvlink_expected", gpu).items() if v}
+    return active, expected
+
+
+def test_a_pcie_card_without_a_bridge_has_links_none_of_which_is_expected():
+    sim = Sim(scenario([{"name": "p", "duration": 100}], gpu_model="a100-pcie-80gb"))
+    got = sim.polls(3)
+    for gpu in (0, 1):
+        assert got.gpu("gpu_nvlink_active", gpu) == {(str(k),): 0.0 for k in range(12)}
+        assert got.gpu("gpu_nvlink_expected", gpu) == {(str(k),): 0.0 for k in range(12)}
+    # no active link: nothing to ask what it reaches
+    assert sim.fake.calls["nvmlDeviceGetNvLinkRemoteDeviceType"] == 0
+
+
+def test_bridged_h100_pcie_expects_only_the_links_its_bridges_connect():
+    sim = Sim(scenario([{"name": "p", "duration": 100}], gpu_model="h100-pcie",
+                       nvlink="bridge", gpu_count=3))
+    got = sim.polls(2)
+    wired = {0, 1, 2, 3, 6, 7, 8, 9, 12, 13, 14, 15}
+    assert nvlinks(got, 0) == nvlinks(got, 1) == (wired, wired)
+    assert nvlinks(got, 2) == (set(), set())  # the odd one out has no partner, no bridge
+    assert len(got.gpu("gpu_nvlink_expected", 0)) == 18
+
+
+def test_a_link_seen_active_stays_expected_when_it_goes_down():
+    sim = Sim(scenario([
+        {"name": "up", "duration": 5},
+        {"name": "down", "duration": 100, "gpus": [1], "set": {"nvlink_down": [2, 3]}},
+    ], gpu_model="h100-pcie", nvlink="bridge"))
+    sim.polls(3)
+    sim.clock.advance(5)
+    active, expected = nvlinks(sim.collect(), 1)
+    assert expected - active == {2, 3}
+    # the remote type is a static fact: asked once per GPU, at its first active link
+    for _ in range(5):
+        sim.collect()
+    assert sim.fake.gpu_calls[("nvmlDeviceGetNvLinkRemoteDeviceType", 0)] == 1
+    assert sim.fake.gpu_calls[("nvmlDeviceGetNvLinkRemoteDeviceType", 1)] == 1
+
+
+def test_on_an_nvswitch_board_links_down_before_the_start_are_expected():
+    sim = Sim(scenario(
+        [{"name": "p", "duration": 100, "changes": [
+            {"gpus": [3], "set": {"nvlink_down": [7]}},
+            {"gpus": [5], "set": {"nvlink_down": list(range(12))}},
+        ]}],
+        gpu_count=8, pcie_topology="switched", nvlink="nvswitch",
+    ))
+    got = sim.polls(2)
+    every = set(range(12))
+    assert nvlinks(got, 3) == (every - {7}, every)
+    assert nvlinks(got, 5) == (set(), every)  # the board wires it as every other GPU
+    assert nvlinks(got, 0) == (every, every)
+
+
+def test_on_a_gpu_to_gpu_board_a_link_never_seen_active_is_not_expected():
+    """Without NVSwitches the wiring is not known (bridges may leave links unconnected):
+    a link down before the daemon started is a known blind spot."""
+    sim = Sim(scenario([{"name": "p", "duration": 100, "gpus": [1],
+                         "set": {"nvlink_down": [4]}}], nvlink="direct"))
+    got = sim.polls(2)
+    active, expected = nvlinks(got, 1)
+    assert 4 not in active | expected and len(expected) == 11
+
+
+def test_remote_device_type_follows_the_board():
+    sim = Sim(scenario([{"name": "p", "duration": 100, "gpus": [0],
+                         "set": {"nvlink_down": [1]}}], gpu_count=8, nvlink="nvswitch"))
+    nv = sim.nv
+    nv.nvmlInit()
+    handle = nv.nvmlDeviceGetHandleByIndex(0)
+    assert nv.nvmlDeviceGetNvLinkRemoteDeviceType(handle, 0) == nv.NVML_NVLINK_DEVICE_TYPE_SWITCH
+    assert nv.nvmlDeviceGetNvLinkRemoteDeviceType(handle, 1) == nv.NVML_NVLINK_DEVICE_TYPE_UNKNOWN
+    with pytest.raises(nv.NVMLError_InvalidArgument):
+        nv.nvmlDeviceGetNvLinkRemoteDeviceType(handle, 12)
+    bridged = Sim(scenario([{"name": "p", "duration": 100}], gpu_model="a100-pcie-80gb",
+                           nvlink="bridge"))
+    bridged.nv.nvmlInit()
+    handle = bridged.nv.nvmlDeviceGetHandleByIndex(1)
+    remote = bridged.nv.nvmlDeviceGetNvLinkRemoteDeviceType(handle, 11)
+    assert remote == nv.NVML_NVLINK_DEVICE_TYPE_GPU
+    l40s = Sim(scenario([{"name": "p", "duration": 100}], gpu_model="l40s"))
+    l40s.nv.nvmlInit()
+    with pytest.raises(l40s.nv.NVMLError_NotSupported):
+        l40s.nv.nvmlDeviceGetNvLinkRemoteDeviceType(l40s.nv.nvmlDeviceGetHandleByIndex(0), 0)
+
+
+def test_nvml_reports_the_link_as_trained_and_the_maximum_of_both_ends():
+    sim = Sim(scenario([{"name": "p", "duration": 100}], gpu_model="h100-pcie",
+                       pcie_max={"root_ports": {"gen": 4}, "gpu1": {"width": 8}}))
+    got = sim.collect()
+    assert got.value("gpu_pcie_link_generation", 0) == 4  # a Gen5 card in a Gen4 host
+    assert got.value("gpu_pcie_link_generation_max", 0) == 4
+    assert got.value("gpu_pcie_link_width", 1) == 8
+    assert got.value("gpu_pcie_link_width_max", 1) == 8
+    assert got.value("gpu_pcie_link_width_max", 0) == 16
+
+
+@pytest.mark.parametrize(("expected", "links"), [("all", set(range(12))), ((4, 5), {4, 5})])
+def test_configured_nvlinks_are_expected_though_never_seen(expected, links):
+    scn = scenario([{"name": "p", "duration": 100, "gpus": [1], "set": {"nvlink_down": [4]}}],
+                   nvlink="direct")
+    sim = Sim(scn)
+    sim.source = NvmlSource(NvmlConfig(expected_nvlinks=expected), sim.context)
+    active, expected_links = nvlinks(sim.polls(2), 1)
+    assert expected_links == active | links and 4 in expected_links - active
+
+
+def test_expected_nvlinks_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="expected_nvlinks"):
+        NvmlConfig(expected_nvlinks="some")

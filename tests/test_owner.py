@@ -261,9 +261,31 @@ def test_environ_launcher_variables() -> None:
 
 def test_environ_values_that_are_no_label_values_are_dropped() -> None:
     garbage = env(SLURM_JOB_ID="1 2", RANK="-1", SLURM_JOB_USER="x" * 65, PMI_RANK="4")
-    assert parse_environ(garbage) == Launch(rank="4")
-    assert parse_environ(b"RANK=7") == Launch(rank="7")  # no NUL after the last entry
+    assert parse_environ(garbage) == Launch(rank="4", launched=True)
+    assert parse_environ(b"RANK=7") == Launch(rank="7", launched=True)  # no NUL at the end
     assert parse_environ(b"\xff\xfe=1\0RANK\0=3\0") == Launch()
+
+
+def test_environ_launcher_signature_and_communicator() -> None:
+    """A rank carries its launcher's variables; what names its launch, most specific first."""
+    torchrun = dict(RANK="3", LOCAL_RANK="3", WORLD_SIZE="8", TORCHELASTIC_RUN_ID="r7")
+    launch = parse_environ(env(**torchrun, MASTER_ADDR="node1", MASTER_PORT="29500"))
+    assert launch.launched and launch.communicator == "node1:29500"
+    assert parse_environ(env(**torchrun)).communicator == "torchrun:r7"
+    mpi = parse_environ(env(OMPI_COMM_WORLD_RANK="1", PMIX_NAMESPACE="prterun-n1-811@1"))
+    assert mpi.launched and mpi.communicator == "pmix:prterun-n1-811@1"
+    srun = env(SLURM_JOB_ID="42", SLURM_STEP_ID="0", SLURM_PROCID="2", SLURM_STEP_NUM_TASKS="4")
+    assert parse_environ(srun).communicator == "slurm:42.0"
+    assert parse_environ(env(PMI_RANK="0")) == Launch(rank="0", launched=True)  # names none
+    # no signature: a batch script's or `srun jupyter`'s processes (SLURM_PROCID 0, one
+    # task), a notebook kernel, a rank variable that is no number
+    for plain in (
+        env(SLURM_JOB_ID="42", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1"),
+        env(JPY_PARENT_PID="4100", MASTER_ADDR="node1", MASTER_PORT="29500"),
+        env(RANK="x"),
+    ):
+        launch = parse_environ(plain)
+        assert not launch.launched and launch.communicator == ""
 
 
 def test_status_uid() -> None:

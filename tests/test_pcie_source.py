@@ -96,7 +96,7 @@ def test_fixture_symlinks_resolve_like_the_kernel(tmp_path: Path) -> None:
     assert (link / "max_link_speed").read_text() == "16.0 GT/s PCIe\n"
 
 
-def test_relabelled_nvme_reports_a_downgraded_gpu_link_and_a_narrow_root_port(
+def test_relabelled_nvme_under_a_gen3_x8_root_port_is_its_link_at_its_best(
     tmp_path: Path,
 ) -> None:
     root = build_tree(tmp_path, relabel={NVME: GPU_LABELS})
@@ -104,14 +104,17 @@ def test_relabelled_nvme_reports_a_downgraded_gpu_link_and_a_narrow_root_port(
     got = by_key(source.collect())
     gpu, bridge = (NVME, NVME, "gpu"), (NVME, ROOT_PORT, "bridge")
     assert got == {
-        # the device: 8.0 of 16.0 GT/s (Gen3 of Gen4), x4 of x4
+        # the device: 8.0 of 16.0 GT/s (Gen3 of Gen4), x4 of x4; its root port tops out
+        # at Gen3: the link trains to Gen3 x4, the lower of both ends, and is not degraded
         ("pcie_link_generation", gpu): 3,
         ("pcie_link_generation_max", gpu): 4,
         ("pcie_link_speed_transfers_per_second", gpu): 8e9,
         ("pcie_link_speed_max_transfers_per_second", gpu): 16e9,
         ("pcie_link_width", gpu): 4,
         ("pcie_link_width_max", gpu): 4,
-        ("pcie_link_degraded", gpu): 1,
+        ("pcie_link_generation_attainable", gpu): 3,
+        ("pcie_link_width_attainable", gpu): 4,
+        ("pcie_link_degraded", gpu): 0,
         ("pcie_aer_errors_total", (NVME, NVME, "correctable")): 0,
         ("pcie_aer_errors_total", (NVME, NVME, "nonfatal")): 0,
         ("pcie_aer_errors_total", (NVME, NVME, "fatal")): 0,
@@ -122,7 +125,9 @@ def test_relabelled_nvme_reports_a_downgraded_gpu_link_and_a_narrow_root_port(
         ("pcie_link_speed_max_transfers_per_second", bridge): 8e9,
         ("pcie_link_width", bridge): 4,
         ("pcie_link_width_max", bridge): 8,
-        ("pcie_link_degraded", bridge): 1,
+        ("pcie_link_generation_attainable", bridge): 3,
+        ("pcie_link_width_attainable", bridge): 4,
+        ("pcie_link_degraded", bridge): 0,
         ("pcie_gpu_numa_node", (NVME,)): -1,
     }
     [path] = source.gpus()
@@ -212,7 +217,9 @@ def test_kernel_variants_of_the_link_files(
     expect_degraded: int | None,
 ) -> None:
     files = {**GPU_LABELS, "current_link_speed": current, "current_link_width": width}
-    root = build_tree(tmp_path, relabel={NVME: files})
+    # a Gen4 root port (the fixture's is Gen3): the link can attain Gen4 x4
+    port = {"max_link_speed": "16.0 GT/s PCIe\n"}
+    root = build_tree(tmp_path, relabel={NVME: files, ROOT_PORT: port})
     got = by_key(source_for(root).collect())
     gpu = (NVME, NVME, "gpu")
     assert got.get(("pcie_link_generation", gpu)) == expect_gen
@@ -257,7 +264,7 @@ def test_unreadable_or_vanished_gpu_never_fails_the_poll(tmp_path: Path) -> None
     shutil.rmtree(device_dir(root, E810))
     got = by_key(source.collect())
     assert not [k for k in got if k[1][0] == E810]
-    assert got[("pcie_link_degraded", (NVME, NVME, "gpu"))] == 1
+    assert got[("pcie_link_degraded", (NVME, NVME, "gpu"))] == 0  # Gen3 x4: both ends' best
 
 
 @settings(max_examples=50, deadline=None)
@@ -462,3 +469,175 @@ def test_huge_numbers_do_not_hit_the_int_digit_limit(digits: str) -> None:
     parse_numa_node(digits)
     parse_link_width(digits)
     parse_link_speed(f"{digits} GT/s")
+
+
+# --- a link is judged against both of its ends ------------------------------------------
+
+SPEEDS = {3: "8.0 GT/s PCIe", 4: "16.0 GT/s PCIe", 5: "32.0 GT/s PCIe"}
+# a switched path: root port, switch upstream port, downstream port, GPU
+SWITCHED = ("0000:10:01.1", "0000:11:00.0", "0000:12:00.0", "0000:13:00.0")
+
+
+def link_tree(root: Path, functions: dict[str, tuple[int, int, int, int]]) -> Path:
+    """A sysfs tree of one path, root port first, the GPU last; per BDF (current gen,
+    current width, max gen, max width) as the kernel writes them."""
+    bdfs = list(functions)
+    rel = "pci0000:10/" + "/".join(bdfs)
+    for depth, bdf in enumerate(bdfs):
+        d = root / "devices" / "pci0000:10" / "/".join(bdfs[: depth + 1])
+        d.mkdir(parents=True)
+        gen, width, max_gen, max_width = functions[bdf]
+        is_gpu = depth == len(bdfs) - 1
+        files = {
+            "vendor": "0x10de\n" if is_gpu else "0x10b5\n",
+            "class": "0x030200\n" if is_gpu else "0x060400\n",
+            "current_link_speed": SPEEDS[gen] + "\n",
+            "current_link_width": f"{width}\n",
+            "max_link_speed": SPEEDS[max_gen] + "\n",
+            "max_link_width": f"{max_width}\n",
+        }
+        for name, content in files.items():
+            (d / name).write_text(content)
+    links = root / "bus" / "pci" / "devices"
+    links.mkdir(parents=True)
+    for depth, bdf in enumerate(bdfs):
+        os.symlink("../../../devices/pci0000:10/" + "/".join(bdfs[: depth + 1]), links / bdf)
+    assert rel.endswith(bdfs[-1])
+    return root
+
+
+def degraded_devices(got: dict[tuple[str, tuple[str, ...]], float]) -> set[str]:
+    return {labels[1] for (name, labels), v in got.items() if name == "pcie_link_degraded" and v}
+
+
+@pytest.mark.parametrize(
+    ("functions", "attainable", "degraded"),
+    [
+        # an x8 card in an x16 slot: the port reads "x8 of x16", yet x8 is the link's best
+        (
+            {
+                SWITCHED[0]: (4, 16, 4, 16),
+                SWITCHED[1]: (4, 16, 4, 16),
+                SWITCHED[2]: (4, 8, 4, 16),
+                SWITCHED[3]: (4, 8, 4, 8),
+            },
+            (4, 8),
+            set(),
+        ),
+        # a Gen4 GPU under Gen5 switch ports and root port
+        (
+            {
+                SWITCHED[0]: (5, 16, 5, 16),
+                SWITCHED[1]: (5, 16, 5, 16),
+                SWITCHED[2]: (4, 16, 5, 16),
+                SWITCHED[3]: (4, 16, 4, 16),
+            },
+            (4, 16),
+            set(),
+        ),
+        # a Gen5 GPU and switch in a Gen4 host: the uplink's best is Gen4
+        (
+            {
+                SWITCHED[0]: (4, 16, 4, 16),
+                SWITCHED[1]: (4, 16, 5, 16),
+                SWITCHED[2]: (5, 16, 5, 16),
+                SWITCHED[3]: (5, 16, 5, 16),
+            },
+            (5, 16),
+            set(),
+        ),
+        # a real downgrade: GPU link at Gen3 x8 where both ends can do Gen4 x16
+        (
+            {
+                SWITCHED[0]: (4, 16, 4, 16),
+                SWITCHED[1]: (4, 16, 4, 16),
+                SWITCHED[2]: (3, 8, 4, 16),
+                SWITCHED[3]: (3, 8, 4, 16),
+            },
+            (4, 16),
+            {SWITCHED[2], SWITCHED[3]},
+        ),
+        # the uplink trained to Gen3 between a Gen4 root port and a Gen5 switch
+        (
+            {
+                SWITCHED[0]: (3, 16, 4, 16),
+                SWITCHED[1]: (3, 16, 5, 16),
+                SWITCHED[2]: (5, 16, 5, 16),
+                SWITCHED[3]: (5, 16, 5, 16),
+            },
+            (5, 16),
+            {SWITCHED[0], SWITCHED[1]},
+        ),
+        # an x16 GPU in an x8 (electrical) slot of a direct root port, Gen5 GPU, Gen4 port
+        (
+            {SWITCHED[0]: (4, 8, 4, 8), SWITCHED[3]: (4, 8, 5, 16)},
+            (4, 8),
+            set(),
+        ),
+    ],
+    ids=[
+        "x8-card-x16-slot",
+        "gen4-gpu-gen5-port",
+        "gen5-gpu-gen4-host",
+        "gen3-x8-downgrade",
+        "uplink-gen3",
+        "direct-x8-slot-gen4-port",
+    ],
+)
+def test_links_are_judged_against_the_lower_of_both_ends(
+    tmp_path: Path,
+    functions: dict[str, tuple[int, int, int, int]],
+    attainable: tuple[int, int],
+    degraded: set[str],
+) -> None:
+    root = link_tree(tmp_path, functions)
+    source = source_for(root)
+    got = by_key(source.collect())
+    gpu = list(functions)[-1]
+    assert degraded_devices(got) == degraded
+    for bdf in functions:  # every function is reported, each with its link's best
+        assert ("pcie_link_degraded", (gpu, bdf, "gpu" if bdf == gpu else "bridge")) in got
+    own = (gpu, gpu, "gpu")
+    assert (
+        got[("pcie_link_generation_attainable", own)],
+        got[("pcie_link_width_attainable", own)],
+    ) == attainable
+    [path] = source.gpus()
+    # both ends of each link report the same best
+    for i, fn in enumerate(path):
+        partner = pcie_module.link_partner(path, i)
+        if partner is not None:
+            for metric in ("pcie_link_generation_attainable", "pcie_link_width_attainable"):
+                assert (
+                    got[(metric, (gpu, fn.bdf, fn.role))]
+                    == got[(metric, (gpu, partner.bdf, partner.role))]
+                )
+
+
+def test_an_unreadable_partner_leaves_the_function_judged_against_its_own_maximum(
+    tmp_path: Path,
+) -> None:
+    functions = {
+        SWITCHED[0]: (4, 16, 4, 16),
+        SWITCHED[1]: (4, 16, 4, 16),
+        SWITCHED[2]: (4, 8, 4, 16),
+        SWITCHED[3]: (4, 8, 4, 8),
+    }
+    root = link_tree(tmp_path, functions)
+    gpu_dir = root / "devices" / "pci0000:10" / "/".join(SWITCHED)
+    (gpu_dir / "max_link_width").write_text("garbage\n")
+    got = by_key(source_for(root).collect())
+    # the port no longer knows its partner is an x8 card: x8 of x16 it is, on its own
+    assert degraded_devices(got) == {SWITCHED[2]}
+    assert ("pcie_link_width_attainable", (SWITCHED[3], SWITCHED[3], "gpu")) not in got
+
+
+def test_link_partner_pairs_the_path_from_the_gpu_up() -> None:
+    fns = tuple(pcie_module.PciFunction(b, b, "bridge") for b in ("g", "dp", "up", "rp", "x"))
+    assert [getattr(pcie_module.link_partner(fns, i), "bdf", None) for i in range(5)] == [
+        "dp",
+        "g",
+        "rp",
+        "up",
+        None,
+    ]

@@ -36,6 +36,7 @@ from gpuwatchd.sources.base import Context
 from gpuwatchd.sources.nvml import NvmlSource
 from gpuwatchd.sources.processes import (
     ADOPTERS,
+    ALONE,
     DESKTOP_PROCESSES,
     CgroupLine,
     ProcessesConfig,
@@ -259,6 +260,41 @@ def test_group_jobs_by_common_parent() -> None:
     assert group_jobs({6000: 1, 6001: 6000, 6002: 6000}, never) == dict.fromkeys(
         (6000, 6001, 6002), 6000
     )
+
+
+def test_group_jobs_by_launch() -> None:
+    """Environment read: a launcher's signature groups by launch, its absence separates."""
+    never = {0}.__contains__
+    slurm = ("slurm", "42", "0", "", "")
+    launch = (*slurm, "slurm:42.0")
+    # sibling notebooks: read, no signature -> a job each, though they share a parent
+    kernels = {4101: 4000, 4102: 4000}
+    assert group_jobs(kernels, never, dict.fromkeys(kernels, ALONE)) == {4101: 4101, 4102: 4102}
+    # ranks of one launch behind per-rank wrappers (different parents): one job, the
+    # lowest pid; with a common launcher parent: that parent
+    wrapped = {3200: 3100, 3201: 3101, 3202: 3102}
+    assert group_jobs(wrapped, never, dict.fromkeys(wrapped, launch)) == dict.fromkeys(
+        wrapped, 3200
+    )
+    torchrun = {6001: 6000, 6002: 6000}
+    assert group_jobs(torchrun, never, dict.fromkeys(torchrun, launch)) == dict.fromkeys(
+        torchrun, 6000
+    )
+    # same launch name under two owners (two pods' localhost:29500): two jobs
+    pod = ("kubernetes", "", "", "uid-a", "containerd://a")
+    other = ("kubernetes", "", "", "uid-b", "containerd://b")
+    keys = {1: (*pod, "localhost:29500"), 2: (*pod, "localhost:29500"),
+            3: (*other, "localhost:29500"), 4: (*other, "localhost:29500")}  # fmt: skip
+    jobs = group_jobs(dict.fromkeys(keys, 0), never, keys)
+    assert jobs == {1: 1, 2: 1, 3: 3, 4: 3}
+    # a signature naming no launch: its siblings with a signature
+    bare = (*slurm, "")
+    keys = {11: bare, 12: bare, 21: bare}
+    assert group_jobs({11: 10, 12: 10, 21: 20}, never, keys) == {11: 10, 12: 10, 21: 21}
+    # environment unknown for some: those keep the parent rule
+    mixed = {4101: 4000, 4102: 4000, 4103: 4000}
+    keys2: dict[int, tuple[str, ...] | None] = {4101: ALONE, 4102: None, 4103: None}
+    assert group_jobs(mixed, never, keys2) == {4101: 4101, 4102: 4000, 4103: 4000}
 
 
 @settings(max_examples=200, deadline=None)
@@ -575,10 +611,17 @@ def test_main_process_and_other_tenants(node_factory) -> None:
     assert m.gpu("gpu_processes", 4, "compute") == 0
 
 
+def torchrun_env(rank: int, ranks: int) -> dict[str, str]:
+    """The variables torchrun sets in a rank (a launcher's signature)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+
+
 def ddp(parent: dict[str, Any] | None, ranks: int = 4, gpus: int = 6, **extra: Any) -> Scenario:
-    """`ranks` processes 6001… on GPUs 0…, children of `parent` (pid 6000), and an
-    unrelated single-GPU job (pid 9001) on the last GPU."""
-    facts = [{"pid": 6000 + 1 + r, "ppid": 6000} for r in range(ranks)]
+    """`ranks` processes 6001… on GPUs 0…, children of `parent` (pid 6000) with
+    torchrun's variables, and an unrelated single-GPU job (pid 9001) on the last GPU."""
+    facts = [{"pid": 6000 + 1 + r, "ppid": 6000, "environment": torchrun_env(r, ranks)}
+             for r in range(ranks)]  # fmt: skip
     if parent is not None:
         facts.insert(0, {"pid": 6000, **parent})
     per_gpu = {r: [{"pid": 6000 + 1 + r, "gpu_memory_mib": 70000}] for r in range(ranks)}
@@ -604,16 +647,21 @@ def test_process_on_several_gpus_and_its_sibling_are_one_job(node_factory) -> No
     per_gpu = {0: [{"pid": 6001, "gpu_memory_mib": 100}], 1: [{"pid": 6001, "gpu_memory_mib": 100}],
                2: [{"pid": 6002, "gpu_memory_mib": 100}], 3: [{"pid": 7001, "gpu_memory_mib": 100}],
                4: [{"pid": 7001, "gpu_memory_mib": 100}]}  # fmt: skip
-    facts = [{"pid": 6000, "name": "mpirun"}, {"pid": 6001, "ppid": 6000},
-             {"pid": 6002, "ppid": 6000}, {"pid": 7001}]  # fmt: skip
+    mpi = [{"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2"} for r in range(2)]
+    facts = [{"pid": 6000, "name": "mpirun"}, {"pid": 6001, "ppid": 6000, "environment": mpi[0]},
+             {"pid": 6002, "ppid": 6000, "environment": mpi[1]}, {"pid": 7001}]  # fmt: skip
     m = node_factory(scenario(per_gpu, facts=facts, gpu_count=5)).poll(10.0)
     assert [m.gpu("gpu_process_job", g) for g in range(5)] == [6000, 6000, 6000, 7001, 7001]
 
 
 def test_jobs_are_not_made_by_adopters_or_a_lone_child(node_factory) -> None:
-    # ranks adopted by a user manager (systemd --user, a subreaper): no job
-    m = node_factory(ddp({"name": "systemd"})).poll(10.0)
+    # environment unknown: ranks adopted by a user manager (systemd --user, a subreaper)
+    # are no job
+    m = node_factory(ddp({"name": "systemd"}), owner_environ=False).poll(10.0)
     assert [m.gpu("gpu_process_job", g) for g in range(4)] == [6001, 6002, 6003, 6004]
+    # their launcher's variables still make them one job, named by the lowest rank's pid
+    m = node_factory(ddp({"name": "systemd"})).poll(10.0)
+    assert [m.gpu("gpu_process_job", g) for g in range(4)] == [6001] * 4
     assert "systemd" in ADOPTERS and "init" in ADOPTERS
     # one rank only: a child with no GPU-using sibling is its own job
     m = node_factory(ddp({"name": "torchrun"}, ranks=1)).poll(10.0)
@@ -631,11 +679,17 @@ def test_ranks_reparented_when_their_launcher_exits(node_factory) -> None:
     gone = [{"name": "crashed", "duration": "10m",
              "host": {"processes": {6000: {"running": False}}}}]  # fmt: skip
     node = node_factory(ddp({"name": "torchrun"}, ranks=2, phases=gone))
+    unknown = node_factory(ddp({"name": "torchrun"}, ranks=2, phases=gone), owner_environ=False)
     assert node.poll(590.0).gpu("gpu_process_job", 0) == 6000
+    assert unknown.poll(590.0).gpu("gpu_process_job", 0) == 6000
     m = node.poll(605.0)
     assert not (node.proc / "6000").exists()
     assert parse_stat((node.proc / "6001" / "stat").read_bytes()).ppid == 1
     assert parse_status((node.proc / "6001" / "status").read_bytes())["PPid"] == "1"
+    # still one launch (their variables): named by the lowest rank's pid
+    assert [m.gpu("gpu_process_job", g) for g in range(2)] == [6001, 6001]
+    # environment unknown: siblings of init are no job
+    m = unknown.poll(605.0)
     assert [m.gpu("gpu_process_job", g) for g in range(2)] == [6001, 6002]
 
 
@@ -865,17 +919,16 @@ def test_on_this_machines_real_proc(tmp_path: Path) -> None:
     assert m.node("desktop_processes") is not None
 
 
-def test_job_on_this_machines_real_proc() -> None:
-    """Two real children of this process on GPUs 0 and 1 are one job (this process);
-    this process on GPU 2 has no GPU-using sibling: its own job."""
-    if not os.path.isdir(f"/proc/{os.getpid()}/task"):
-        pytest.skip("no Linux procfs")
+def _real_jobs(environ: dict[str, str], **settings: Any) -> tuple[list[float | None], int]:
+    """gpu_process_job of two real children of this process (GPUs 0 and 1, started with
+    `environ`) and of this process (GPU 2), read through this machine's /proc."""
     import subprocess
     import sys
 
     me = os.getpid()
     children = [
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=environ)
+        for _ in range(2)
     ]
     try:
         per_gpu = {
@@ -885,7 +938,7 @@ def test_job_on_this_machines_real_proc() -> None:
         timeline = Timeline(scenario(per_gpu, gpu_count=3))
         clock = SimClock(virtual=True)
         source = ProcessesSource(
-            ProcessesConfig(),
+            ProcessesConfig(**settings),
             Context(pynvml=make_pynvml(timeline, clock), extras={"clock": clock.elapsed}),
         )
         m = Metrics(source.collect())
@@ -894,7 +947,24 @@ def test_job_on_this_machines_real_proc() -> None:
         for child in children:
             child.kill()
             child.wait()
-    assert [m.gpu("gpu_process_job", g) for g in range(3)] == [me, me, me]
+    return [m.gpu("gpu_process_job", g) for g in range(3)], me
+
+
+def test_job_on_this_machines_real_proc() -> None:
+    """Two real children of this process on GPUs 0 and 1: one job (this process) when
+    their environment carries a launcher's variables, or cannot be read; two jobs when it
+    is read and has none (sibling notebooks). This process on GPU 2 is a job of its own."""
+    if not os.path.isdir(f"/proc/{os.getpid()}/task"):
+        pytest.skip("no Linux procfs")
+    plain = {"PATH": os.environ.get("PATH", "/usr/bin"), "HOME": "/nonexistent"}
+    ranks = {**plain, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": "29500"}  # fmt: skip
+    jobs, me = _real_jobs(ranks)
+    assert jobs == [me, me, me]
+    jobs, me = _real_jobs(plain)
+    assert jobs[2] == me and jobs[0] != jobs[1] and me not in jobs[:2]
+    jobs, me = _real_jobs(plain, owner_environ=False)  # unknown: siblings are one job
+    assert jobs == [me, me, me]
 
 
 def test_pid_reuse_is_a_new_process(node_factory) -> None:
@@ -1195,3 +1265,65 @@ def test_writer_limits(tmp_path: Path) -> None:
     scn = scenario([{"pid": 4242, "gpu_memory_mib": 100}], host={4242: {"threads": 501}})
     with pytest.raises(ValueError, match="at most 500 threads"):
         ProcessesWriter(tmp_path / "p", tmp_path / "s", Timeline(scn)).write(0.0)
+
+
+def test_process_age_from_starttime_and_uptime(node_factory) -> None:
+    """gpu_process_age_seconds: /proc/PID/stat starttime against /proc/uptime, so a new
+    process on the GPU (a restarted run) starts again from 0."""
+    node = node_factory("compile-warmup-young-process-h100")
+    node.poll(60.0)  # pid 5400 appears (the writer's first write)
+    assert node.poll(65.0).gpu("gpu_process_age_seconds", 0) == pytest.approx(5.0)
+    m = node.poll(250.0)  # at 240 s pid 5500 replaced it; first written now
+    assert m.gpu("gpu_process_pid", 0) == 5500
+    assert m.gpu("gpu_process_age_seconds", 0) == pytest.approx(0.0)
+    assert node.poll(300.0).gpu("gpu_process_age_seconds", 0) == pytest.approx(50.0)
+    (node.proc / "uptime").write_text("garbage\n")  # unreadable uptime: no age, no error
+    assert node.source.collect() and Metrics(node.source.collect()).gpu(
+        "gpu_process_age_seconds", 0) is None  # fmt: skip
+
+
+def test_writer_owner_layouts_read_back_by_the_owner_parser(node_factory) -> None:
+    """Each owner layout the simulator writes (/proc/PID/cgroup, environ) is what the real
+    parsers read: Slurm v1 and v2, pods under both drivers and both runtimes; and a
+    v1 process's CPU limit is found in the v1 cpu hierarchy."""
+    from gpuwatchd.sources.owner.cgroup import Placement
+    from gpuwatchd.sources.owner.cgroup import parse_cgroup as placement
+    from gpuwatchd.sources.owner.process import parse_environ
+
+    uid = "6f1c3e2a-8b7d-4c55-9a10-2f4be1d07c93"
+    cid = "ab" * 32
+    owners = {
+        101: ({"slurm": {"job": 77, "step": "batch", "cgroup": "v1", "task": 2}},
+              Placement("slurm", job_id="77", step="batch", uid=1000)),
+        102: ({"slurm": {"job": 78, "step": "3"}}, Placement("slurm", job_id="78", step="3")),
+        103: ({"pod": {"uid": uid, "container_id": cid}},
+              Placement("kubernetes", pod_uid=uid, container=f"containerd://{cid}")),
+        104: ({"pod": {"uid": uid, "container_id": cid, "driver": "cgroupfs", "qos": "besteffort",
+                       "runtime": "cri-o"}},
+              Placement("kubernetes", pod_uid=uid, container=cid)),
+        105: ({"pod": {"uid": uid, "container_id": cid, "qos": "guaranteed", "runtime": "cri-o"}},
+              Placement("kubernetes", pod_uid=uid, container=f"cri-o://{cid}")),
+    }  # fmt: skip
+    facts = [{"pid": pid, "owner": owner, "environment": {"RANK": str(pid)}}
+             for pid, (owner, _) in owners.items()]  # fmt: skip
+    per_gpu = {g: [{"pid": pid, "gpu_memory_mib": 100}] for g, pid in enumerate(owners)}
+    host = {101: {"cpu_quota_cpus": 2}}
+    node = node_factory(scenario(per_gpu, host=host, facts=facts, gpu_count=len(owners)))
+    m = node.poll(10.0)
+    for pid, (_, expected) in owners.items():
+        assert placement((node.proc / str(pid) / "cgroup").read_text()) == expected, pid
+        environ = (node.proc / str(pid) / "environ").read_bytes()
+        assert environ.endswith(b"\0") and b"PATH=/usr/local/sbin:" in environ
+        assert parse_environ(environ).rank == str(pid)
+    v1 = (node.proc / "101" / "cgroup").read_text().splitlines()
+    assert v1[0] == "12:freezer:/slurm/uid_1000/job_77/step_batch"
+    assert "4:cpu,cpuacct:/system.slice/slurmd.service" in v1
+    assert m.gpu("gpu_process_cpu_quota_cpus", 0) == 2.0
+    cpu = node.sys / "fs" / "cgroup" / "cpu,cpuacct" / "system.slice" / "slurmd.service"
+    assert (cpu / "cpu.cfs_quota_us").read_text() == "200000\n"
+    # ranks of different owners are never one job, though one launch would name them alike
+    assert len({m.gpu("gpu_process_job", g) for g in range(len(owners))}) == len(owners)
+    with pytest.raises(ValueError, match="exactly one of slurm or pod"):
+        HostHardware.model_validate({"processes": [{"pid": 5, "owner": {}}]})
+    with pytest.raises(ValueError, match="environment"):
+        HostHardware.model_validate({"processes": [{"pid": 5, "environment": {"A=B": "1"}}]})

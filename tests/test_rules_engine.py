@@ -7,7 +7,7 @@ import math
 import pytest
 
 from gpuwatchd.metrics import Sample
-from gpuwatchd.rules import Catalog, RuleEngine, parse_rules
+from gpuwatchd.rules import Catalog, RuleEngine, RulesError, parse_rules
 from gpuwatchd.rules.engine import FIRING, INACTIVE, NOT_EVALUABLE, PENDING
 from gpuwatchd.rules.evaluator import _increase, _quantile
 from gpuwatchd.store import Store
@@ -253,6 +253,21 @@ def test_peers_are_the_other_gpus_of_the_same_job():
     assert "gpuwatchd_gpu_process_job" not in other.engine.index.scopes
 
 
+def test_lowest_peer_names_the_least_busy_other_gpu_of_the_job():
+    """lowest_peer() is the `gpu` index of the job's other GPU where the series is lowest;
+    without peers it has no value (the rule is not evaluable, never firing)."""
+    node = Node(rule("lowest_peer(gpu_utilization_ratio) == 1"))
+    jobs = [Sample("gpuwatchd_gpu_process_job", (gpu, uuid), 7) for gpu, uuid, _ in GPUS]
+    node.store.update("processes", 0, jobs)
+    node.step(0, gpu_utilization_ratio=[0.0, 0.95])
+    assert (node.state(0), node.state(1)) == (FIRING, INACTIVE)  # GPU 1's peer is GPU 0
+    node.store.update("processes", 10, [])  # no job, no peers
+    node.step(10, gpu_utilization_ratio=[0.0, 0.95])
+    assert node.state(0) != FIRING
+    with pytest.raises(RulesError, match="lowest_peer"):
+        parse_rules(rule("lowest_peer(gpu_utilization_ratio, 2) > 0"), "t", CATALOG)
+
+
 def test_peers_are_the_other_gpus_of_the_same_process():
     """Without the job series (a processes source that does not export it): by pid."""
     node = Node(
@@ -422,3 +437,144 @@ def test_skipping_changes_no_transition(monkeypatch, scenario, until):
     monkeypatch.setattr(Reads, "still", lambda self, now, changed, polled: False)
     assert replay() == skipping
     assert skipping  # the scenario does fire something
+
+
+def _default_rule(name: str) -> str:
+    """One rule of the default rule file, as a rule file of its own."""
+    from importlib import resources
+
+    import yaml
+
+    text = (resources.files("gpuwatchd.rules") / "default.yaml").read_text()
+    (spec,) = [r for r in yaml.safe_load(text)["rules"] if r["name"] == name]
+    return yaml.safe_dump({"rules": [spec]})
+
+
+SPIN = dict(util=1.0, sm=0.01, power=90.0)  # a rank spinning in a hung collective
+IDLE = dict(util=0.0, sm=0.0, power=60.0)  # a rank outside it
+BUSY = dict(util=0.97, sm=0.85, power=330.0)  # a rank computing
+
+
+def _nccl_states(ranks: list[dict[str, float]], job: list[int] | None = None) -> list[str]:
+    """nccl_stall on a node whose GPUs are `ranks` of one job, held 2 minutes."""
+    store = Store(history_seconds=600)
+    engine = RuleEngine(
+        store,
+        parse_rules(_default_rule("nccl_stall"), "test.yaml", CATALOG),
+        {"nvml", "dcgm", "processes"}.__contains__,
+        CATALOG,
+    )
+    uuids = [f"GPU-{i}" for i in range(len(ranks))]
+    jobs = job or [7000] * len(ranks)
+    for now in (0.0, 60.0, 121.0):
+        nvml, dcgm, processes = [], [], []
+        for i, (rank, uuid) in enumerate(zip(ranks, uuids, strict=True)):
+            labels = (str(i), uuid)
+            info = (*labels, "A100", f"0000:{i:02x}:00.0", "550", "12.4")
+            nvml += [
+                Sample("gpuwatchd_gpu_info", info, 1),
+                Sample("gpuwatchd_gpu_utilization_ratio", labels, rank["util"]),
+                Sample("gpuwatchd_gpu_power_watts", labels, rank["power"]),
+                Sample("gpuwatchd_gpu_power_limit_watts", labels, 400.0),
+                Sample("gpuwatchd_gpu_pcie_tx_bytes_per_second", labels, 1e6),
+                Sample("gpuwatchd_gpu_pcie_rx_bytes_per_second", labels, 1e6),
+            ]
+            dcgm += [
+                Sample("gpuwatchd_gpu_sm_active_ratio", labels, rank["sm"]),
+                Sample("gpuwatchd_gpu_tensor_active_ratio", labels, 0.0),
+            ]
+            processes += [
+                Sample("gpuwatchd_gpu_process_pid", labels, 7001.0 + i),
+                Sample("gpuwatchd_gpu_process_job", labels, float(jobs[i])),
+            ]
+        store.update("nvml", now, nvml)
+        store.update("dcgm", now, dcgm)
+        store.update("processes", now, processes)
+        engine.evaluate(now)
+    return [engine.states[(uuid, "nccl_stall")].state for uuid in uuids]
+
+
+def test_nccl_stall_fires_on_the_ranks_spinning_around_one_that_is_not_in_the_collective():
+    """Issue 15, item 2: seven ranks spin in NCCL while one is stuck outside it (0 %):
+    the spinning ranks page; the idle one does not (straggler_gpu names it). PCIe boards
+    (no NVLink series) are judged the same."""
+    states = _nccl_states([SPIN] * 3 + [IDLE] + [SPIN] * 4)
+    assert states == [FIRING] * 3 + [INACTIVE] + [FIRING] * 4
+    assert _nccl_states([SPIN, IDLE]) == [FIRING, INACTIVE]  # half of two ranks
+    assert _nccl_states([SPIN] * 4) == [FIRING] * 4  # every rank hung alike
+
+
+def test_nccl_stall_does_not_fire_while_the_job_progresses_or_mostly_idles():
+    # a slow rank computes while the others wait for it: uneven, not hung
+    assert _nccl_states([SPIN] * 3 + [BUSY]) == [INACTIVE] * 4
+    # one rank spins while most of the job sits idle (between steps): not most peers
+    assert _nccl_states([SPIN, IDLE, IDLE, IDLE]) == [INACTIVE] * 4
+    # the idle GPU belongs to another job: the spinning ones are a job of their own
+    assert _nccl_states([SPIN, SPIN, IDLE], job=[1, 1, 2]) == [FIRING, FIRING, INACTIVE]
+
+
+def _dataloader_states(
+    util: float,
+    thread: float = 1.0,
+    workers: float = 0.0,
+    born: float | None = -3600.0,
+    probe_workers: float | None = None,
+    until: float = 240.0,
+) -> dict[float, str]:
+    """dataloader_single_process on one GPU fed every 5 s, its state every 10 s. `born`:
+    when the process started (None: no age known); probe_workers: the probe's setting
+    (None: no probe, its source down, as where the daemon runs without the socket)."""
+    up = {"nvml", "processes"} | ({"probe"} if probe_workers is not None else set())
+    store = Store(history_seconds=600)
+    engine = RuleEngine(
+        store,
+        parse_rules(_default_rule("dataloader_single_process"), "test.yaml", CATALOG),
+        up.__contains__,
+        CATALOG,
+    )
+    labels = ("0", "GPU-0")
+    states = {}
+    for step in range(int(until // 5) + 1):
+        now = step * 5.0
+        store.update("nvml", now, [
+            Sample("gpuwatchd_gpu_info", (*labels, "A100", "0000:13:00.0", "550", "12.4"), 1),
+            Sample("gpuwatchd_gpu_utilization_ratio", labels, util),
+        ])  # fmt: skip
+        processes = [
+            Sample("gpuwatchd_gpu_process_pid", labels, 4242.0),
+            Sample("gpuwatchd_gpu_process_busiest_thread_cpu_ratio", labels, thread),
+            Sample("gpuwatchd_gpu_process_workers", labels, workers),
+        ]
+        if born is not None:
+            processes.append(Sample("gpuwatchd_gpu_process_age_seconds", labels, now - born))
+        store.update("processes", now, processes)
+        if probe_workers is not None:
+            store.update("probe", now, [
+                Sample("gpuwatchd_probe_loader_workers", labels, probe_workers)])  # fmt: skip
+        engine.evaluate(now)
+        if step % 2 == 0:
+            states[now] = engine.states[("GPU-0", "dataloader_single_process")].state
+    return states
+
+
+def test_dataloader_single_process_needs_a_loop_feeding_the_gpu():
+    """Issue 15, item 7: a thread at a full core with no workers is a num_workers=0 loop
+    only while the GPU runs steps in between; the probe is optional and its word wins."""
+    assert _dataloader_states(0.3)[240.0] == FIRING  # no probe (source down): evaluable
+    assert _dataloader_states(0.3, born=None)[240.0] == FIRING  # age unknown: not held
+    # a busy thread next to an idle GPU: preprocessing before the first step, a server
+    assert set(_dataloader_states(0.003).values()) == {INACTIVE}
+    assert set(_dataloader_states(0.75).values()) == {INACTIVE}  # the GPU is not starved
+    assert set(_dataloader_states(0.3, thread=0.5).values()) == {INACTIVE}
+    assert set(_dataloader_states(0.3, workers=6).values()) == {INACTIVE}
+    # the probe's num_workers beats the process tree's children
+    assert _dataloader_states(0.3, workers=3, probe_workers=0)[240.0] == FIRING
+    assert set(_dataloader_states(0.3, probe_workers=8).values()) == {INACTIVE}
+
+
+def test_dataloader_single_process_leaves_a_process_start_alone():
+    """The first 2 minutes of a process are its start-up: held until then, then `for`."""
+    states = _dataloader_states(0.3, born=0.0, until=300.0)
+    assert {states[t] for t in states if t < 120} == {INACTIVE}
+    assert states[120.0] == PENDING and states[170.0] == PENDING
+    assert states[180.0] == FIRING

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gpuwatchd.config import ConfigError
 from gpuwatchd.sim.scenario import Scenario, Timeline, builtin_scenarios, load_scenario
@@ -183,3 +184,109 @@ def test_timeline_says_when_values_hold():
     assert timeline.constant(31, 100)  # after the end, everything stays
     looping = Timeline(scenario, loop=True)
     assert not looping.constant(29, 31) and not looping.constant(0, 45)
+
+
+# -- noise ----------------------------------------------------------------------------------
+
+
+def noisy(seed: int = 1, **noise) -> Scenario:
+    return scenario(
+        noise={"seed": seed, **noise},
+        node={"gpu_count": 4,
+              "initial_host": {"processes": {4242: {"main_thread_cpu_percent": 60}}}},
+        phases=[
+            {"name": "busy", "duration": "30s",
+             "set": {"utilization_gpu": 50, "power_w": 200, "pcie_rx_mb_s": 1000}},
+            {"name": "ramp", "duration": "30s", "ramp": {"pcie_rx_mb_s": [1000, 0]}},
+        ],
+    )  # fmt: skip
+
+
+def test_noise_is_seeded_bounded_and_drawn_once_a_period():
+    spec = {"gpu": {"utilization_gpu": 60, "power_w": "10%"}}
+    one, same, other = (Timeline(noisy(s, **spec)) for s in (1, 1, 2))
+    values = [[g["utilization_gpu"] for g in one.state(t)[0]] for t in range(30)]
+    assert values == [[g["utilization_gpu"] for g in same.state(t)[0]] for t in range(30)]
+    assert values != [[g["utilization_gpu"] for g in other.state(t)[0]] for t in range(30)]
+    flat = [v for row in values for v in row]
+    assert min(flat) == 0 and max(flat) == 100  # clamped to the value's bounds
+    assert len(set(flat)) > 30  # every GPU draws its own, every second
+    assert all(180 <= g["power_w"] <= 220 for t in range(30) for g in one.state(t)[0])
+    # one draw holds for the whole period
+    assert one.state(5.1)[0][2]["utilization_gpu"] == one.state(5.9)[0][2]["utilization_gpu"]
+    coarse = Timeline(noisy(1, every="10s", **spec))
+    assert coarse.state(11)[0][0]["power_w"] == coarse.state(19.5)[0][0]["power_w"]
+    assert Timeline(noisy(1)).state(3)[0][0]["utilization_gpu"] == 50  # no noise: flat
+
+
+def test_noisy_rates_integrate_to_counters_that_only_rise():
+    timeline = Timeline(noisy(gpu={"pcie_rx_mb_s": "50%"}))
+    # the integral is the noisy rate's: the sum of its 1 s draws (and of the ramp's)
+    total = timeline.integral("pcie_rx_mb_s", 0, 60)
+    by_second = [timeline.integral("pcie_rx_mb_s", t, t + 1) for t in range(60)]
+    assert total == pytest.approx([sum(s[i] for s in by_second) for i in range(4)])
+    assert by_second[3][1] == pytest.approx(timeline.state(3.5)[0][1]["pcie_rx_mb_s"])
+    assert all(v >= 0 for s in by_second for v in s)  # clamped at 0: counters never fall
+    assert total != pytest.approx(Timeline(noisy()).integral("pcie_rx_mb_s", 0, 60))
+    split = timeline.integral("pcie_rx_mb_s", 0, 12.25)
+    rest = timeline.integral("pcie_rx_mb_s", 12.25, 60)
+    assert [a + b for a, b in zip(split, rest, strict=True)] == pytest.approx(total)
+
+
+def test_host_noise_and_what_stays_constant():
+    gpu_only = Timeline(noisy(gpu={"utilization_gpu": 5}))
+    assert gpu_only.constant(0.2, 5.8, gpus=False)  # the host does not move
+    assert not gpu_only.constant(0.2, 1.2)
+    host = Timeline(noisy(host={"processes.4242.main_thread_cpu_percent": 30,
+                                "processes.9.threads": 2}))  # fmt: skip
+    assert host.constant(1.2, 4.8, gpus=False) and not host.constant(1.2, 5.0, gpus=False)
+    drawn = [host.host_state(t)["processes"][4242]["main_thread_cpu_percent"]
+             for t in range(0, 150, 5)]  # a draw per 5 s (host_every)
+    assert all(30 <= v <= 90 for v in drawn) and len(set(drawn)) > 20
+    assert host.host_state(11)["processes"] == host.host_state(14.9)["processes"]
+    assert 9 not in host.host_state(4)["processes"]  # a value never set is not invented
+    looped = Timeline(noisy(gpu={"utilization_gpu": 20}), loop=True)
+    assert looped.state(65)[0][0]["utilization_gpu"] == looped.state(5)[0][0]["utilization_gpu"]
+    assert looped.integral("utilization_gpu", 59.5, 60.5) == pytest.approx(
+        [a + b for a, b in zip(looped.integral("utilization_gpu", 59.5, 60),
+                               looped.integral("utilization_gpu", 0, 0.5), strict=True)]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("noise", "message"),
+    [
+        ({"gpu": {"pcie_replay_count": 1}}, "gpu.pcie_replay_count: a counter"),
+        ({"gpu": {"utilisation_gpu": 1}}, "gpu.utilisation_gpu: not a numeric GPU value"),
+        ({"gpu": {"clock_event_reasons": 1}}, "not a numeric GPU value"),
+        ({"gpu": {"power_w": "lots"}}, "gpu.power_w: an amplitude is a number or a percentage"),
+        ({"gpu": {"power_w": -1}}, "gpu.power_w: an amplitude is a finite number >= 0"),
+        ({"host": {"disks.nvme0n1": 1}}, "host.disks.nvme0n1: not a numeric host value"),
+        ({"every": 0}, "noise.every: Input should be greater than 0"),
+    ],
+)
+def test_noise_is_checked(tmp_path: Path, noise, message):
+    path = tmp_path / "s.yaml"
+    data = scenario().model_dump(mode="json", exclude_defaults=True)
+    path.write_text(yaml.safe_dump({**data, "noise": noise}))
+    with pytest.raises(ConfigError, match="noise") as e:
+        load_scenario(path)
+    assert message in str(e.value)
+
+
+def test_an_expectation_names_a_cause_or_a_metric_with_bounds():
+    from gpuwatchd.sim.scenario import Expectation
+
+    e = Expectation(metric="gpuwatchd_source_up", labels={"source": "nvml"}, below=1)
+    assert e.what == 'gpuwatchd_source_up{source="nvml"} < 1'
+    assert Expectation(metric="gpuwatchd_gpu_nvml_hung_seconds", above=0).what == (
+        "gpuwatchd_gpu_nvml_hung_seconds > 0")
+    assert Expectation(cause="gpu_lost").what == "gpu_lost"
+    for bad, why in (
+        ({}, "exactly one"),
+        ({"cause": "gpu_lost", "metric": "gpuwatchd_source_up", "below": 1}, "exactly one"),
+        ({"metric": "gpuwatchd_source_up"}, "needs above and/or below"),
+        ({"cause": "gpu_lost", "above": 1}, "only with metric"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            Expectation.model_validate(bad)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.config import PcieConfig
+from gpuwatchd.config import ConfigError, PcieConfig
 from gpuwatchd.sim.scenario import (
     PciFunction,
     Scenario,
@@ -395,3 +395,86 @@ def test_invalid_simulated_addresses_are_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"gpu0 has address 0000:113:00.0"):
         SysfsWriter(tmp_path, timeline)
+
+
+# --- each function's own capability (node.pcie_max) -------------------------------------------
+
+
+def caps(writer: SysfsWriter, name: str) -> tuple[str, str]:
+    d = writer.device_dir(name)
+    return (d / "max_link_speed").read_text(), (d / "max_link_width").read_text()
+
+
+def test_pcie_max_gives_groups_and_functions_their_own_maximum(tmp_path: Path) -> None:
+    timeline = Timeline(
+        scenario(
+            gpu_count=4,
+            gpu_model="h100-sxm5-80gb",
+            pcie_max={
+                "root_ports": {"gen": 4},
+                "switch_ports": {"width": 16},
+                "sw1-dp1": {"width": 8},
+                "gpus": {"width": 16},
+                "gpu0": {"gen": 4, "width": 8},
+            },
+        )
+    )
+    writer, got = read_back(tmp_path, timeline, 30)
+    assert caps(writer, "rp0") == caps(writer, "rp1") == ("16.0 GT/s PCIe\n", "16\n")
+    assert caps(writer, "sw0-up") == ("32.0 GT/s PCIe\n", "16\n")
+    assert caps(writer, "sw1-dp1") == ("32.0 GT/s PCIe\n", "8\n")  # the name beats the group
+    assert caps(writer, "gpu0") == ("16.0 GT/s PCIe\n", "8\n")
+    assert caps(writer, "gpu1") == ("32.0 GT/s PCIe\n", "16\n")
+    # every link trained to the lower of its ends: at its best, nothing degraded
+    assert not degraded(got)
+    g0, g3 = bdf(timeline, "gpu0"), bdf(timeline, "gpu3")
+    assert got[("pcie_link_generation", (g0, g0, "gpu"))] == 4
+    assert got[("pcie_link_width", (g0, bdf(timeline, "sw0-dp0"), "bridge"))] == 8
+    assert got[("pcie_link_width", (g3, g3, "gpu"))] == 8
+    assert got[("pcie_link_generation", (g3, bdf(timeline, "rp1"), "bridge"))] == 4
+    assert got[("pcie_link_generation", (g3, g3, "gpu"))] == 5
+
+
+@pytest.mark.parametrize(
+    ("name", "own_max", "port_max"),
+    [
+        ("pcie-x8-card-in-x16-slot", (4, 8), (4, 16)),
+        ("pcie-gen4-gpu-gen5-host", (4, 16), (5, 16)),
+        ("pcie-gen5-gpu-gen4-host", (5, 16), (4, 16)),
+    ],
+)
+def test_benign_twins_read_one_end_below_the_other_yet_nothing_is_degraded(
+    tmp_path: Path, name: str, own_max: tuple[int, int], port_max: tuple[int, int]
+) -> None:
+    timeline = Timeline(load_scenario(name))
+    _, got = read_back(tmp_path, timeline, 120)
+    for i in range(timeline.scenario.node.gpu_count):
+        gpu = timeline.topology.gpu(i)
+        g, port = gpu.bdf, (gpu.bdf, bdf(timeline, gpu.parent or ""), "bridge")
+        assert (
+            got[("pcie_link_generation_max", (g, g, "gpu"))],
+            got[("pcie_link_width_max", (g, g, "gpu"))],
+        ) == own_max
+        assert (
+            got[("pcie_link_generation_max", port)],
+            got[("pcie_link_width_max", port)],
+        ) == port_max
+    assert not degraded(got)  # each link at min(both ends), under load
+
+
+@pytest.mark.parametrize(
+    ("pcie_max", "error"),
+    [
+        ("{rp9: {gen: 4}}", r"bad\.yaml: node: pcie_max\.rp9: no such PCI function or group"),
+        ("{gpu0: {width: 6}}", r"bad\.yaml: node\.pcie_max\.gpu0\.width: Input should be 1, 2"),
+        ("{root_ports: {speed: 4}}", r"bad\.yaml: node\.pcie_max\.root_ports\.speed"),
+    ],
+)
+def test_pcie_max_errors_name_the_file_and_field(tmp_path: Path, pcie_max: str, error: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        f"name: t\nnode: {{gpu_count: 2, pcie_max: {pcie_max}}}\n"
+        "phases: [{name: p, duration: 60}]\n"
+    )
+    with pytest.raises(ConfigError, match=error):
+        load_scenario(path)

@@ -10,12 +10,14 @@ import base64
 import http.client
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
 
 import psutil
 import pytest
+import trustme
 from servers import wait_until
 from webfront import HASH, PASSWORD, closed_by_peer, read_responses, serving
 
@@ -300,3 +302,70 @@ def test_the_dcgm_pause_verb_authenticates(tmp_path):
         assert bad[0] == 400 and source.pauses == [30]
     gone = CliRunner().invoke(main, verb)
     assert gone.exit_code == 1 and "cannot reach gpuwatchd" in gone.output
+
+
+# /healthz and probes: a kubelet's httpGet probe cannot carry a secret ------------------
+
+
+def https_probe(server, path="/healthz"):
+    """GET as the kubelet probes with `scheme: HTTPS`: TLS without verifying the server."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    connection = http.client.HTTPSConnection(*server.address, context=context, timeout=5)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def test_healthz_answers_probes_without_the_password_and_tells_them_nothing(tmp_path):
+    with serving({"basic_auth_users": {"alice": HASH}}, where=tmp_path) as (server, _):
+        status, headers, body = request(server, "GET", "/healthz")
+        assert (status, body) == (200, b"ok\n") and "WWW-Authenticate" not in headers
+        assert request(server, "HEAD", "/healthz")[0] == 200
+        assert request(server, "POST", "/healthz")[0] == 405
+        for method, path in (("GET", "/metrics"), ("GET", "/"), ("POST", "/api/dcgm/pause")):
+            assert request(server, method, path)[0] == 401, path
+        # credentials, when sent, are checked; the details need them
+        assert request(server, "GET", "/healthz", basic("alice", "wrong"))[0] == 401
+        status, _, body = request(server, "GET", "/healthz", basic("alice", PASSWORD))
+        assert status == 200 and b"source dcgm: up" in body
+        # a wedged render loop: 503 for the probe too, still without details
+        server.exporter.now = lambda: time.time() + 3600
+        assert request(server, "GET", "/healthz")[::2] == (503, b"unhealthy\n")
+        status, _, body = request(server, "GET", "/healthz", basic("alice", PASSWORD))
+        assert status == 503 and b"not rendered for" in body
+
+
+def test_a_flood_that_exhausts_the_rate_limit_does_not_fail_the_probes(tmp_path):
+    config = {"basic_auth_users": {"alice": HASH}, "rate_limit": {"interval": "1h", "burst": 1}}
+    with serving(config, where=tmp_path) as (server, _):
+        assert request(server, "GET", "/metrics", basic("alice", PASSWORD))[0] == 200
+        assert request(server, "GET", "/metrics", basic("alice", PASSWORD))[0] == 429
+        assert [request(server, "GET", "/healthz")[0] for _ in range(5)] == [200] * 5
+        # with credentials it is an ordinary request: limited (bcrypt is not free)
+        assert request(server, "GET", "/healthz", basic("alice", PASSWORD))[0] == 429
+
+
+def test_https_probes_without_a_client_certificate(tmp_path):
+    """The kubelet neither verifies the server nor presents a certificate: /healthz works
+    over TLS with basic auth, and cannot when client certificates are required (then a
+    tcpSocket probe, docs/deploy.md)."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "server.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    tls = {"cert_file": str(tmp_path / "server.pem"), "key_file": str(tmp_path / "server.key")}
+    config = {"tls_server_config": tls, "basic_auth_users": {"alice": HASH}}
+    with serving(config, where=tmp_path) as (server, _):
+        assert https_probe(server) == (200, b"ok\n")
+        assert https_probe(server, "/metrics")[0] == 401
+    tls |= {"client_auth_type": "RequireAndVerifyClientCert", "client_ca_file": "ca.pem"}
+    with (
+        serving({**config, "tls_server_config": tls}, where=tmp_path) as (server, _),
+        pytest.raises((ssl.SSLError, ConnectionError)),
+    ):
+        https_probe(server)

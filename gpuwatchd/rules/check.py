@@ -11,9 +11,11 @@ without it), or firing again after it, has not resolved: a mismatch too.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from gpuwatchd.rules.engine import FIRING, Transition
+from gpuwatchd.rules.engine import FIRING, INACTIVE, Transition
 from gpuwatchd.sim.scenario import Expectation, Scenario
 
 Intervals = dict[tuple[int, str], list[tuple[float, float | None]]]
@@ -102,11 +104,11 @@ def check(scenario: Scenario, intervals: Intervals, end: float) -> list[Verdict]
     verdicts: list[Verdict] = []
     allowed: set[tuple[int, str]] = set()
     for e in scenario.expect:
-        gpus = _gpus(e, count)
+        gpus, what = _gpus(e, count), e.what
         if e.never:
-            bad = [(g, intervals[(g, e.cause)][0][0]) for g in gpus if intervals.get((g, e.cause))]
+            bad = [(g, intervals[(g, what)][0][0]) for g in gpus if intervals.get((g, what))]
             observed = _fired(bad) if bad else "never fired"
-            verdicts.append(Verdict(e.cause, _span(gpus), "never", observed, not bad))
+            verdicts.append(Verdict(what, _span(gpus), "never", observed, not bad))
             continue
         by = e.by if e.by is not None else e.ends if e.ends is not None else end
         expected = f"fires from {e.onset:.0f}s, by {by:.0f}s"
@@ -115,8 +117,8 @@ def check(scenario: Scenario, intervals: Intervals, end: float) -> list[Verdict]
             expected += f"; fault ends {e.ends:.0f}s, stopped by {deadline:.0f}s"
         problems, fired, resolved = [], [], []
         for g in gpus:
-            allowed.add((g, e.cause))
-            spans = intervals.get((g, e.cause), [])
+            allowed.add((g, what))
+            spans = intervals.get((g, what), [])
             early = [s for s, _ in spans if s < e.onset]
             if early:
                 problems.append(f"gpu {g} fired early at {early[0]:.0f}s")
@@ -134,10 +136,13 @@ def check(scenario: Scenario, intervals: Intervals, end: float) -> list[Verdict]
         if resolved:
             delays += f", stopped {_range(resolved)} after the fault ended"
         observed = "; ".join([delays, *problems]) if problems else delays
-        verdicts.append(Verdict(e.cause, _span(gpus), expected, observed, not problems))
+        verdicts.append(Verdict(what, _span(gpus), expected, observed, not problems))
     unexpected: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    named_never = {(g, e.cause) for e in scenario.expect if e.never for g in _gpus(e, count)}
+    named_never = {(g, e.what) for e in scenario.expect if e.never for g in _gpus(e, count)}
+    watched = {e.what for e in scenario.expect if e.metric}  # judged only where named
     for (g, cause), spans in sorted(intervals.items()):
+        if cause in watched:
+            continue
         if spans and (g, cause) not in allowed and (g, cause) not in named_never:
             unexpected[cause].append((g, spans[0][0]))
     for cause, hits in unexpected.items():
@@ -146,6 +151,65 @@ def check(scenario: Scenario, intervals: Intervals, end: float) -> list[Verdict]
             Verdict(cause, _span([g for g, _ in hits]), "(not expected)", observed, False)
         )
     return verdicts
+
+
+class MetricWatch:
+    """The scenario's metric expectations, looked at every step of a replay: where a
+    series meets its bounds it counts as "firing" (transitions named by the
+    expectation's `what`), so that `check` judges it as it judges a cause.
+
+    Source health (`gpuwatchd_source_up`, `gpuwatchd_source_errors_total`) is read from
+    the pollers, every other series from the store (per GPU by its `gpu` label; one
+    without it stands for every GPU)."""
+
+    HEALTH = {
+        "gpuwatchd_source_up": lambda h: float(h.up),
+        "gpuwatchd_source_errors_total": lambda h: float(h.errors_total),
+    }
+
+    def __init__(self, scenario: Scenario, pollers: Sequence[Any], store: Any) -> None:
+        self._pollers, self._store = pollers, store
+        self._count = scenario.node.gpu_count
+        self._expect = {e.what: e for e in scenario.expect if e.metric}
+        self._labels = {  # metric -> its label names, from the sources that export it
+            spec.name: spec.labels for p in pollers for spec in p.source.metrics
+        }
+        self._holds: dict[tuple[int, str], bool] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._expect)
+
+    def sample(self, now: float) -> list[Transition]:
+        out = []
+        for what, e in self._expect.items():
+            values = self._values(e, now)
+            for g in range(self._count):
+                value = values.get(str(g), values.get(None))
+                holds = value is not None and (e.above is None or value > e.above) and (
+                    e.below is None or value < e.below
+                )
+                if holds != self._holds.get((g, what), False):
+                    self._holds[(g, what)] = holds
+                    old, new = (INACTIVE, FIRING) if holds else (FIRING, INACTIVE)
+                    out.append(Transition(now, str(g), "", what, old, new, f"value {value:g}"
+                                          if value is not None else "no value"))
+        return out
+
+    def _values(self, e: Expectation, now: float) -> dict[str | None, float]:
+        """The series' value per GPU index (None: a series without a gpu label)."""
+        health = self.HEALTH.get(e.metric)
+        if health is not None:  # one source's, named by its `source` label
+            polled = [p for p in self._pollers if p.name == e.labels.get("source")]
+            return {None: health(polled[0].health)} if polled else {}
+        names = self._labels.get(e.metric, ())
+        out: dict[str | None, float] = {}
+        for (name, labels), value in self._store.latest(now):
+            if name != e.metric:
+                continue
+            named = dict(zip(names, labels, strict=False))
+            if all(named.get(k) == v for k, v in e.labels.items()):
+                out[named.get("gpu")] = value
+        return out
 
 
 def format_verdicts(scenario: str, verdicts: list[Verdict]) -> str:

@@ -100,6 +100,8 @@ def detection_table() -> str:
         allowed: dict[tuple[int, str], float] = {}  # (gpu, cause) -> onset
         never: set[str] = set()
         for e in s.expect:
+            if e.metric:  # what a fault shows outside the rules: no cause's row
+                continue
             gpus = _gpus(e.gpus, count)
             if e.never:
                 never.add(e.cause)

@@ -90,6 +90,7 @@ class Evaluator:
             "_present": self._present,
             "_default": self._default,
             "_peers": self._peers,
+            "_lowest_peer": self._lowest_peer,
             "_div": self._div,
             "_abs": abs,
             "_time": self._time,
@@ -187,6 +188,19 @@ class Evaluator:
 
     def _peers(self, index: int) -> list[float]:
         """The selector's value on the other GPUs of this GPU's job."""
+        return [value for _, value in self._peer_values(index)]
+
+    def _lowest_peer(self, index: int) -> float:
+        """The index of the other GPU of this GPU's job where the selector is lowest
+        (the first by index on a tie): names a peer in a summary."""
+        values = self._peer_values(index)
+        if not values:
+            raise Missing("no peers")
+        return float(min(values, key=lambda peer: (peer[1], int(peer[0])))[0])
+
+    def _peer_values(self, index: int) -> list[tuple[str, float]]:
+        """(the `gpu` label, an index; the selector's value) on the other GPUs of this
+        GPU's job."""
         selector = self._sel(index)
         mine = self._job(self.gpu)
         if mine is None:
@@ -196,7 +210,7 @@ class Evaluator:
             if other.uuid != self.gpu.uuid and self._job(other) == mine:
                 rows = self.rows(selector, other)
                 if rows:
-                    values.append(rows[0][1])
+                    values.append((other.gpu, rows[0][1]))
         return values
 
     def _series_aggregate(self, how: str) -> Callable[[int], float]:

@@ -129,8 +129,9 @@ WINDOW_FUNCTIONS: dict[str, tuple[str, ...]] = {
 }
 # window functions that sum (or take the extreme of) several series; the others need one
 MULTI_WINDOW = {"rate", "change", "min_over", "max_over"}
-# what peers() groups GPUs by, in order of preference: the main process's job, else the
-# main process itself (gpuwatchd.sources.processes)
+# what peers() groups GPUs by, in order of preference: the main process's job (ranks of
+# one launch, told by their launcher's variables and owner; siblings without them are
+# jobs of their own), else the main process itself (gpuwatchd.sources.processes)
 PEER_GROUPING = ("gpu_process_job", "gpu_process_pid")
 AGGREGATES = ("max", "min", "sum", "avg", "count")
 
@@ -461,15 +462,15 @@ class _Checker:
                 return NUM, self._call(f"_{name}_of", *values)  # type: ignore[arg-type]
             self.fail(node, f"{name}() takes a series, peers(...), or (max/min) 2+ numbers")
             return None, None
-        if name == "peers":
+        if name in ("peers", "lowest_peer"):
             if len(args) != 1:
-                self.fail(node, "peers() takes one series")
+                self.fail(node, f"{name}() takes one series")
                 return None, None
             got, _ = self.visit(args[0])
             if got is None:
                 return None, None
             if not isinstance(got, Selector) or got.multi:
-                self.fail(args[0], "peers(): expected a series with one value per GPU")
+                self.fail(args[0], f"{name}(): expected a series with one value per GPU")
                 return None, None
             self.spend(node, _PEERS)
             # the series peers() groups GPUs by are inputs too (the engine indexes the
@@ -478,6 +479,8 @@ class _Checker:
                 family = self.catalog.families.get(grouping)
                 if family is not None:
                     self.selectors.append(Selector(family, (), multi=False))
+            if name == "lowest_peer":
+                return NUM, self._call("_lowest_peer", self._index(got))
             return LIST, self._call("_peers", self._index(got))
         if name in ("present", "default"):
             want = 1 if name == "present" else 2
@@ -514,7 +517,8 @@ class _Checker:
                 return None, None
             return NUM, self._call("_time")
         known = sorted(
-            [*WINDOW_FUNCTIONS, *AGGREGATES, "series", "peers", "present", "default", "abs", "time"]
+            [*WINDOW_FUNCTIONS, *AGGREGATES, "series", "peers", "lowest_peer"]
+            + ["present", "default", "abs", "time"]
         )
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]}()?)" if close else ""

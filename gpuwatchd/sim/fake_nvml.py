@@ -11,8 +11,10 @@ objects, `create_string_buffer` arrays, structs, arrays of `c_nvmlFieldValue_t`)
 write the scenario's values through them in NVML's units and return an int.
 
 The values come from `timeline.state(clock.elapsed())`. Per GPU, the scenario's `lost`
-makes every call on it answer NVML_ERROR_GPU_IS_LOST, `hung` makes it block (real time)
-until the GPU is no longer hung or `release()` is called, and the model's `unsupported`
+makes every call on it answer NVML_ERROR_GPU_IS_LOST, `hung` makes it block until the
+GPU is no longer hung or `release()` is called (in virtual time, `settle()` after each
+step of the clock lets it see the time; `wait_for` waits for a thread that may block
+on it), and the model's `unsupported`
 symbols answer NVML_ERROR_NOT_SUPPORTED. Tests reach the fake as
 `module._gpuwatchd_fake` to inject errors (`fail`, `fail_field`), hang a GPU (`hang`),
 raise Xid events (`inject_xid`) and count calls (`calls`, `gpu_calls`, `calls_total`,
@@ -146,6 +148,7 @@ def make_pynvml(
     timeline: Timeline,
     clock: SimClock,
     *,
+    library: bool = True,
     driver_loaded: bool = True,
     missing_functions: Iterable[str] = (),
     hang_cap: float = HANG_CAP_SECONDS,
@@ -154,9 +157,12 @@ def make_pynvml(
 ) -> ModuleType:
     """A private pynvml whose C library is a FakeNvmlLib playing `timeline` at `clock`.
 
-    The fake is reachable as `module._gpuwatchd_fake`. `driver_loaded=False` makes
-    nvmlInit fail with NVML_ERROR_DRIVER_NOT_LOADED; `missing_functions` are symbols
-    the fake library lacks (an older driver), so pynvml raises FunctionNotFound.
+    The fake is reachable as `module._gpuwatchd_fake`. `library=False` plays a node
+    without libnvidia-ml.so.1 (no driver installed, a container started without the
+    NVIDIA runtime): pynvml's own loader fails to open it and answers
+    NVML_ERROR_LIBRARY_NOT_FOUND. `driver_loaded=False` makes nvmlInit fail with
+    NVML_ERROR_DRIVER_NOT_LOADED; `missing_functions` are symbols the fake library lacks
+    (an older driver), so pynvml raises FunctionNotFound.
     """
     module = load_private_pynvml()
     fake = FakeNvmlLib(
@@ -171,7 +177,13 @@ def make_pynvml(
     )
     # nvmlLib: what _LoadNvmlLibrary's CDLL("libnvidia-ml.so.1") would have set
     vars(module).update(nvmlLib=fake, _gpuwatchd_fake=fake)
+    if not library:  # left for pynvml to load, with a CDLL that finds no such file
+        vars(module).update(nvmlLib=None, CDLL=_no_library)
     return module
+
+
+def _no_library(name: str, *args: Any, **kwargs: Any) -> Any:
+    raise OSError(f"{name}: cannot open shared object file: No such file or directory")
 
 
 def gpu_uuid(hostname: str, index: int) -> str:
@@ -237,6 +249,10 @@ class FakeNvmlLib(DeviceReads):
         self.field_calls: Counter[tuple[int, int]] = Counter()  # (field id, gpu) -> asked
         self.blocked = threading.Event()  # set when a call starts blocking on a hung GPU
         self.hang_timeouts = 0  # hung calls that gave up at hang_cap
+        self._hang_changed = threading.Condition()
+        self._blocked_threads: dict[threading.Thread, int] = {}  # -> epoch it last checked
+        self._left_block: set[threading.Thread] = set()  # returned from a hang since
+        self._epoch = 0  # settle() count: blocked calls look at the clock again
         self._released = threading.Event()
         self._forced_hung: set[int] = set()
         self._failures: list[_Failure] = []
@@ -393,6 +409,8 @@ class FakeNvmlLib(DeviceReads):
         """Unblock every hung call now and stop hung GPUs from blocking (until `hang`)."""
         self._forced_hung.clear()
         self._released.set()
+        with self._hang_changed:
+            self._hang_changed.notify_all()
 
     def inject_xid(self, gpu: int, xid: int) -> None:
         """Raise an Xid on `gpu` now, as the kernel driver would, for registered sets."""
@@ -434,18 +452,71 @@ class FakeNvmlLib(DeviceReads):
         return gpu in self._forced_hung or bool(values["hung"])
 
     def _block(self, gpu: int) -> dict[str, Any]:
-        """Wait (real time) while `gpu` is hung; return its values when it answers."""
+        """Block the calling thread while `gpu` is hung, as a driver call into a wedged
+        GPU does; return its values when it answers.
+
+        Real time: the hang is re-checked every 10 ms. Virtual time: only when
+        `settle()` says the clock moved, so that where a blocked call returns is the
+        same on every replay. Either way for at most `hang_cap` (real seconds).
+        """
+        me = threading.current_thread()
+        virtual = self.clock.virtual
         deadline = time.monotonic() + self.hang_cap
-        self.blocked.set()
-        while True:
-            values = self._gpu_values(gpu)
-            if not self._is_hung(gpu, values):
-                return values
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.hang_timeouts += 1
-                return values
-            self._released.wait(min(0.01, remaining))
+        with self._hang_changed:
+            self.blocked.set()
+            try:
+                while True:
+                    values = self._gpu_values(gpu)
+                    if not self._is_hung(gpu, values):
+                        return values
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self.hang_timeouts += 1
+                        return values
+                    self._blocked_threads[me] = self._epoch  # checked at this epoch
+                    self._hang_changed.notify_all()
+                    self._hang_changed.wait(remaining if virtual else min(0.01, remaining))
+            finally:
+                self._blocked_threads.pop(me, None)
+                self._left_block.add(me)
+                self._hang_changed.notify_all()
+
+    def settle(self) -> None:
+        """Virtual time, after the clock moved: let every call blocked on a hung GPU look
+        at the clock again, and wait until each is blocked again or its thread has ended
+        (a call that returned finishes its poll's work on that GPU, then its thread
+        ends): what runs next sees the same state on every replay."""
+        me = threading.current_thread()  # a call it made itself has returned already
+        deadline = time.monotonic() + self.hang_cap  # a thread that goes on for good
+        with self._hang_changed:
+            if not self._blocked_threads and not self._left_block:
+                return
+            self._epoch += 1
+            self._hang_changed.notify_all()
+            while time.monotonic() < deadline:
+                self._left_block = {t for t in self._left_block if t.is_alive() and t is not me}
+                epoch = self._epoch
+                if not self._left_block and all(
+                    at == epoch for at in self._blocked_threads.values()
+                ):
+                    return
+                self._hang_changed.wait(0.001)
+            self._left_block.clear()
+
+    def wait_for(self, done: threading.Event, thread: threading.Thread, timeout: float) -> bool:
+        """Virtual time's wait for `thread` to set `done`: True once it has, False as soon
+        as the thread blocks in a call on a hung GPU (where real time would wait out
+        `timeout`). The nvml source waits for its GPU reader through this
+        (`context.extras["nvml_wait"]`)."""
+        # done.wait wakes the moment the poll's work is done (the common case); the short
+        # timeout only bounds how late a thread that blocked on a hung GPU is noticed
+        while not done.wait(0.0005):
+            with self._hang_changed:
+                if thread in self._blocked_threads:
+                    return False
+            if not thread.is_alive():
+                return done.is_set()
+        return True
 
     # -- init, errors, system ---------------------------------------------------------
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.sim.fakelib import symbol
+from gpuwatchd.sim.sysfs import LinkModel
 
 if TYPE_CHECKING:
     from gpuwatchd.sim.clock import SimClock
@@ -76,6 +77,8 @@ class DeviceReads:
         _field_t: float
 
         def _gpu_values(self, gpu: int) -> dict[str, Any]: ...
+
+        def _now(self) -> float: ...
 
         def _is_unsupported(self, name: str) -> bool: ...
 
@@ -217,9 +220,24 @@ class DeviceReads:
         parent = topology.functions.get(fn.parent) if fn.parent else None
         return min(fn.max_gen, parent.max_gen) if parent else fn.max_gen
 
+    def _current_link(self, gpu: int) -> tuple[int, int]:
+        """The GPU's link as it trained (the sysfs writer's link model: the lower of both
+        ends' maxima and wishes), so NVML and sysfs agree."""
+        model = self.__dict__.get("_link_model")
+        if model is None:
+            model = self.__dict__["_link_model"] = LinkModel(self.timeline.topology)
+        t = self._now()
+        gpus, bridges = self.timeline.state(t)
+        kept = self.__dict__.get("_links_at")
+        if kept is None or kept[0] != t:  # one tree's links serve every GPU's call at t
+            kept = self.__dict__["_links_at"] = (t, model.states(gpus, bridges))
+        gen, width = kept[1][self.timeline.topology.gpu_names[gpu]]
+        values = gpus[gpu]
+        return gen or int(values["pcie_gen"]), width or int(values["pcie_width"])
+
     @symbol("device")
     def _nvmlDeviceGetCurrPcieLinkGeneration(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = int(self._gpu_values(gpu)["pcie_gen"])
+        out._obj.value = self._current_link(gpu)[0]
         return SUCCESS
 
     @symbol("device")
@@ -229,17 +247,21 @@ class DeviceReads:
 
     @symbol("device")
     def _nvmlDeviceGetGpuMaxPcieLinkGeneration(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = self.model.pcie_max_gen
+        out._obj.value = self.timeline.topology.gpu(gpu).max_gen  # the GPU's own
         return SUCCESS
 
     @symbol("device")
     def _nvmlDeviceGetCurrPcieLinkWidth(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = int(self._gpu_values(gpu)["pcie_width"])
+        out._obj.value = self._current_link(gpu)[1]
         return SUCCESS
 
     @symbol("device")
     def _nvmlDeviceGetMaxPcieLinkWidth(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = self.timeline.topology.gpu(gpu).max_width
+        # like the generation, "possible with this GPU and system": the lower of both ends
+        topology = self.timeline.topology
+        fn = topology.gpu(gpu)
+        parent = topology.functions.get(fn.parent) if fn.parent else None
+        out._obj.value = min(fn.max_width, parent.max_width) if parent else fn.max_width
         return SUCCESS
 
     @symbol("device")
@@ -291,13 +313,35 @@ class DeviceReads:
         out._obj.value = value
         return SUCCESS
 
+    def _nvlink_active(self, gpu: int, values: dict[str, Any], link: int) -> bool:
+        """Wired by the board (`Timeline.nvlinks_wired`) and not set down by the scenario."""
+        return link in self.timeline.nvlinks_wired[gpu] and link not in values["nvlink_down"]
+
     @symbol("device")
     def _nvmlDeviceGetNvLinkState(self, gpu: int, handle: Any, link: Any, out: Any) -> int:
         index = _value(link)
         if not 0 <= index < self.model.nvlinks:
             return ERROR_INVALID_ARGUMENT
-        down = self._gpu_values(gpu)["nvlink_down"]
-        out._obj.value = 0 if index in down else 1
+        out._obj.value = 1 if self._nvlink_active(gpu, self._gpu_values(gpu), index) else 0
+        return SUCCESS
+
+    @symbol("device")
+    def _nvmlDeviceGetNvLinkRemoteDeviceType(
+        self, gpu: int, handle: Any, link: Any, out: Any
+    ) -> int:
+        """NVSWITCH on an NVSwitch board, GPU for a bridge or direct link; an inactive link
+        has no remote (UNKNOWN)."""
+        index = _value(link)
+        if self.model.nvlinks == 0 or self._is_unsupported("nvmlDeviceGetNvLinkState"):
+            return ERROR_NOT_SUPPORTED
+        if not 0 <= index < self.model.nvlinks:
+            return ERROR_INVALID_ARGUMENT
+        if not self._nvlink_active(gpu, self._gpu_values(gpu), index):
+            out._obj.value = self.nv.NVML_NVLINK_DEVICE_TYPE_UNKNOWN
+        elif self.timeline.nvlink_fabric == "nvswitch":
+            out._obj.value = self.nv.NVML_NVLINK_DEVICE_TYPE_SWITCH
+        else:
+            out._obj.value = self.nv.NVML_NVLINK_DEVICE_TYPE_GPU
         return SUCCESS
 
     def _running_processes(self, gpu: int, kind: str, count: Any, infos: Any) -> int:
@@ -439,7 +483,7 @@ class DeviceReads:
         def nvlink_state(gpu: int, values: dict[str, Any], link: int) -> int | None:
             if not 0 <= link < self.model.nvlinks:
                 return None
-            return 0 if link in values["nvlink_down"] else 1
+            return 1 if self._nvlink_active(gpu, values, link) else 0
 
         ecc = "nvmlDeviceGetTotalEccErrors"
         datacenter = int(self.model.datacenter)

@@ -41,6 +41,42 @@ class IbPort(Strict):
     link_layer: Literal["InfiniBand", "Ethernet"] = "InfiniBand"
 
 
+class SlurmOwner(Strict):
+    """A Slurm step's cgroup, as the task/cgroup plugin makes it: v1 `/slurm/uid_U/job_J/
+    step_S[/task_T]` (freezer, cpuset, devices, memory; `cpu` stays at slurmd's), or the
+    cgroup/v2 plugin's `/system.slice/slurmstepd.scope/job_J/step_S/user/task_T`."""
+
+    job: int = Field(ge=1)
+    step: str = Field("0", pattern=r"^(?:[0-9]{1,9}|batch|extern|interactive)$")
+    task: int = Field(0, ge=0)  # the node-local task
+    cgroup: Literal["v1", "v2"] = "v2"
+
+
+class PodOwner(Strict):
+    """A Kubernetes container's cgroup (v2): systemd driver `kubepods.slice/kubepods-<qos>.
+    slice/kubepods-<qos>-pod<UID>.slice/<runtime>-<ID>.scope`, cgroupfs driver
+    `/kubepods/<qos>/pod<UID>/<ID>` (guaranteed pods: no qos level)."""
+
+    uid: str = Field(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+    container_id: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")  # None: from the pid
+    qos: Literal["guaranteed", "burstable", "besteffort"] = "burstable"
+    driver: Literal["systemd", "cgroupfs"] = "systemd"
+    runtime: Literal["containerd", "cri-o"] = "containerd"
+
+
+class ProcessOwner(Strict):
+    """Who runs a process, as its cgroup shows: one of a Slurm step or a pod."""
+
+    slurm: SlurmOwner | None = None
+    pod: PodOwner | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> ProcessOwner:
+        if (self.slurm is None) == (self.pod is None):
+            raise ValueError("owner: give exactly one of slurm or pod")
+        return self
+
+
 class HostProcess(Strict):
     """Facts about a process that do not change during the scenario."""
 
@@ -55,6 +91,20 @@ class HostProcess(Strict):
     cpus_allowed: str | None = None  # "0-31"; None: every CPU
     cudart: str | None = None  # CUDA runtime it mapped, "12.1" -> libcudart.so.12.1
     uid: int = 1000
+    # variables of its environment besides a login shell's PATH, HOME and LANG: the
+    # launcher's (RANK, WORLD_SIZE, MASTER_ADDR, SLURM_JOB_ID, …), as /proc/PID/environ
+    environment: dict[str, str] = {}
+    owner: ProcessOwner | None = None  # its scheduler's cgroup; replaces `cgroup`
+
+    @model_validator(mode="after")
+    def _environment(self) -> HostProcess:
+        for key, value in self.environment.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise ValueError(
+                    f"environment.{key!r}: a variable's name is non-empty without '=' or "
+                    "NUL, its value without NUL"
+                )
+        return self
 
 
 class HostHardware(Strict):
@@ -125,6 +175,12 @@ class ProcessValues(Strict):
     cpu_quota_cpus: float | None = Field(None, gt=0)  # cgroup cpu.max as CPUs; None: max
     throttled_ratio: float | None = Field(None, ge=0, le=1)  # share of periods throttled
     running: bool | None = None  # false: the process has exited
+    # storage reads (/proc/PID/io read_bytes, 10^6 bytes/s) of the process and of each
+    # worker, and the disk their input files are on (open fds; default: the first disk)
+    read_mb_s: float | None = Field(None, ge=0)
+    worker_read_mb_s: float | None = Field(None, ge=0)
+    reads_from: str | None = None
+    io_blocked_workers: int | None = Field(None, ge=0)  # workers in D state (waiting for I/O)
 
 
 class ProbeValues(Strict):
@@ -152,6 +208,8 @@ class HostValues(Strict):
 
     cpu_busy_percent: float | None = Field(None, ge=0, le=100)  # every core unless overridden
     core_busy_percent: dict[int, float] | None = None  # per-core overrides
+    # per-core softirq time (percent) on top of what the interrupts landing there cost
+    core_softirq_percent: dict[int, float] | None = None
     iowait_percent: float | None = Field(None, ge=0, le=100)
     steal_percent: float | None = Field(None, ge=0, le=100)
     psi_cpu_some: float | None = Field(None, ge=0, le=100)  # percent of time (avg10)
@@ -171,6 +229,7 @@ class HostValues(Strict):
 HOST_DEFAULTS: dict[str, Any] = dict(
     cpu_busy_percent=2.0,
     core_busy_percent={},
+    core_softirq_percent={},
     iowait_percent=0.0,
     steal_percent=0.0,
     psi_cpu_some=0.0,
@@ -222,7 +281,11 @@ def check_host_ramp(ramp: dict[str, tuple[float, float]] | None) -> None:
     numeric = (float | None, int | None)
     for path in ramp or {}:
         parts = path.split(".")
-        if parts[0] == "core_busy_percent" and len(parts) == 2 and parts[1].isdigit():
+        if (
+            parts[0] in ("core_busy_percent", "core_softirq_percent")
+            and len(parts) == 2
+            and parts[1].isdigit()
+        ):
             continue
         if len(parts) == 3 and parts[0] in _NESTED:
             field = _NESTED[parts[0]].model_fields.get(parts[2])

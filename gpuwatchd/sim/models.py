@@ -17,7 +17,11 @@ class GpuModel(BaseModel):
     max_mem_clock_mhz: int
     pcie_max_gen: int
     pcie_max_width: int = 16
-    nvlinks: int = 0
+    nvlinks: int = 0  # NVLinks the chip has (NVML_FI_DEV_NVLINK_LINK_COUNT)
+    # the links an NVLink bridge connects on a PCIe card (empty: all); the others are
+    # inactive by design, as 6 of an H100 PCIe's 18
+    nvlink_bridge_links: tuple[int, ...] = ()
+    sxm: bool = False  # an SXM module on a baseboard, every NVLink wired (not a PCIe card)
     datacenter: bool = True
     dcgm_profiling: bool = True  # DCGM profiling metrics (1001-1012); not on GeForce or pre-Volta
     mig: bool = False  # supports MIG (nvmlDeviceGetMigMode answers; MIG itself is off)
@@ -35,6 +39,7 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
         max_mem_clock_mhz=1593,
         pcie_max_gen=4,
         nvlinks=12,
+        sxm=True,
         mig=True,
         # no NVENC, no fans (SXM)
         unsupported=("nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetFanSpeed"),
@@ -48,8 +53,49 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
         max_mem_clock_mhz=2619,
         pcie_max_gen=5,
         nvlinks=18,
+        sxm=True,
         mig=True,
         unsupported=("nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetFanSpeed"),
+    ),
+    # PCIe cards with NVLink: all links inactive without a bridge (node `nvlink: bridge`)
+    "a100-pcie-80gb": GpuModel(
+        name="NVIDIA A100 80GB PCIe",
+        pci_device_id=0x20B5,
+        memory_total_mib=81920,
+        power_limit_w=300,
+        max_sm_clock_mhz=1410,
+        max_mem_clock_mhz=1512,
+        pcie_max_gen=4,
+        nvlinks=12,  # three bridges, four links each
+        mig=True,
+        unsupported=("nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetFanSpeed"),  # passive
+    ),
+    "h100-pcie": GpuModel(
+        name="NVIDIA H100 PCIe",
+        pci_device_id=0x2331,
+        memory_total_mib=81559,
+        power_limit_w=350,
+        max_sm_clock_mhz=1755,
+        max_mem_clock_mhz=1593,
+        pcie_max_gen=5,
+        nvlinks=18,
+        # the bridges connect 12 links; 4, 5, 10, 11, 16 and 17 stay inactive by design
+        nvlink_bridge_links=(0, 1, 2, 3, 6, 7, 8, 9, 12, 13, 14, 15),
+        mig=True,
+        unsupported=("nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetFanSpeed"),
+    ),
+    # a PCIe Gen4 x8 card: at its best at x8 in any x16 slot
+    "a2": GpuModel(
+        name="NVIDIA A2",
+        pci_device_id=0x25B6,
+        memory_total_mib=15356,
+        power_limit_w=60,
+        max_sm_clock_mhz=1770,
+        max_mem_clock_mhz=6251,
+        pcie_max_gen=4,
+        pcie_max_width=8,
+        nvlinks=0,
+        unsupported=("nvmlDeviceGetNvLinkState", "nvmlDeviceGetFanSpeed"),  # passive cooling
     ),
     "l40s": GpuModel(
         name="NVIDIA L40S",

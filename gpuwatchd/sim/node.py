@@ -23,6 +23,7 @@ from gpuwatchd.sim.writers.disks import DiskstatsWriter
 from gpuwatchd.sim.writers.infiniband import InfinibandWriter
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter
 from gpuwatchd.sim.writers.processes import ProcessesWriter
+from gpuwatchd.sim.writers.procio import ProcIoWriter
 from gpuwatchd.sources.base import Context
 
 
@@ -52,11 +53,19 @@ class SimNode:
         self.clock = SimClock(virtual=virtual)
         self.root = Path(tempfile.mkdtemp(prefix=f"gpuwatchd-sim-{scenario.name}-", dir=_TMPFS))
         costs = FREE if virtual else DRIVER_COSTS
-        self.pynvml = make_pynvml(self.timeline, self.clock, costs=costs)
+        nvml = scenario.node.nvml
+        self.pynvml = make_pynvml(
+            self.timeline,
+            self.clock,
+            costs=costs,
+            library=nvml != "no_library",
+            driver_loaded=nvml != "driver_not_loaded",
+        )
         self.dcgm = SimDcgm(self.timeline, self.clock, self.root)  # bindings under root/usr
         self.probe = SimProbeReceiver(self.timeline, self.clock.now, self.clock.elapsed)
         proc, sys = self.root / "proc", self.root / "sys"
         interrupts = InterruptsWriter(proc, self.timeline)
+        processes = ProcessesWriter(proc, sys, self.timeline)
         # in tick order (/proc/stat's intr line sums what the interrupts writer wrote),
         # each with the sources that read its files and whether it keeps counters (rising
         # between writes: SysfsWriter's files only show the state at the time)
@@ -66,7 +75,9 @@ class SimNode:
             (CpuWriter(proc, self.timeline, interrupts=interrupts), frozenset({"cpu"}), True),
             (DiskstatsWriter(proc, self.timeline, sysfs=sys), frozenset({"disks"}), True),
             (InfinibandWriter(sys, self.timeline), frozenset({"infiniband"}), True),
-            (ProcessesWriter(proc, sys, self.timeline), frozenset({"processes"}), True),
+            (processes, frozenset({"processes"}), True),
+            # after the processes writer: it makes (and removes) the pid directories
+            (ProcIoWriter(proc, self.timeline, processes), frozenset({"processes"}), True),
         ]
         self._written: dict[int, float] = {}  # writer (its index) -> when it last wrote
         self._ticker: threading.Thread | None = None  # start(): the real-time tick thread
@@ -74,6 +85,7 @@ class SimNode:
         self.tick()
 
     def context(self) -> Context:
+        fake = self.pynvml._gpuwatchd_fake
         return Context(
             procfs=self.root / "proc",
             sysfs=self.root / "sys",
@@ -83,6 +95,8 @@ class SimNode:
                 "now": self.clock.now,
                 "clock": self.clock.elapsed,
                 "probe_receiver": self.probe,  # the kernel's side of the probe socket
+                # virtual time: the nvml source stops waiting for a call that blocks at once
+                **({"nvml_wait": fake.wait_for} if self.clock.virtual else {}),
                 **self.dcgm.context_extras(),  # rootfs, dcgm_hostengine, hostname
             },
         )
@@ -97,6 +111,8 @@ class SimNode:
         reads is the same as with every writer written at every tick.
         """
         t = self.clock.elapsed()
+        if self.clock.virtual:  # NVML calls blocked on a hung GPU see the new time
+            self.pynvml._gpuwatchd_fake.settle()
         for i, (writer, readers, counters) in enumerate(self._writers):
             last = self._written.get(i)
             if due is None or last is None or not readers.isdisjoint(due):
@@ -121,6 +137,7 @@ class SimNode:
 
     def close(self) -> None:
         self._stopped.set()
+        self.pynvml._gpuwatchd_fake.release()  # no thread stays blocked in a hung GPU
         if self._ticker is not None:
             self._ticker.join(5)
         self.dcgm.close()

@@ -8,8 +8,11 @@ sysfs) render that state in the real bindings' and the kernel's formats.
 from __future__ import annotations
 
 import copy
+import math
+import re
+import zlib
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +21,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpuwatchd.config import ConfigError, Duration, parse_duration
+from gpuwatchd.sim.host import (
+    _NESTED as HOST_NESTED,
+)
 from gpuwatchd.sim.host import (
     HOST_DEFAULTS,
     HostHardware,
@@ -103,6 +109,21 @@ class LinkValues(Strict):
     width: int | None = Field(None, ge=1, le=32)
 
 
+PCIE_WIDTHS = (1, 2, 4, 8, 12, 16, 32)  # the link widths the PCIe spec defines
+
+
+class LinkCapability(Strict):
+    """A function's own maximum (its LnkCap: sysfs max_link_speed / max_link_width)."""
+
+    gen: int | None = Field(None, ge=1, le=6)
+    width: Literal[PCIE_WIDTHS] | None = None  # type: ignore[valid-type]
+
+
+# groups `pcie_max` can name besides single functions
+PCIE_GROUPS = ("gpus", "root_ports", "switch_ports")
+NVLINK_FABRICS = ("auto", "nvswitch", "direct", "bridge", "none")
+
+
 GpuSelector = Literal["all"] | list[int]
 
 
@@ -158,9 +179,29 @@ class Node(Strict):
     numa_nodes: int = Field(2, ge=1)
     cpus: int = Field(128, ge=1)
     dcgm: Literal["none", "3", "4"] = "4"  # DCGM installed (major version), or not at all
+    # NVML's library: present, absent (no driver installed, a container without the NVIDIA
+    # runtime), or present with the kernel driver not loaded
+    nvml: Literal["present", "no_library", "driver_not_loaded"] = "present"
     host: HostHardware = HostHardware()
     initial: GpuValues = GpuValues()
     initial_host: HostValues = HostValues()
+    # each PCI function's own maximum, by topology name (gpu3, rp1, sw0-up, sw0-dp1) or
+    # group (gpus, root_ports, switch_ports; a name beats its group); default: the model's
+    pcie_max: dict[str, LinkCapability] = {}
+    # what the GPUs' NVLinks connect to (docs/scenarios.md); auto: SXM models on
+    # NVSwitches (8+ GPUs) or to each other, PCIe models to nothing (no bridge)
+    nvlink: Literal[NVLINK_FABRICS] = "auto"  # type: ignore[valid-type]
+
+    def nvlink_fabric(self) -> str:
+        """nvswitch | direct | bridge | none, with auto resolved."""
+        model = self.model()
+        if model.nvlinks == 0:
+            return "none"
+        if self.nvlink != "auto":
+            return self.nvlink
+        if model.sxm:
+            return "nvswitch" if self.gpu_count >= 8 else "direct"
+        return "none"
 
     def model(self) -> GpuModel:
         if isinstance(self.gpu_model, GpuModel):
@@ -174,7 +215,138 @@ class Node(Strict):
                 f"gpu_model: unknown model {self.gpu_model!r} "
                 f"(built in: {', '.join(BUILTIN_MODELS)})"
             )
+        if self.pcie_max:
+            names = Topology(self).functions
+            for key in self.pcie_max:
+                if key not in names and key not in PCIE_GROUPS:
+                    raise ValueError(
+                        f"pcie_max.{key}: no such PCI function or group (functions: "
+                        f"{', '.join(names)}; groups: {', '.join(PCIE_GROUPS)})"
+                    )
         return self
+
+
+# GPU values that are counters (they must only rise): a ramp makes them rise, noise never
+COUNTERS = frozenset(
+    name for name in RAMPABLE if name.endswith("_total") or name == "pcie_replay_count"
+)
+_AMPLITUDE = re.compile(r"([0-9]+(?:\.[0-9]+)?)%")
+
+
+def _amplitude(where: str, value: float | str) -> tuple[float, bool]:
+    """A noise amplitude: a number in the value's unit, or "N%" of the value."""
+    if isinstance(value, str):
+        match = _AMPLITUDE.fullmatch(value.strip())
+        if match is None:
+            raise ValueError(f"{where}: an amplitude is a number or a percentage (\"5%\")")
+        return float(match.group(1)) / 100, True
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where}: an amplitude is a finite number >= 0")
+    return float(value), False
+
+
+def _bounds(field: Any) -> tuple[float, float, bool]:
+    """(low, high, low is exclusive) of a pydantic field's ge/gt/le constraints."""
+    low, high, exclusive = -math.inf, math.inf, False
+    for item in field.metadata:
+        if getattr(item, "ge", None) is not None:
+            low = float(item.ge)
+        if getattr(item, "gt", None) is not None:
+            low, exclusive = float(item.gt), True
+        if getattr(item, "le", None) is not None:
+            high = float(item.le)
+    return low, high, exclusive
+
+
+def _host_field(path: str) -> Any:
+    """The pydantic field a host path ends at (check_host_ramp has accepted it), or
+    None for a per-core percentage."""
+    parts = path.split(".")
+    if len(parts) == 2:
+        return None
+    if len(parts) == 3:
+        return HOST_NESTED[parts[0]].model_fields[parts[2]]
+    return HostValues.model_fields[parts[0]]
+
+
+class Noise(Strict):
+    """Jitter on any numeric value (docs/scenarios.md, "Noise"): deterministic for a seed,
+    uniform in [-amplitude, +amplitude], drawn afresh every `every` seconds (host values
+    every `host_every`)."""
+
+    seed: int = 0
+    every: Duration = 1.0
+    # the host's sources poll every 5 s (a draw per second would be averaged away, and
+    # would make every host writer rewrite its files each second)
+    host_every: Duration = 5.0
+    gpu: dict[str, float | str] = {}  # GPU value -> amplitude
+    host: dict[str, float | str] = {}  # dotted host path (as host_ramp) -> amplitude
+
+    @model_validator(mode="after")
+    def _valid(self) -> Noise:
+        for key, amplitude in self.gpu.items():
+            if key not in RAMPABLE:
+                raise ValueError(
+                    f"gpu.{key}: not a numeric GPU value ({', '.join(sorted(RAMPABLE))})"
+                )
+            if key in COUNTERS:
+                raise ValueError(f"gpu.{key}: a counter (it must only rise): ramp it instead")
+            _amplitude(f"gpu.{key}", amplitude)
+        for path, amplitude in self.host.items():
+            try:
+                check_host_ramp({path: (0.0, 0.0)})
+            except ValueError:
+                raise ValueError(f"host.{path}: not a numeric host value") from None
+            _amplitude(f"host.{path}", amplitude)
+        return self
+
+
+@dataclass(frozen=True)
+class _Jitter:
+    """One noisy value: its amplitude, its bounds, and a stable id for the draws."""
+
+    ident: int
+    amplitude: float
+    relative: bool
+    low: float
+    high: float
+    exclusive: bool  # low is a strict bound (gt): stay above it
+    integer: bool
+
+    @classmethod
+    def of(cls, name: str, amplitude: float | str, field: Any) -> _Jitter:
+        amp, relative = _amplitude(name, amplitude)
+        low, high, exclusive = (0.0, 100.0, False) if field is None else _bounds(field)
+        integer = field is not None and field.annotation == (int | None)
+        # crc32, not hash(): str hashes differ between Python processes
+        return cls(zlib.crc32(name.encode()), amp, relative, low, high, exclusive, integer)
+
+    def apply(self, value: Any, seed: int, index: int, slot: int) -> Any:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return value
+        spread = self.amplitude * (abs(value) if self.relative else 1.0)
+        if spread == 0:
+            return value
+        jittered = value + spread * _draw(seed, self.ident, index, slot)
+        low = self.low
+        if self.exclusive:  # e.g. a step time (gt 0): never reach the bound
+            low = value if value <= low else low + (value - low) / 2
+        jittered = min(self.high, max(low, jittered))
+        return round(jittered) if self.integer else jittered
+
+
+_MASK = (1 << 64) - 1
+
+
+def _draw(seed: int, ident: int, index: int, slot: int) -> float:
+    """A uniform draw in [-1, 1) fixed by its arguments: splitmix64's finaliser over their
+    mix (cheap, and the same in every process and on every platform)."""
+    z = (seed * 0x9E3779B97F4A7C15 + ident * 0xD1B54A32D192ED03 + index * 0x8CB92BA72F3D8DD7
+         + slot * 0xBF58476D1CE4E5B9) & _MASK  # fmt: skip
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    z ^= z >> 31
+    return (z >> 11) / (1 << 52) - 1.0
 
 
 class Expectation(Strict):
@@ -182,9 +354,19 @@ class Expectation(Strict):
 
     With `ends`, the fault ends then and the cause must have stopped firing by
     `resolved_by` (the scenario's end if left out) and not fire again.
+
+    Or, instead of a cause, a series the daemon exports (`metric`, with `labels` to pick
+    one of a family) that must be `above` and/or `below` a value on those GPUs, with the
+    same timing: what shows a fault no rule is for (a source down, a GPU's NVML call
+    blocked). A series without a `gpu` label (`gpuwatchd_source_up{source="nvml"}`) is
+    the same for every GPU.
     """
 
-    cause: str
+    cause: str = ""
+    metric: str = ""  # e.g. gpuwatchd_gpu_nvml_hung_seconds
+    labels: dict[str, str] = {}  # further labels of the series, e.g. {source: nvml}
+    above: float | None = None
+    below: float | None = None
     gpus: GpuSelector = "all"
     never: bool = False
     onset: Duration | Literal[0] = 0  # when the fault starts: firing earlier is wrong
@@ -192,8 +374,25 @@ class Expectation(Strict):
     ends: Duration | None = None  # when the fault ends
     resolved_by: Duration | None = None  # must have stopped firing by then, for good
 
+    @property
+    def what(self) -> str:
+        """The cause, or the metric's condition as the check shows it."""
+        if self.cause:
+            return self.cause
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(self.labels.items()))
+        bounds = [f"> {self.above:g}"] if self.above is not None else []
+        bounds += [f"< {self.below:g}"] if self.below is not None else []
+        name = f"{self.metric}{{{labels}}}" if labels else self.metric
+        return f"{name} {' and '.join(bounds)}"
+
     @model_validator(mode="after")
     def _resolution(self) -> Expectation:
+        if bool(self.cause) == bool(self.metric):
+            raise ValueError("cause or metric: exactly one of them")
+        if self.metric and self.above is None and self.below is None:
+            raise ValueError("metric: needs above and/or below (the value it must show)")
+        if self.cause and (self.labels or self.above is not None or self.below is not None):
+            raise ValueError("labels, above, below: only with metric")
         if self.ends is None:
             if self.resolved_by is not None:
                 raise ValueError("resolved_by: needs ends (when the fault ends)")
@@ -216,6 +415,7 @@ class Scenario(Strict):
     description: str = ""
     node: Node = Node()
     phases: list[Phase] = Field(min_length=1)
+    noise: Noise = Noise()
     expect: list[Expectation] = []
 
     @property
@@ -281,6 +481,23 @@ class Topology:
                 self._switched_gpu(i, numa, model)
             else:
                 self._direct_gpu(i, numa, model)
+        if node.pcie_max:
+            self._capabilities(node.pcie_max)
+
+    def _capabilities(self, caps: dict[str, LinkCapability]) -> None:
+        """Give functions the scenario's own maxima (`Node.pcie_max`)."""
+        gpus = set(self.gpu_names)
+        for name, fn in list(self.functions.items()):
+            group = (
+                "gpus" if name in gpus else "root_ports" if fn.parent is None else "switch_ports"
+            )
+            gen, width = fn.max_gen, fn.max_width
+            for key in (group, name):  # the function's own entry beats its group's
+                cap = caps.get(key)
+                if cap is not None:
+                    gen = cap.gen if cap.gen is not None else gen
+                    width = cap.width if cap.width is not None else width
+            self.functions[name] = replace(fn, max_gen=gen, max_width=width)
 
     def _add(self, fn: PciFunction) -> None:
         self.functions.setdefault(fn.name, fn)
@@ -372,6 +589,16 @@ class _CompiledPhase:
         return bool(self.host_ramp) or gpus and any(ramp for _, _, ramp in self.changes)
 
 
+def get_path(values: dict[str, Any], path: str) -> Any:
+    """The value at a dotted host path (set_path's keys), None where there is none."""
+    found: Any = values
+    for part in path.split("."):
+        if not isinstance(found, dict):
+            return None
+        found = found.get(int(part) if part.isdigit() else part)
+    return found
+
+
 class Timeline:
     """Values of every GPU and bridge at virtual time t (seconds since scenario start)."""
 
@@ -379,6 +606,8 @@ class Timeline:
         self.scenario = scenario
         self.loop = loop
         self.topology = Topology(scenario.node)
+        self.nvlink_fabric = scenario.node.nvlink_fabric()
+        self.nvlinks_wired = nvlinks_wired(scenario.node)
         self._starts: list[float] = []
         t = 0.0
         for phase in scenario.phases:
@@ -410,6 +639,17 @@ class Timeline:
         ]
         self._host_cache: tuple[float, dict[str, Any]] | None = None
         self._cache: tuple[float, list[dict[str, Any]], dict[str, dict[str, int]]] | None = None
+        noise = scenario.noise
+        self._seed, self._every = noise.seed, float(noise.every)
+        self._host_every = float(noise.host_every)
+        self._gpu_noise = {
+            key: _Jitter.of(f"gpu.{key}", amp, GpuValues.model_fields[key])
+            for key, amp in noise.gpu.items()
+        }
+        self._host_noise = {
+            path: _Jitter.of(f"host.{path}", amp, _host_field(path))
+            for path, amp in noise.host.items()
+        }
 
     def phases(self) -> list[tuple[float, Phase]]:
         """(start, phase) in timeline order."""
@@ -445,13 +685,29 @@ class Timeline:
         if self._cache is not None and self._cache[0] == t:
             return self._cache[1], self._cache[2]
         gpus, bridges = self._compute(t)
+        if self._gpu_noise:
+            slot = self._slot(t)
+            for i, values in enumerate(gpus):
+                for key, jitter in self._gpu_noise.items():
+                    if key in values:
+                        values[key] = jitter.apply(values[key], self._seed, i, slot)
         self._cache = (t, gpus, bridges)
         return gpus, bridges
+
+    def _slot(self, t: float) -> int:
+        """Which draw of the GPU noise holds at (local) time t."""
+        return int(t // self._every)
+
+    def _host_slot(self, t: float) -> int:
+        return int(t // self._host_every)
 
     def integral(self, key: str, t0: float, t1: float) -> list[float]:
         """Per GPU, the integral of a rate (`pcie_tx_mb_s`, ...) over [t0, t1]: exact, as
         values are linear within a phase (a ramp) and the midpoint rule is exact there."""
-        cuts = [t0, *self._boundaries(t0, t1), t1]
+        edges = self._boundaries(t0, t1)
+        if key in self._gpu_noise:  # the noise is constant between its draws
+            edges = sorted({*edges, *self._noise_edges(t0, t1)})
+        cuts = [t0, *edges, t1]
         totals = [0.0] * self.scenario.node.gpu_count
         for a, b in zip(cuts, cuts[1:], strict=False):
             if b > a:
@@ -463,12 +719,34 @@ class Timeline:
         """Every GPU's `key` at t, kept per phase where no change ramps it (then it is the
         same all through the phase)."""
         index = bisect_right(self._starts, t) - 1
+        kept: list[Any] | None
         if index < 0 or any(key in ramp for _, _, ramp in self._compiled[index][1].changes):
-            return [values[key] for values in self._compute(t)[0]]
-        kept = self._phase_values.get((index, key))
-        if kept is None:
-            kept = self._phase_values[(index, key)] = [v[key] for v in self._compute(t)[0]]
-        return kept
+            kept = [values[key] for values in self._compute(t)[0]]
+        else:
+            kept = self._phase_values.get((index, key))
+            if kept is None:
+                kept = self._phase_values[(index, key)] = [v[key] for v in self._compute(t)[0]]
+        jitter = self._gpu_noise.get(key)
+        if jitter is None:
+            return kept
+        slot = self._slot(t)  # on a copy: the kept values are the phase's, noise-free
+        return [jitter.apply(value, self._seed, i, slot) for i, value in enumerate(kept)]
+
+    def _noise_edges(self, t0: float, t1: float) -> list[float]:
+        """Times in (t0, t1) where the noise draws afresh (each loop's, in unlooped time)."""
+        every = self._every
+        if not (self.loop and self.duration > 0):
+            first = math.floor(t0 / every) + 1
+            return [k * every for k in range(first, math.ceil(t1 / every)) if t0 < k * every < t1]
+        period = self.duration
+        edges = []
+        for cycle in range(int(t0 // period), int(t1 // period) + 1):
+            offset = cycle * period
+            lo, hi = max(t0 - offset, 0.0), min(t1 - offset, period)
+            for k in range(math.floor(lo / every) + 1, math.ceil(hi / every)):
+                if t0 < offset + k * every < t1:
+                    edges.append(offset + k * every)
+        return edges
 
     def constant(self, t0: float, t1: float, gpus: bool = True) -> bool:
         """True if every value is the same at all times in [t0, t1]: no phase starts or
@@ -484,6 +762,10 @@ class Timeline:
                 return False
         edges = [*self._starts, self.duration]
         if any(t0 < e <= t1 for e in edges):
+            return False
+        if self._host_noise and self._host_slot(t0) != self._host_slot(t1):
+            return False  # the noise drew afresh
+        if gpus and self._gpu_noise and self._slot(t0) != self._slot(t1):
             return False
         for start, phase in self._compiled:
             if start < t1 and t0 < start + phase.duration and phase.ramps(gpus):
@@ -532,6 +814,12 @@ class Timeline:
             progress = min(1.0, (t - start) / phase.duration)
             for path, (a, b) in phase.host_ramp.items():
                 set_path(host, path, a + (b - a) * progress)
+        if self._host_noise:
+            slot = self._host_slot(t)
+            for path, jitter in self._host_noise.items():
+                value = get_path(host, path)
+                if value is not None:  # a value the scenario leaves to a writer's default
+                    set_path(host, path, jitter.apply(value, self._seed, 0, slot))
         self._host_cache = (t, host)
         return host
 
@@ -550,6 +838,20 @@ class Timeline:
                 if t0 < at <= t1:
                     events.extend(XidEvent(at, i, xid) for i in gpus)
         return events
+
+
+def nvlinks_wired(node: Node) -> list[frozenset[int]]:
+    """Per GPU, the NVLinks the board connects (the others are never active): all of
+    them on NVSwitch and direct boards, the bridge's (`GpuModel.nvlink_bridge_links`)
+    for GPUs paired by a bridge (0-1, 2-3, ...; an odd last GPU has none), none without."""
+    model, fabric = node.model(), node.nvlink_fabric()
+    every = frozenset(range(model.nvlinks))
+    if fabric in ("nvswitch", "direct"):
+        return [every] * node.gpu_count
+    if fabric == "bridge":
+        bridged = frozenset(model.nvlink_bridge_links) if model.nvlink_bridge_links else every
+        return [bridged if (i ^ 1) < node.gpu_count else frozenset() for i in range(node.gpu_count)]
+    return [frozenset()] * node.gpu_count
 
 
 SCENARIO_PACKAGE = "gpuwatchd.sim.scenarios"
@@ -602,6 +904,7 @@ __all__ = [
     "Timeline",
     "Topology",
     "XidEvent",
+    "nvlinks_wired",
     "builtin_scenarios",
     "load_scenario",
     "parse_duration",

@@ -11,6 +11,9 @@ previous poll (no clock needed: the ticks are the time base):
   so a core at 50 % user + 50 % steal is as saturated as one at 100 % user.
 * node iowait and steal ratios from the `cpu` line; the busiest core's ratio; how many
   cores are over `saturated_threshold` (0.9) -- "one core at 100 %, the rest idle".
+* interrupt ratio of a core = (irq + softirq) / total: what hard and soft interrupt
+  handlers cost it (an IRQ storm lands on the few CPUs its vectors are bound to, so a
+  node-wide share hides it); per core and the largest.
 
 A column that went backwards counts as 0 (idle and iowait are known to step back a
 little on NO_HZ kernels); a core that appears or disappears (CPU hot-plug) gives no
@@ -46,7 +49,7 @@ from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_fil
 log = logging.getLogger(__name__)
 
 STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-IDLE, IOWAIT, STEAL = 3, 4, 7
+IDLE, IOWAIT, IRQ, SOFTIRQ, STEAL = 3, 4, 5, 6, 7
 PRESSURE_RESOURCES = ("cpu", "io", "memory", "irq")
 PSI_WINDOWS = (("avg10", "10s"), ("avg60", "60s"), ("avg300", "300s"))
 _MAX_DIGITS = 20  # a u64 has 20 digits; longer is garbage
@@ -170,6 +173,14 @@ def busy_ratio(now: tuple[int, ...], before: tuple[int, ...]) -> tuple[float, fl
     return busy / total, deltas[IOWAIT] / total, deltas[STEAL] / total
 
 
+def interrupt_ratio(now: tuple[int, ...], before: tuple[int, ...]) -> float | None:
+    """Share of a cpu line's time in hard (irq) and soft (softirq) interrupt handlers
+    between two readings: what interrupts cost that CPU; None if no time passed."""
+    deltas = [max(0, a - b) for a, b in zip(now, before, strict=True)]
+    total = sum(deltas)
+    return (deltas[IRQ] + deltas[SOFTIRQ]) / total if total > 0 else None
+
+
 # -- the source -----------------------------------------------------------------------------
 
 
@@ -190,6 +201,17 @@ class CpuSource(Source):
             "Cores busier than the saturation threshold (default 0.9) over the last interval.",
         ),
         gauge("cpu_cores", "Online CPUs (cpuN lines in /proc/stat)."),
+        gauge(
+            "cpu_interrupt_ratio",
+            "Share of the last interval the core spent in hard and soft interrupt handlers "
+            "(/proc/stat irq + softirq).",
+            ("cpu",),
+        ),
+        gauge(
+            "cpu_interrupt_ratio_max",
+            "Interrupt (irq + softirq) share of the core that spent the most time in "
+            "interrupt handlers over the last interval.",
+        ),
         gauge("cpu_iowait_ratio", "Share of the node's CPU time in iowait over the last interval."),
         gauge("cpu_steal_ratio", "Share of the node's CPU time stolen by the hypervisor."),
         gauge(
@@ -256,6 +278,7 @@ class CpuSource(Source):
         per_core = self.cfg.per_core
         threshold = self.cfg.saturated_threshold
         busiest: float | None = None
+        most_irq: float | None = None
         saturated = 0
         before = prev.cpus
         for cpu, times in stat.cpus.items():
@@ -266,8 +289,13 @@ class CpuSource(Source):
             if ratios is None:
                 continue
             busy = ratios[0]
+            irq = interrupt_ratio(times, old)
             if per_core:
                 samples.append(Sample("gpuwatchd_cpu_busy_ratio", (str(cpu),), busy))
+                if irq is not None:
+                    samples.append(Sample("gpuwatchd_cpu_interrupt_ratio", (str(cpu),), irq))
+            if irq is not None and (most_irq is None or irq > most_irq):
+                most_irq = irq
             if busiest is None or busy > busiest:
                 busiest = busy
             if busy > threshold:
@@ -275,6 +303,8 @@ class CpuSource(Source):
         if busiest is not None:
             samples.append(Sample("gpuwatchd_cpu_busy_ratio_max", (), busiest))
             samples.append(Sample("gpuwatchd_cpu_cores_saturated", (), float(saturated)))
+        if most_irq is not None:
+            samples.append(Sample("gpuwatchd_cpu_interrupt_ratio_max", (), most_irq))
         return samples
 
     def _pressure_samples(self) -> list[Sample]:
@@ -323,6 +353,7 @@ __all__ = [
     "Pressure",
     "StatReading",
     "busy_ratio",
+    "interrupt_ratio",
     "parse_meminfo",
     "parse_pressure",
     "parse_stat",

@@ -225,6 +225,36 @@ def iostat(
     )
 
 
+def whole_disks(sysfs: str, major: int, minor: int, depth: int = 0) -> tuple[str, ...]:
+    """The whole disks block device MAJ:MIN lives on, by `<sysfs>/dev/block/MAJ:MIN`.
+
+    A partition (its directory has a `partition` file) is on its parent disk; a stacked
+    device (md RAID, dm/LVM) is on the disks of its `slaves`, because the disks are what
+    saturates (md's own diskstats line has no busy time). () when no such block device
+    exists (a filesystem on an anonymous device: NFS, tmpfs, overlay). Only sysfs links
+    and directory listings are read.
+    """
+    return _whole(os.path.join(sysfs, "dev", "block", f"{major}:{minor}"), depth)
+
+
+def _whole(link: str, depth: int) -> tuple[str, ...]:
+    path = os.path.realpath(link)
+    if not os.path.isdir(path):
+        return ()
+    if os.path.exists(os.path.join(path, "partition")):
+        path = os.path.dirname(path)
+    try:
+        slaves = sorted(os.listdir(os.path.join(path, "slaves")))
+    except OSError:
+        slaves = []
+    if slaves and depth < 4:
+        disks: set[str] = set()
+        for slave in slaves[:64]:
+            disks.update(_whole(os.path.join(path, "slaves", slave), depth + 1))
+        return tuple(sorted(disks))
+    return (os.path.basename(path).replace("!", "/"),)
+
+
 # metric name (without prefix) -> IostatRates attribute
 _RATE_METRICS = (
     ("disk_reads_per_second", "reads_per_second", "Reads completed per second (iostat r/s)."),
@@ -399,4 +429,5 @@ __all__ = [
     "iostat",
     "is_partition_name",
     "parse_diskstats",
+    "whole_disks",
 ]

@@ -44,6 +44,15 @@ label (LOC, NMI) for summary rows; an excluded row counts nowhere.
     gpuwatchd_cpu_interrupts_per_second{cpu,class}    device classes only, and only for
                                                       (CPU, class) pairs at or over
                                                       `cpu_floor` (100/s)
+    gpuwatchd_interrupt_cpu_max_per_second{class}     interrupts/s of a device class on
+                                                      the CPU it hits hardest
+
+A storm starves a job where it lands, not by its total: sixteen vectors at 12 000/s
+spread one per CPU cost each CPU little, one vector at 45 000/s on the CPU that feeds
+the GPU costs that CPU a large share. `interrupt_cpu_max_per_second` says how
+concentrated a class's interrupts are; the time they cost each CPU is /proc/stat's
+irq + softirq (`cpu` source), and the job's CPUs' share of it the `processes` source's
+`gpu_process_cpu_interrupt_ratio`.
 
 A row's rate is the sum over its CPUs. The per-CPU series are bounded three ways: only
 device classes (a CPU's timer ticks are not news), only pairs at or over `cpu_floor`
@@ -379,6 +388,11 @@ class InterruptsSource(Source):
             ("class",),
         ),
         gauge(
+            "interrupt_cpu_max_per_second",
+            "Interrupts per second of the device class on the one CPU it hits hardest.",
+            ("class",),
+        ),
+        gauge(
             "cpu_interrupts_per_second",
             "Interrupts per second of a device class on one CPU; only CPU/class pairs at "
             "or over the configured floor (default 100/s).",
@@ -514,6 +528,14 @@ class InterruptsSource(Source):
         samples += [
             Sample("gpuwatchd_interrupt_storm_lines", (cls,), float(count))
             for cls, count in rates.storm_lines.items()
+        ]
+        hardest = dict.fromkeys(DEVICE_CLASSES, 0.0)
+        for (_, cls), rate in rates.per_cpu.items():
+            if rate > hardest[cls]:
+                hardest[cls] = rate
+        samples += [
+            Sample("gpuwatchd_interrupt_cpu_max_per_second", (cls,), value)
+            for cls, value in hardest.items()
         ]
         floor = self.cfg.cpu_floor
         keep_floor = floor / 2

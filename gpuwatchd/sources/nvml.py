@@ -16,7 +16,8 @@ driver. Per GPU and poll:
 - slow facts (`SLOW`: temperature, memory clock, PCIe link generation and width,
   persistence mode, power limit, the graphics processes) every `SLOW_EVERY` polls, kept
   in between;
-- static facts (identity, NVLink count, maximum clocks and link) once;
+- static facts (identity, NVLink count, maximum clocks and link) once, and once per
+  GPU what its first active NVLink reaches (nvmlDeviceGetNvLinkRemoteDeviceType);
 - one event wait that drains pending Xid events without blocking.
 nvmlDeviceGetPcieThroughput is never called: it blocks ~20 ms per call to sample a
 counter. Where the driver lacks the byte counters (before R555) the PCIe rates are left
@@ -31,10 +32,28 @@ Errors, per GPU and per call (or field):
 - NOT_SUPPORTED / FUNCTION_NOT_FOUND: the series is dropped for that GPU and the call
   is never made again on it (logged once). A read with an older alternative (clock
   event reasons -> throttle reasons) falls back to it on FUNCTION_NOT_FOUND instead.
-- GPU_IS_LOST: this poll reports only `gpu_lost 1` for that GPU; other GPUs go on.
+- GPU_IS_LOST: this poll reports only `gpu_lost 1`, `gpu_info` and the Xid counters
+  for that GPU (the Xid 79 drained as it fell off is what explains the loss); other
+  GPUs go on.
 - anything else: that series is missing from this poll only.
-A call that blocks (a GPU gone bad inside the driver) blocks the poll: the scheduler
-reports the source down after its timeout and never starts a second call beside it.
+A call that blocks (a GPU gone bad inside the driver) cannot be interrupted, so the
+calls are made by a reader thread that the poll waits for at most half the source's
+timeout. A GPU whose call has not returned by then is reported with its identity, its
+Xids and `gpu_nvml_hung_seconds` (how long it has blocked), not its readings; GPUs the
+reader had not reached yet keep their last values with `gpu_nvml_stale 1`. The blocked
+reader is retired (it ends when its call returns) and a new one makes the next polls'
+calls, leaving the hung GPU alone while its call is in flight: the other GPUs are read
+as before (where the driver lets them; one that blocks too is left alone in turn, so at
+most one thread per GPU is ever stuck). Every other read is made once per poll as
+listed above: no call is added.
+
+An NVLink is expected up (`gpu_nvlink_expected`) once it has been seen active since
+the daemon started, or when the board wires every link: a GPU whose active link reaches
+an NVSwitch (HGX/DGX baseboards connect all links of all GPUs to the switches; then so
+is every GPU of the node with as many links), or when the config's `expected_nvlinks`
+names it. A link never seen active is not otherwise: PCIe boards without an NVLink
+bridge report every link inactive, and bridged H100 PCIe cards 6 of their 18 by design.
+A link down before the daemon starts is thus known on an NVSwitch board or by config.
 
 NVML's event data carries no time, so an Xid is stamped when it is drained, with
 `context.extras["now"]` (a wall-clock callable; default time.time) so that a replay in
@@ -45,14 +64,17 @@ virtual time stamps it in scenario time. `gpu_info`'s pci_bus_id is in the sysfs
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.config import SourceConfig
+from gpuwatchd.config import NvmlConfig, SourceConfig
 from gpuwatchd.metrics import GPU_LABELS, MetricSpec, Sample, counter, gauge
+from gpuwatchd.scheduler import name_os_thread
 from gpuwatchd.sources import register
 from gpuwatchd.sources.base import Context, Source, SourceError
 from gpuwatchd.sources.nvmlapi import (
@@ -114,12 +136,28 @@ ECC_ERRORS = counter(
 PERSISTENCE = _gpu_gauge("gpu_persistence_mode", "1 if persistence mode is on.")
 ECC_MODE = _gpu_gauge("gpu_ecc_mode", "1 if ECC is currently enabled.")
 NVLINK = _gpu_gauge("gpu_nvlink_active", "1 if this NVLink is active.", ("link",))
+NVLINK_EXPECTED = _gpu_gauge(
+    "gpu_nvlink_expected",
+    "1 if this NVLink should be active: seen active since the daemon started, or wired by"
+    " an NVSwitch board.",
+    ("link",),
+)
 PROCESSES = _gpu_gauge("gpu_compute_processes", "Compute processes running on the GPU.")
 PROCESS_MEMORY = _gpu_gauge(
     "gpu_process_memory_used_bytes", "Device memory used by one process.", ("pid",)
 )
 XID = counter("gpu_xid_errors_total", "Xid errors reported by the driver.", GPU_LABELS + ("xid",))
 LAST_XID = _gpu_gauge("gpu_last_xid_timestamp_seconds", "When the last Xid error was seen.")
+HUNG = _gpu_gauge(
+    "gpu_nvml_hung_seconds",
+    "How long an NVML call on this GPU has been blocked (0: none); its readings are left "
+    "out meanwhile.",
+)
+STALE = _gpu_gauge(
+    "gpu_nvml_stale",
+    "1 if this poll could not read the GPU (held up by a call on another GPU): its values "
+    "are the last read.",
+)
 CUDA_VERSION = gauge("cuda_driver_version", "CUDA version the driver supports, e.g. 12.4.")
 DEVICES = gauge("nvml_devices", "GPUs NVML reports on this node.")
 
@@ -171,7 +209,76 @@ class _Gpu:
         self.lists: dict[str, dict[int, float]] = {}  # process lists, by kind
         self.events = "pending"  # pending | registered | unsupported
         self.xids: dict[int, int] = {}
+        self.nvlinks = 0  # how many NVLinks the driver reports
+        self.nvlink_seen: set[int] = set()  # links seen active since the daemon started
+        self.nvlink_remote: int | None = None  # what the first active link reaches, asked once
         self.last_xid: float | None = None
+        # a reader thread holds it while it calls NVML on this GPU: a reader given up on
+        # (blocked in a call) keeps it, and the next readers leave the GPU alone
+        self.lock = threading.Lock()
+        self.busy_since: float | None = None  # when the reader holding it took it
+        self.hung = False  # reported hung (logged once)
+        self.last: list[Sample] = []  # the samples of its last read, for a poll without it
+        self.last_lists: dict[str, dict[int, float]] | None = None
+
+
+class _Poll:
+    """One poll's reads, made by the reader thread: the samples of each GPU it read."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.read: dict[int, list[Sample]] = {}
+        self.closed = False  # the poll stopped waiting: the reader stops at the next GPU
+        self.error: BaseException | None = None
+
+
+class _Reader:
+    """The thread that makes the polls' NVML calls, one poll at a time. A call into a
+    GPU wedged in the driver blocks and cannot be interrupted: the poll waits for it a
+    bounded time, goes on without that GPU and retires this reader, which ends once its
+    call returns; a new reader makes the next polls' calls."""
+
+    _ids = itertools.count()
+
+    def __init__(self, work: Callable[[_Poll], None]) -> None:
+        self._work = work
+        self._go = threading.Event()
+        self.done = threading.Event()
+        self.poll = _Poll()
+        self.retired = False
+        self.thread = threading.Thread(
+            target=self._run, name=f"nvml-reader-{next(self._ids)}", daemon=True
+        )
+        self.thread.start()
+
+    def submit(self, poll: _Poll) -> None:
+        self.poll = poll
+        self.done.clear()
+        self._go.set()
+
+    def retire(self) -> None:
+        self.retired = True
+        self._go.set()
+
+    def _run(self) -> None:
+        name_os_thread("nvml-reader")  # its CPU shows as the daemon's (top -H, benchmarks)
+        while True:
+            self._go.wait()
+            self._go.clear()
+            if self.retired:
+                return
+            poll = self.poll
+            try:
+                self._work(poll)
+            except BaseException as e:  # handed to the poll, raised there
+                poll.error = e
+            self.done.set()
+            if self.retired:
+                return
+
+
+def _wait(done: threading.Event, thread: threading.Thread, timeout: float) -> bool:
+    return done.wait(timeout)
 
 
 def _emit_utilization(gpu: _Gpu, value: Any, out: list[Sample]) -> None:
@@ -370,10 +477,13 @@ class NvmlSource(Source):
         PERSISTENCE,
         ECC_MODE,
         NVLINK,
+        NVLINK_EXPECTED,
         PROCESSES,
         PROCESS_MEMORY,
         XID,
         LAST_XID,
+        HUNG,
+        STALE,
         CUDA_VERSION,
         DEVICES,
     )
@@ -383,6 +493,14 @@ class NvmlSource(Source):
         self._now: Callable[[], float] = context.extras.get("now", time.time)
         self._clock: Callable[[], float] = context.extras.get("clock", time.monotonic)
         self._table = process_table(context)
+        # how the poll waits for its reader: done.wait in real time; the simulator's
+        # (virtual time) returns as soon as the reader blocks in a hung call
+        self._wait_reader: Callable[[threading.Event, threading.Thread, float], bool] = (
+            context.extras.get("nvml_wait", _wait)
+        )
+        self._patience = config.timeout / 2  # returned before the scheduler's timeout
+        self._reader: _Reader | None = None
+        self._events_lock = threading.Lock()
         self._nv: Any = None  # the binding, once NVML is initialised
         self._gpus: list[_Gpu] = []
         self._globals: list[Sample] = []
@@ -396,6 +514,7 @@ class NvmlSource(Source):
         self._calls: dict[str, list[tuple[str, Any, tuple[Any, ...]]]] = {}
         self._fields: list[tuple[int, Field]] = []
         self._nvlink: tuple[int, int] = (0, 0)  # (state field id, count field id); 0: none
+        self._nvswitch_links: set[int] = set()  # link counts of GPUs found on NVSwitches
         self._reasons: list[tuple[str, int]] = []
         self._direct: Direct | None = None
         self._xid_type = 0
@@ -452,6 +571,9 @@ class NvmlSource(Source):
         self._wait = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.retire()
+            self._reader = None
         nv, self._nv = self._nv, None
         if nv is None:
             return
@@ -489,22 +611,112 @@ class NvmlSource(Source):
     # -- polling ----------------------------------------------------------------------
 
     def collect(self) -> list[Sample]:
+        """The reader thread reads every GPU it can; what it has not read within
+        `_patience` (a call blocked on a GPU) is reported without waiting longer."""
         if self._nv is None:
             self._start()
+        poll, reader = _Poll(), self._reader
+        if reader is None:
+            reader = self._reader = _Reader(self._read_gpus)
+        reader.submit(poll)
+        if not self._wait_reader(reader.done, reader.thread, self._patience):
+            with poll.lock:
+                poll.closed = True
+            reader.retire()
+            self._reader = None
+        elif poll.error is not None:
+            raise poll.error
+        with poll.lock:
+            read = dict(poll.read)
         out = list(self._globals)
-        for gpu in self._gpus:
-            if gpu.handle is None:
-                self._identify(gpu)
-            if gpu.handle is not None and gpu.events == "pending":
-                self._register_events(gpu)
-        self._drain_events()
         listed = []
+        now = self._clock()
         for gpu in self._gpus:
-            self._collect_gpu(gpu, out)
-            lists = None if gpu.lost else dict(gpu.lists)
+            samples, since = read.get(gpu.index), gpu.busy_since
+            lists: dict[str, dict[int, float]] | None = None
+            if samples is None and since is not None:  # inside a call that has not returned
+                self._hung(gpu, now - since, out)
+            else:  # read, or else not reached this poll (held up behind a GPU that blocked)
+                out.extend(gpu.last if samples is None else samples)
+                if gpu.info is not None:
+                    out.append(Sample(STALE.name, gpu.labels, float(samples is None)))
+                    out.append(Sample(HUNG.name, gpu.labels, 0.0))
+                lists = gpu.last_lists
             listed.append(ListedGpu(gpu.index, gpu.labels, gpu.bus_id, lists))
-        self._table.publish(self._clock(), listed)
+        self._table.publish(now, listed)
         return out
+
+    def _hung(self, gpu: _Gpu, seconds: float, out: list[Sample]) -> None:
+        """A GPU whose call blocks: what it is and its Xids, no readings (unknown now)."""
+        if not gpu.hung:
+            gpu.hung = True
+            log.warning(
+                "nvml: GPU %d: an NVML call on it has not returned for %.1fs; the other "
+                "GPUs are read without it",
+                gpu.index,
+                seconds,
+            )
+        if gpu.info is not None:
+            out.append(gpu.info)
+        for xid, count in gpu.xids.items():
+            out.append(Sample(XID.name, gpu.labels + (str(xid),), float(count)))
+        if gpu.last_xid is not None:
+            out.append(Sample(LAST_XID.name, gpu.labels, gpu.last_xid))
+        out.append(Sample(HUNG.name, gpu.labels, seconds))
+
+    def _read_gpus(self, poll: _Poll) -> None:
+        """The reader's work for one poll: identities and event registrations, the Xid
+        events, then each GPU's reads. A GPU is taken (its lock) for each step; one held
+        by a reader given up on is left alone. Stops at the next GPU once the poll has
+        stopped waiting for it."""
+        for gpu in self._gpus:
+            if gpu.handle is not None and gpu.events != "pending":
+                continue
+            if not self._take(gpu, poll):
+                if poll.closed:
+                    return
+                continue
+            try:
+                if gpu.handle is None:
+                    self._identify(gpu)
+                if gpu.handle is not None and gpu.events == "pending":
+                    self._register_events(gpu)
+            finally:
+                self._give(gpu)
+        if self._events_lock.acquire(blocking=False):  # not while a drain is stuck
+            try:
+                self._drain_events()
+            finally:
+                self._events_lock.release()
+        for gpu in self._gpus:
+            if not self._take(gpu, poll):
+                if poll.closed:
+                    return
+                continue
+            mine: list[Sample] = []
+            try:
+                self._collect_gpu(gpu, mine)
+                if gpu.hung:
+                    log.info("nvml: GPU %d: NVML calls return again", gpu.index)
+                    gpu.hung = False
+                gpu.last = mine
+                gpu.last_lists = None if gpu.lost else dict(gpu.lists)
+            finally:
+                self._give(gpu)
+            with poll.lock:
+                if poll.closed:
+                    return
+                poll.read[gpu.index] = mine
+
+    def _take(self, gpu: _Gpu, poll: _Poll) -> bool:
+        if poll.closed or not gpu.lock.acquire(blocking=False):
+            return False
+        gpu.busy_since = self._clock()
+        return True
+
+    def _give(self, gpu: _Gpu) -> None:
+        gpu.busy_since = None
+        gpu.lock.release()
 
     def _identify(self, gpu: _Gpu) -> None:
         """Handle and identity, read once; retried each poll until they can be read."""
@@ -535,7 +747,7 @@ class NvmlSource(Source):
         """This GPU's field-values request: FIELDS and, per NVLink, its state."""
         entries = [_Entry(fid, 0, f, gpu.labels + f.extra, f.constant) for fid, f in self._fields]
         state, count = self._nvlink
-        links = self._links(gpu, count) if count else 0
+        links = gpu.nvlinks = self._links(gpu, count) if count else 0
         for link in range(links):
             labels = gpu.labels + (str(link),)
             entries.append(
@@ -607,16 +819,21 @@ class NvmlSource(Source):
                 log.warning("nvml: GPU %d (%s): lost (GPU_IS_LOST)", gpu.index, gpu.labels[1])
             gpu.lost = True
             gpu.counters.clear()
-            out.append(Sample(LOST.name, gpu.labels, 1.0))
+            # identity and Xids stay: the Xid (79) raised as it fell off explains the loss
+            self._identity(gpu, 1.0, out)
             return
         gpu.polls += 1
         if gpu.lost:
             log.info("nvml: GPU %d: answering again", gpu.index)
             gpu.lost = False
+        self._identity(gpu, 0.0, out)
+        out.extend(mine)
+
+    def _identity(self, gpu: _Gpu, lost: float, out: list[Sample]) -> None:
+        """gpu_info, gpu_lost and the Xids drained for it: what a lost GPU still shows."""
         assert gpu.info is not None
         out.append(gpu.info)
-        out.append(Sample(LOST.name, gpu.labels, 0.0))
-        out.extend(mine)
+        out.append(Sample(LOST.name, gpu.labels, lost))
         for xid, count in gpu.xids.items():
             out.append(Sample(XID.name, gpu.labels + (str(xid),), float(count)))
         if gpu.last_xid is not None:
@@ -687,6 +904,8 @@ class NvmlSource(Source):
                     self._rate(gpu, entry, int(number), stamp, out)
                 else:
                     out.append(Sample(entry.field.metric, entry.labels, number * entry.field.scale))
+                    if entry.field is NVLINK_STATE:
+                        self._nvlink_expected(gpu, entry, bool(number), out)
             elif code == nv.NVML_ERROR_GPU_IS_LOST:
                 raise _GpuLost
             elif code in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
@@ -695,6 +914,41 @@ class NvmlSource(Source):
                 self._log_once(entry.what, f"field {entry.what} ({entry.field.metric})", gpu, why)
         if unsupported:
             self._unsupported(gpu, unsupported)
+
+    def _nvlink_expected(self, gpu: _Gpu, entry: _Entry, active: bool, out: list[Sample]) -> None:
+        """Whether this link should be up (see the module's docstring): no call per poll,
+        one nvmlDeviceGetNvLinkRemoteDeviceType per GPU at its first active link."""
+        link = entry.scope
+        if active:
+            gpu.nvlink_seen.add(link)
+            if gpu.nvlink_remote is None:
+                gpu.nvlink_remote = self._remote_type(gpu, link)
+                if gpu.nvlink_remote == getattr(self._nv, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2):
+                    self._nvswitch_links.add(gpu.nvlinks)
+        configured = self.config.expected_nvlinks if isinstance(self.config, NvmlConfig) else ()
+        expected = (
+            active
+            or link in gpu.nvlink_seen
+            or gpu.nvlinks in self._nvswitch_links
+            or configured == "all"
+            or link in configured
+        )
+        out.append(Sample(NVLINK_EXPECTED.name, entry.labels, 1.0 if expected else 0.0))
+
+    def _remote_type(self, gpu: _Gpu, link: int) -> int:
+        """What an active link reaches (NVML_NVLINK_DEVICE_TYPE_*); UNKNOWN (0xFF) if the
+        driver or binding cannot tell (it is not asked again)."""
+        nv = self._nv
+        function = getattr(nv, "nvmlDeviceGetNvLinkRemoteDeviceType", None)
+        if function is None:
+            return 0xFF
+        try:
+            return int(function(gpu.handle, link))
+        except nv.NVMLError as e:
+            if e.value == nv.NVML_ERROR_GPU_IS_LOST:
+                raise _GpuLost from e
+            log.debug("nvml: GPU %d: NVLink %d remote type: %s", gpu.index, link, self._describe(e))
+            return 0xFF
 
     def _unsupported(self, gpu: _Gpu, indices: set[int]) -> None:
         """Drop these entries from the GPU's batch; their fallbacks are read from now on."""

@@ -127,7 +127,8 @@ class Direct:
         pid, memory = self._info.pid.offset, self._info.usedGpuMemory.offset
         self._pid, self._memory = struct.Struct("<I"), struct.Struct("<Q")
         self._at = (pid, memory, ctypes.sizeof(self._info))
-        self._buffer = (self._info * 16)()
+        # per thread: a reader given up on (blocked in a call) may still write into its own
+        self._buffers = threading.local()
         self._unknown = int(nv.NVML_VALUE_NOT_AVAILABLE_ulonglong.value)
 
     def request(self, ids: list[tuple[int, int]]) -> Any:
@@ -162,15 +163,19 @@ class Direct:
         def direct(handle: Any) -> dict[int, float]:
             assert self._pointer is not None
             call = self._pointer(name)
-            count = ctypes.c_uint(len(self._buffer))
-            code = call(handle, ctypes.byref(count), self._buffer)
+            buffers = self._buffers
+            buffer = getattr(buffers, "buffer", None)
+            if buffer is None:
+                buffer = buffers.buffer = (self._info * 16)()
+            count = ctypes.c_uint(len(buffer))
+            code = call(handle, ctypes.byref(count), buffer)
             while code == nv.NVML_ERROR_INSUFFICIENT_SIZE:  # more processes than room
-                self._buffer = (self._info * (count.value * 2 + 5))()
-                count = ctypes.c_uint(len(self._buffer))
-                code = call(handle, ctypes.byref(count), self._buffer)
+                buffer = buffers.buffer = (self._info * (count.value * 2 + 5))()
+                count = ctypes.c_uint(len(buffer))
+                code = call(handle, ctypes.byref(count), buffer)
             if code != nv.NVML_SUCCESS:
                 raise nv.NVMLError(code)
-            memory = memoryview(self._buffer).cast("B")
+            memory = memoryview(buffer).cast("B")
             pid_at, memory_at, size = self._at
             used: dict[int, float] = {}
             for base in range(0, count.value * size, size):

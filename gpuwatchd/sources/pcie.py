@@ -16,6 +16,16 @@ the kernel has AER stats (their `TOTAL_ERR_*` lines); per GPU `numa_node` (-1: n
 A bridge shared by several GPUs is read once per poll and reported under each GPU, so
 every series can be joined to a GPU by `gpu_bus_id` alone.
 
+A link has two ends and trains to the lower of their capabilities (each end's
+`max_link_*` is its own LnkCap), so a link is degraded only below the lower of both
+ends' maxima: an x8 card in an x16 slot, a Gen4 GPU under a Gen5 port or a Gen5 GPU in
+a Gen4 host are links at their best. The ends pair up along the path: a GPU (endpoint)
+and a switch upstream port report the link to the function above them, a downstream or
+root port the link to the one below, so the path (GPU, port, upstream port, port, ...,
+root port) is links (path[0], path[1]), (path[2], path[3]), ... A function without a
+partner on the path (a GPU on the root bus) or whose partner's maximum is unreadable is
+judged against its own maximum.
+
 A missing or garbled file drops only the series it feeds; one bad device never fails
 the poll. Only a missing `bus/pci/devices` directory fails it (SourceError).
 """
@@ -139,9 +149,24 @@ class LinkReading:
     def generation_max(self) -> int | None:
         return link_generation(self.speed_max)
 
-    def degraded(self) -> bool | None:
-        """Generation or width below the maximum; None when that cannot be told."""
-        pairs = ((self.generation, self.generation_max), (self.width, self.width_max))
+    def attainable(self, other: LinkReading | None) -> tuple[int | None, int | None]:
+        """(generation, width) the link can train to: the lower of this end's maximum and
+        the other end's (`other`, None when unknown); this end's alone where the other's
+        cannot be read."""
+        gen, width = self.generation_max, self.width_max
+        if other is not None:
+            other_gen, other_width = other.generation_max, other.width_max
+            if gen is not None and other_gen is not None:
+                gen = min(gen, other_gen)
+            if width is not None and other_width is not None:
+                width = min(width, other_width)
+        return gen, width
+
+    def degraded(self, other: LinkReading | None = None) -> bool | None:
+        """Generation or width below what the link can attain (`attainable`: the lower of
+        both ends' maxima); None when that cannot be told."""
+        top_gen, top_width = self.attainable(other)
+        pairs = ((self.generation, top_gen), (self.width, top_width))
         known = [(cur, top) for cur, top in pairs if cur is not None and top is not None]
         if any(cur < top for cur, top in known):
             return True
@@ -201,8 +226,21 @@ class PcieSource(Source):
             _LINK_LABELS,
         ),
         gauge(
+            "pcie_link_generation_attainable",
+            "Highest PCIe generation the function's link can train to: the lower of the"
+            " maxima of its two ends.",
+            _LINK_LABELS,
+        ),
+        gauge(
+            "pcie_link_width_attainable",
+            "Widest the function's link can train to, lanes: the lower of the maxima of its"
+            " two ends.",
+            _LINK_LABELS,
+        ),
+        gauge(
             "pcie_link_degraded",
-            "1 if the function's link runs below its maximum generation or width.",
+            "1 if the function's link runs below the generation or width it can attain"
+            " (the lower of its two ends' maxima).",
             _LINK_LABELS,
         ),
         counter(
@@ -245,10 +283,12 @@ class PcieSource(Source):
                 continue
             gpu = path[0]
             for fn in path:
-                reading = readings.get(fn.path)
-                if reading is None:
-                    reading = readings[fn.path] = read_link(fn.path)
-                self._link_samples(samples, gpu.bdf, fn, reading)
+                if fn.path not in readings:
+                    readings[fn.path] = read_link(fn.path)
+            for i, fn in enumerate(path):
+                other = link_partner(path, i)
+                partner = None if other is None else readings[other.path]
+                self._link_samples(samples, gpu.bdf, fn, readings[fn.path], partner)
             numa_text = _read(os.path.join(gpu.path, "numa_node"))
             numa = None if numa_text is None else parse_numa_node(numa_text)
             if numa is not None:
@@ -278,9 +318,14 @@ class PcieSource(Source):
 
     @staticmethod
     def _link_samples(
-        samples: list[Sample], gpu_bus_id: str, fn: PciFunction, reading: LinkReading
+        samples: list[Sample],
+        gpu_bus_id: str,
+        fn: PciFunction,
+        reading: LinkReading,
+        partner: LinkReading | None,
     ) -> None:
         labels = (gpu_bus_id, fn.bdf, fn.role)
+        top_gen, top_width = reading.attainable(partner)
         values = (
             ("gpuwatchd_pcie_link_generation", reading.generation),
             ("gpuwatchd_pcie_link_generation_max", reading.generation_max),
@@ -294,11 +339,13 @@ class PcieSource(Source):
             ),
             ("gpuwatchd_pcie_link_width", reading.width),
             ("gpuwatchd_pcie_link_width_max", reading.width_max),
+            ("gpuwatchd_pcie_link_generation_attainable", top_gen),
+            ("gpuwatchd_pcie_link_width_attainable", top_width),
         )
         for metric, value in values:
             if value is not None:
                 samples.append(Sample(metric, labels, float(value)))
-        degraded = reading.degraded()
+        degraded = reading.degraded(partner)
         if degraded is not None:
             samples.append(Sample("gpuwatchd_pcie_link_degraded", labels, float(degraded)))
         for severity, count in reading.aer.items():
@@ -307,6 +354,14 @@ class PcieSource(Source):
                     "gpuwatchd_pcie_aer_errors_total", (gpu_bus_id, fn.bdf, severity), float(count)
                 )
             )
+
+
+def link_partner(path: tuple[PciFunction, ...], index: int) -> PciFunction | None:
+    """The other end of the link `path[index]` reports on: the GPU and its port share a
+    link, the port's switch upstream port and the port above it the next, and so on
+    (see the module's docstring); None for a function alone at the top of the path."""
+    other = index + 1 if index % 2 == 0 else index - 1
+    return path[other] if other < len(path) else None
 
 
 def walk_to_root(resolved: str) -> tuple[PciFunction, ...]:
@@ -326,6 +381,7 @@ __all__ = [
     "PciFunction",
     "PcieSource",
     "link_generation",
+    "link_partner",
     "parse_aer",
     "parse_hex",
     "parse_link_speed",

@@ -16,7 +16,9 @@ number of series is fixed per GPU whatever runs -- and a process that drives sev
 GPUs is read once per poll and reported under each of them. Per main process, per poll:
 
 * `/proc/PID/stat`: CPU time (utime + stime, in USER_HZ = 1/100 s, the whole thread
-  group), thread count, start time (which tells a reused pid from the process known);
+  group), thread count, start time (which tells a reused pid from the process known;
+  against `/proc/uptime`, read once per poll, its age: rules leave a process's start-up
+  alone);
 * `/proc/PID/task/*/stat`: each thread's CPU time, for the busiest thread (up to
   `max_threads` threads, the main thread first);
 * `/proc/PID/task/PID/children`: its child processes (DataLoader workers) and their own
@@ -42,33 +44,58 @@ The job
 -------
 Distributed training runs one process per GPU (DDP under torchrun, mpirun, Slurm's
 srun, DeepSpeed's launcher), so GPUs that serve one job have different main processes.
-Their launcher forks every rank itself, so the ranks are siblings: GPU main processes
-with the same parent (the ppid in `/proc/PID/stat`) form one *job*, identified by that
-parent's pid (`gpu_process_job`); a main process that shares its parent with no other
-GPU's main process is a job of its own, identified by its own pid (a process driving
-several GPUs is one job across them). A parent that merely adopts orphans is no
-launcher: pid 1, pid 0 (a parent outside this pid namespace) and a process named
-`systemd` or `init` (a user manager, or the init of a container, that adopted orphans)
-never make their children one job. The rules' `peers()` groups GPUs by this series (docs/rules.md).
+Processes are one job only when they synchronize, and what shows that they do is their
+launcher's signature: the variables it sets in each rank's environment (RANK,
+LOCAL_RANK, WORLD_SIZE; OMPI_COMM_WORLD_*, PMI_*, PMIX_RANK; SLURM_PROCID in a step of
+several tasks), read once per process from `/proc/PID/environ` with the owner
+(gpuwatchd.sources.owner.process; only those variables are kept). Sharing a parent is
+not enough: the kernels of one Jupyter server, or jobs started from one shell, are
+siblings that never wait for each other. So the *job* of a GPU's main process
+(`gpu_process_job`, a pid; equal values, one job) is:
 
-The cgroup is not used: it neither holds a job together (Slurm's task/cgroup plugin
-puts each rank in its own `task_N` cgroup) nor tells jobs apart (an ssh session's scope,
-a systemd service or one container holds any number of unrelated jobs). Known limits:
-two unrelated jobs started from one shell (`python a.py & python b.py &`), Jupyter
-kernels of one notebook server, or `docker exec`s into one container, are siblings and
-count as one job; ranks started through a wrapper of their own (`srun bash run.sh`
-without `exec`, a per-rank shell) have different parents and each counts as a job of
-its own (peers then see no other GPU: a missed straggler rather than a false one).
-A launcher that itself drives a GPU joins its children's job (its own pid is theirs).
+* a process with a launcher's signature: one job with the main processes of the same
+  owner (the cgroup's Slurm job and step, pod or container) whose environment names the
+  same launch -- torch.distributed's MASTER_ADDR:MASTER_PORT, else torchrun's
+  TORCHELASTIC_RUN_ID, else the PMIx namespace, else SLURM_JOB_ID.SLURM_STEP_ID; naming
+  none, its siblings (same parent) with a signature. The job is named by their common
+  parent's pid where it is a launcher (below), else by the lowest of their pids (ranks
+  started through per-rank wrappers, or reparented after their launcher exited);
+* a process whose environment was read and has no signature: a job of its own, named by
+  its own pid (a notebook kernel, a single-GPU script);
+* a process whose environment is unknown (unreadable: another user's process without
+  CAP_SYS_PTRACE, which is the unprivileged daemon's normal case; or `owner_environ:
+  false`): the old rule, as nothing better is known -- main processes with the same
+  parent (the ppid in `/proc/PID/stat`) form one job named by that parent's pid, and one
+  that shares its parent with no other is a job of its own. A parent that merely adopts
+  orphans is no launcher: pid 1, pid 0 (a parent outside this pid namespace) and a
+  process named `systemd` or `init` never make their children one job.
+
+A process driving several GPUs is one job across them. The rules' `peers()` groups GPUs
+by this series (docs/rules.md). The cgroup alone never makes a job (Slurm's task/cgroup
+plugin puts each rank in its own `task_N` cgroup; a session, a service, a pod or a Slurm
+step running Jupyter holds unrelated processes): it only keeps two launches apart.
+Known limits: with the environment unknown, sibling notebooks count as one job and ranks
+started through per-rank wrappers as one job each (a missed straggler rather than a
+false one); a launcher that itself drives a GPU joins its children's job only then.
 
 Rates (CPU ratios of one core, throttled share of periods) are deltas between two polls
 over the time of `context.extras["clock"]` (the simulator's clock; default
 time.monotonic), so they appear from the second poll on. A thread or child that was not
 there at the previous poll was born since, and all its CPU time counts.
 
-Only names are read (`comm`, `Name:`): never command lines or environments, which hold
-secrets. The `name` label of `gpu_process_info` is the main process's comm: one series
-per GPU at a time.
+Of names, only `comm` and `Name:` are read, never command lines; of environments, only
+the launcher's variables above are kept and none is logged (the rest holds secrets). The
+`name` label of `gpu_process_info` is the main process's comm: one series per GPU at a
+time.
+
+The owner
+---------
+`gpu_owner_info{gpu, uuid, scheduler, job_id, step, rank, user, namespace, pod,
+container}` (one series per owned GPU, the labels of gpuwatchd.sources.owner.LABELS):
+who runs the GPU's main process -- its Slurm job, step, rank and user, its Kubernetes
+pod, its container -- from its cgroup, environment and uid, a prolog's per-GPU job files
+(`job_mapping_dir`) and the kubelet's pod-resources API (`pod_resources_socket`); see
+gpuwatchd.sources.owner and docs/fleet.md. `owner: false` leaves it out.
 
 Desktop and other tenants
 -------------------------
@@ -114,6 +141,16 @@ from gpuwatchd.sources.nvmlapi import (
     start_nvml,
     sysfs_bus_id,
 )
+from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
+from gpuwatchd.sources.owner import (
+    Attribution,
+    GpuProcesses,
+    Owner,
+    PodResources,
+    ProcessFacts,
+)
+from gpuwatchd.sources.procio import METRICS as PROCIO_METRICS
+from gpuwatchd.sources.procio import JobIo
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +225,16 @@ INFO = _gpu(
 PID = _gpu("gpu_process_pid", "Process id of the GPU's main process.")
 JOB = _gpu(
     "gpu_process_job",
-    "Job of the GPU's main process: the pid of the parent it shares with other GPUs' main "
-    "processes (their launcher), else its own pid; equal values, one job.",
+    "Job of the GPU's main process, as a pid: equal values, one job. Ranks of one launch "
+    "(launcher variables in their environment, one owner): their common parent, else the "
+    "lowest rank's pid; a process without them: its own pid; environment unreadable: the "
+    "parent it shares with other GPUs' main processes.",
+)
+OWNER = _gpu(
+    "gpu_owner_info",
+    "Who owns the GPU: the Slurm job, Kubernetes pod, container or user of its main "
+    "process (docs/fleet.md); always 1.",
+    OWNER_LABELS,
 )
 CPU = _gpu(
     "gpu_process_cpu_cores",
@@ -229,6 +274,11 @@ CONTAINER = _gpu("gpu_process_in_container", "1 if the main process runs in a co
 CUDART = _gpu(
     "gpu_process_cudart_version",
     "CUDA runtime version the main process mapped, e.g. 12.1 (12: major only known).",
+)
+AGE = _gpu(
+    "gpu_process_age_seconds",
+    "Seconds since the GPU's main process started (/proc/PID/stat starttime against "
+    "/proc/uptime).",
 )
 DESKTOP_CPU = gauge(
     "desktop_cpu_cores", "CPU used by desktop processes on the node, summed, in cores."
@@ -460,19 +510,88 @@ def parse_children(data: bytes) -> list[int]:
     return [_uint(token) for token in data.split()]
 
 
-def group_jobs(parents: dict[int, int], adopter: Callable[[int], bool]) -> dict[int, int]:
-    """pid -> job of GPU main processes given as {pid: ppid}: their parent's pid when it
-    is the parent of another one of them, is neither 0 nor 1 and is no `adopter(ppid)`
-    (a subreaper), else their own pid."""
+# launch_key() of a process whose environment was read and names no launcher
+ALONE: tuple[str, ...] = ()
+
+
+def launch_key(facts: ProcessFacts | None) -> tuple[str, ...] | None:
+    """What a GPU main process's ranks share ("The job" above): its owner (the cgroup's
+    scheduler, Slurm job and step, pod, container) and the launch its environment names
+    (Launch.communicator; "" when none, then the parent tells); ALONE for a readable
+    environment without a launcher's signature; None when the environment is unknown
+    (unreadable, not read, or the process gone)."""
+    if facts is None or facts.launch is None:
+        return None
+    if not facts.launch.launched:
+        return ALONE
+    place = facts.place
+    return (
+        place.scheduler, place.job_id, place.step, place.pod_uid, place.container,
+        facts.launch.communicator,
+    )  # fmt: skip
+
+
+def group_jobs(
+    parents: dict[int, int],
+    adopter: Callable[[int], bool],
+    keys: dict[int, tuple[str, ...] | None] | None = None,
+) -> dict[int, int]:
+    """pid -> job of GPU main processes given as {pid: ppid} and their launch_key() (none
+    given: all unknown).
+
+    Unknown: their parent's pid when it is the parent of another unknown one, is neither
+    0 nor 1 and is no `adopter(ppid)` (a subreaper), else their own pid. ALONE: their own
+    pid. A key: the processes with the same key (and, when it names no launch, the same
+    parent) are one job, named by their common parent where it is a launcher, else by
+    their lowest pid."""
+    keys = keys or {}
     by_parent: dict[int, list[int]] = {}
+    by_key: dict[tuple[Any, ...], list[int]] = {}
     for pid, ppid in parents.items():
-        by_parent.setdefault(ppid, []).append(pid)
+        key = keys.get(pid)
+        if key is None:
+            by_parent.setdefault(ppid, []).append(pid)
+        elif key == ALONE:
+            by_key[("pid", pid)] = [pid]
+        else:  # a launch that names nothing shared: its ranks are siblings
+            by_key.setdefault(key if key[-1] else (*key, str(ppid)), []).append(pid)
     jobs: dict[int, int] = {}
     for ppid, pids in by_parent.items():
         launcher = len(pids) > 1 and ppid > 1 and not adopter(ppid)
         for pid in pids:
             jobs[pid] = ppid if launcher else pid
+    for pids in by_key.values():
+        shared = {parents[pid] for pid in pids}
+        ppid = shared.pop() if len(shared) == 1 else 0
+        job = ppid if len(pids) > 1 and ppid > 1 and not adopter(ppid) else min(pids)
+        jobs.update(dict.fromkeys(pids, job))
     return jobs
+
+
+def _candidates(
+    lists: dict[str, dict[int, float]], names: dict[int, str | None]
+) -> dict[int, float]:
+    """The processes a GPU's main one is chosen among (ProcessesSource._main): its
+    non-desktop compute processes, else its non-desktop graphics ones; pid -> memory."""
+    for kind in KINDS:
+        found = {pid: memory for pid, memory in lists.get(kind, {}).items()
+                 if desktop_name(names.get(pid) or "") is None}  # fmt: skip
+        if found:
+            return found
+    return {}
+
+
+class _Memo:
+    """A reader of process facts that reads each pid once per poll."""
+
+    def __init__(self, read: Callable[[int], ProcessFacts | None]) -> None:
+        self._read = read
+        self._facts: dict[int, ProcessFacts | None] = {}
+
+    def __call__(self, pid: int) -> ProcessFacts | None:
+        if pid not in self._facts:
+            self._facts[pid] = self._read(pid)
+        return self._facts[pid]
 
 
 def desktop_name(comm: str) -> str | None:
@@ -584,6 +703,7 @@ class Facts:
     throttled_ratio: float | None = None
     throttled_seconds: float | None = None
     cudart: str | None = None
+    age: float | None = None  # seconds since it started
 
 
 @dataclass
@@ -598,9 +718,9 @@ class _CgroupReading:
 class ProcessesSource(Source):
     name = "processes"
     metrics = (
-        PROCESSES, DESKTOP, OTHERS, INFO, PID, JOB, CPU, BUSIEST, THREADS, WORKERS, WORKERS_CPU,
-        CPUS_ALLOWED, NUMA_ALIGNED, QUOTA, THROTTLED, THROTTLED_SECONDS, CONTAINER, CUDART,
-        DESKTOP_CPU, DESKTOP_COUNT, DESKTOP_CPU_BY_NAME,
+        PROCESSES, DESKTOP, OTHERS, INFO, PID, JOB, OWNER, CPU, BUSIEST, THREADS, WORKERS,
+        WORKERS_CPU, CPUS_ALLOWED, NUMA_ALIGNED, QUOTA, THROTTLED, THROTTLED_SECONDS, CONTAINER,
+        CUDART, AGE, DESKTOP_CPU, DESKTOP_COUNT, DESKTOP_CPU_BY_NAME, *PROCIO_METRICS,
     )  # fmt: skip
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
@@ -633,6 +753,26 @@ class ProcessesSource(Source):
         # possible CPUs that are not there; empty when unknown
         self._online: frozenset[int] = frozenset()
         self._cpulists: dict[str, frozenset[int]] = {}
+        self._uptime: float | None = None  # /proc/uptime at this poll
+        self._owners = self._attribution()
+        # procio: what each job reads, from which disks, and its CPUs' iowait/IRQ time
+        self._io = JobIo(self._proc, self._sys, self._complain)
+
+    def _attribution(self) -> Attribution:
+        """Owners (when `owner`) and the launch facts jobs are grouped by (always)."""
+        s = self.settings
+        pods = None
+        if s.owner and s.pod_resources_socket is not None:
+            pods = PodResources(
+                os.fspath(s.pod_resources_socket), s.pod_resources_timeout,
+                s.pod_resources_refresh, clock=self._clock,
+            )  # fmt: skip
+        return Attribution(
+            self.context.procfs,
+            job_dir=s.job_mapping_dir if s.owner else None,
+            pod_resources=pods,
+            read_environ=s.owner_environ,
+        )
 
     # -- NVML ---------------------------------------------------------------------------
 
@@ -653,6 +793,7 @@ class ProcessesSource(Source):
         log.info("processes: NVML started, %d GPUs", count)
 
     def close(self) -> None:
+        self._owners.close()
         nv, self._nv = self._nv, None
         if nv is not None:
             quietly(nv, nv.nvmlShutdown)
@@ -720,6 +861,7 @@ class ProcessesSource(Source):
         if not os.path.isdir(self._proc):
             raise not_mounted(self._proc, "procfs", self.context.procfs)
         self.polls += 1
+        self._uptime = self._read_uptime()
         scan = self.settings.desktop or not self._children_file
         scanning = (self.polls - 1) % self.settings.scan_every == 0
 
@@ -744,21 +886,41 @@ class ProcessesSource(Source):
             mains[gpu.index] = self._main(lists, names)
         memo: dict[str, _CgroupReading | None] = {}
         facts: dict[int, Facts | None] = {}
+        self._io.begin(now)
         for main in mains.values():
             if main is not None and main not in facts:
                 facts[main] = self._facts(main, now, scanning, memo)
+        self._io.end()
         for gone in [p for p in self._known if p not in facts]:
             del self._known[gone]
         read = {r.stat_path for r in memo.values() if r is not None}
         for path in [p for p in self._cgroups if p not in read]:
             del self._cgroups[path]
 
-        jobs = self._jobs(facts)
+        launches = _Memo(self._owners.processes.read)
+        owners = self._owned(on_gpu, names, launches)
+        jobs = self._jobs(facts, launches)
         samples: list[Sample] = []
         for gpu, lists in on_gpu:
             self._gpu_samples(gpu, lists, names, mains[gpu.index], facts, jobs, scanning, samples)
+            owner = owners.get(gpu.labels[1])
+            if owner is not None:
+                samples.append(Sample(OWNER.name, gpu.labels + owner.values(), 1.0))
         self._desktop_samples(now, samples)
         return samples
+
+    def _owned(
+        self,
+        on_gpu: list[tuple[_Gpu, dict[str, dict[int, float]]]],
+        names: dict[int, str | None],
+        read: Callable[[int], ProcessFacts | None],
+    ) -> dict[str, Owner | None]:
+        """uuid -> owner of each GPU, from the processes its main one is chosen among."""
+        if not self.settings.owner:
+            return {}
+        gpus = [GpuProcesses(gpu.index, gpu.labels[1], _candidates(lists, names))
+                for gpu, lists in on_gpu]  # fmt: skip
+        return self._owners.owners(gpus, read)
 
     def _listed(self, shared: list[ListedGpu]) -> list[tuple[_Gpu, dict[str, dict[int, float]]]]:
         """The nvml source's lists, on this source's GPU records (lost GPUs left out)."""
@@ -811,10 +973,26 @@ class ProcessesSource(Source):
                     best = key
         return None if best is None else -best[2]
 
-    def _jobs(self, facts: dict[int, Facts | None]) -> dict[int, int]:
+    def _jobs(
+        self, facts: dict[int, Facts | None], read: Callable[[int], ProcessFacts | None]
+    ) -> dict[int, int]:
         """The job of each main process read this poll (see "The job" above)."""
         parents = {pid: found.ppid for pid, found in facts.items() if found is not None}
-        return group_jobs(parents, self._adopter)
+        keys = {pid: launch_key(read(pid)) for pid in parents}
+        if not self.settings.owner:
+            self._owners.processes.keep(set(parents))  # owners() keeps them otherwise
+        return group_jobs(parents, self._adopter, keys)
+
+    def _read_uptime(self) -> float | None:
+        """Seconds since boot (/proc/uptime's first field), the clock of starttime."""
+        text = _text(f"{self._proc}/uptime")
+        if text is None:
+            return None
+        first = text.split()[0] if text.split() else ""
+        if not _is_count(first.replace(".", "", 1)):
+            self._complain("uptime", f"{self._proc}/uptime: not an uptime: {text[:40]!r}")
+            return None
+        return float(first)
 
     def _adopter(self, pid: int) -> bool:
         """True when the process is a subreaper by name (systemd, init): not a launcher.
@@ -853,6 +1031,8 @@ class ProcessesSource(Source):
         dt = now - known.at if known is not None else 0.0
         rated = known is not None and dt > 0
         facts = Facts(pid, stat.comm, stat.threads, stat.ppid)
+        if self._uptime is not None:
+            facts.age = max(0.0, self._uptime - stat.starttime / CLK_TCK)
         state = _Known(stat.starttime, now, stat.ticks)
         if known is not None:
             state.cudart, state.maps_read_at = known.cudart, known.maps_read_at
@@ -898,6 +1078,7 @@ class ProcessesSource(Source):
 
         # children (DataLoader workers)
         children = self._children(pid, base, tids, state, scanning)
+        self._io.read(pid, children or [], scanning)
         if children is not None:
             workers, spent = 0, 0
             for child in children:
@@ -1162,10 +1343,12 @@ class ProcessesSource(Source):
             (THROTTLED, f.throttled_ratio),
             (THROTTLED_SECONDS, f.throttled_seconds),
             (CUDART, None if f.cudart is None else version_number(f.cudart)),
+            (AGE, f.age),
         )
         for spec, value in optional:
             if value is not None:
                 out.append(Sample(spec.name, labels, float(value)))
+        self._io.samples(f.pid, labels, out)
         if f.cpus is not None:
             out.append(Sample(CPUS_ALLOWED.name, labels, float(len(f.cpus))))
             local = self._local_cpus(gpu, scanning)
@@ -1214,6 +1397,7 @@ class ProcessesSource(Source):
 
 __all__ = [
     "ADOPTERS",
+    "ALONE",
     "CLK_TCK",
     "DESKTOP_PROCESSES",
     "CgroupLine",
@@ -1225,6 +1409,7 @@ __all__ = [
     "cpus_allowed",
     "desktop_name",
     "group_jobs",
+    "launch_key",
     "in_container",
     "parse_cfs_quota",
     "parse_cgroup",

@@ -8,8 +8,13 @@
   `softirq`. A core's ticks per second are its percentages: busy from
   `core_busy_percent[cpu]`, else `cpu_busy_percent` (split 84 % user, 1 % nice, 12 %
   system, 1 % irq, 2 % softirq), `iowait_percent`, `steal_percent`, the rest idle (when
-  they add up to more than 100, steal is kept first, then busy, then iowait). The
-  source reads busy back as (busy + steal) / 100: steal counts as busy there.
+  they add up to more than 100, steal is kept first, then interrupt time, then busy,
+  then iowait). The source reads busy back as (busy + steal) / 100: steal counts as
+  busy there. Interrupt handling costs the CPU it lands on: each device interrupt per
+  second that the interrupts writer puts on a CPU adds `IRQ_COST_US` of its class to
+  that core's `irq` (hard handler) and `softirq` (NAPI poll, block completion) columns,
+  and `core_softirq_percent[cpu]` adds softirq time directly; that time is taken from
+  the core's busy time first (the handlers preempt the task), then from idle.
   The `intr` line has the per-IRQ totals of an `InterruptsWriter` when one is given,
   else zeros for the node's nr_irqs.
 * `pressure/cpu`, `pressure/io`, `pressure/memory` (kernel/sched/psi.c, 5.13+: cpu has
@@ -40,6 +45,7 @@ from gpuwatchd.sim.counters import Integrator
 from gpuwatchd.sim.files import Files
 from gpuwatchd.sim.scenario import Timeline
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter, nr_irqs
+from gpuwatchd.sources.interrupts import IrqLine, classify
 
 USER_HZ = 100
 BTIME = 1_700_000_000
@@ -67,6 +73,16 @@ SOFTIRQ_RATES = {
     "SCHED": (20.0, 100.0),
     "RCU": (20.0, 50.0),
     "NET_TX": (0.1, 1.0),
+}
+# microseconds of (hard handler, softirq) per device interrupt, by class: a NIC vector's
+# interrupt schedules a NAPI poll that processes a batch of packets (the bulk of its
+# cost); an NVMe completion runs the BLOCK softirq; the GPU's handler is short
+IRQ_COST_US = {
+    "nic": (1.5, 12.0),
+    "nvme": (1.0, 2.0),
+    "nvidia": (3.0, 0.0),
+    "usb": (2.0, 1.0),
+    "other": (2.0, 1.0),
 }
 PSI_FILES = (
     ("cpu", (("some", "psi_cpu_some"), ("full", None))),
@@ -156,18 +172,25 @@ def meminfo_text(total_kb: int, available_kb: int) -> str:
     return "".join(lines)
 
 
-def core_split(busy: float, iowait: float, steal: float) -> list[float]:
-    """Ticks per second of each /proc/stat column for a core at these percentages."""
+def core_split(
+    busy: float, iowait: float, steal: float, irq: float = 0.0, softirq: float = 0.0
+) -> list[float]:
+    """Ticks per second of each /proc/stat column for a core at these percentages;
+    `irq` and `softirq` are interrupt time on top of the busy split's own."""
     steal = max(0.0, min(100.0, steal))
-    busy = max(0.0, min(100.0 - steal, busy))
-    iowait = max(0.0, min(100.0 - steal - busy, iowait))
+    irq = max(0.0, min(100.0 - steal, irq))
+    softirq = max(0.0, min(100.0 - steal - irq, softirq))
+    busy = max(0.0, min(100.0 - steal - irq - softirq, busy))
+    iowait = max(0.0, min(100.0 - steal - irq - softirq - busy, iowait))
     scale = USER_HZ / 100
     columns = [0.0] * NCOLUMNS
     for column, share in BUSY_SPLIT:
         columns[column] = busy * share * scale
+    columns[5] += irq * scale
+    columns[6] += softirq * scale
     columns[IOWAIT] = iowait * scale
     columns[STEAL] = steal * scale
-    columns[IDLE] = max(0.0, 100.0 - busy - iowait - steal) * scale
+    columns[IDLE] = max(0.0, 100.0 - busy - iowait - steal - irq - softirq) * scale
     return columns
 
 
@@ -199,6 +222,7 @@ class CpuWriter:
         self.files = Files()
         self._nr_irqs = nr_irqs(self.ncpus)
         self._labels = [f"cpu{c}" for c in range(self.ncpus)]
+        self._classes: dict[int, str] = {}  # interrupt row -> its class
 
     @property
     def writes(self) -> int:
@@ -255,7 +279,8 @@ class CpuWriter:
         core_busy = host.get("core_busy_percent") or {}
         iowait = float(host.get("iowait_percent") or 0.0)
         steal = float(host.get("steal_percent") or 0.0)
-        splits: dict[float, tuple[float, ...]] = {}
+        interrupt_time = self.interrupt_percent(host)
+        splits: dict[tuple[float, float, float], tuple[float, ...]] = {}
         totals = self._jiffies.totals
         groups: dict[int, list[int]] = {}
         self._group_rates = {}
@@ -264,9 +289,12 @@ class CpuWriter:
             by_rates: dict[tuple[float, ...], list[int]] = {}
             for cpu in members:
                 busy = float(core_busy.get(cpu, busy_all))
-                columns = splits.get(busy)
+                hard, soft = interrupt_time.get(cpu, (0.0, 0.0))
+                columns = splits.get((busy, hard, soft))
                 if columns is None:
-                    columns = splits[busy] = tuple(core_split(busy, iowait, steal))
+                    columns = splits[(busy, hard, soft)] = tuple(
+                        core_split(busy, iowait, steal, hard, soft)
+                    )
                 by_rates.setdefault(columns, []).append(cpu)
             for k, (columns, cpus) in enumerate(by_rates.items()):
                 gid = group
@@ -278,6 +306,32 @@ class CpuWriter:
                 self._group_rates[gid] = columns
                 self._busy_cpus += len(cpus) * sum(columns[c] for c, _ in BUSY_SPLIT) / USER_HZ
         self._groups = groups
+
+    def interrupt_percent(self, host: Mapping[str, Any]) -> dict[int, tuple[float, float]]:
+        """cpu -> (hardirq, softirq) percent of its time that interrupts cost it."""
+        result: dict[int, list[float]] = {}
+        if self.interrupts is not None:
+            rows = self.interrupts.rows
+            for (i, cpus), rate in self.interrupts.rates(host).items():
+                row = rows[i]
+                if not row.label.isdigit():
+                    continue  # LOC, RES, ...: in the busy split's own irq share
+                cls = self._classes.get(i)
+                if cls is None:
+                    cls = self._classes[i] = classify(IrqLine(row.label, (), name=row.name))
+                hard, soft = IRQ_COST_US.get(cls, IRQ_COST_US["other"])
+                per_cpu = rate / len(cpus) * 1e-4  # interrupts/s x µs -> percent
+                for cpu in cpus:
+                    cell = result.setdefault(cpu, [0.0, 0.0])
+                    cell[0] += per_cpu * hard
+                    cell[1] += per_cpu * soft
+        for cpu, percent in (host.get("core_softirq_percent") or {}).items():
+            if 0 <= int(cpu) < self.ncpus:
+                result.setdefault(int(cpu), [0.0, 0.0])[1] += float(percent)
+        # to 0.1 %: background rates (a few per second) cost nothing visible, and cores
+        # that differ by less keep sharing one set of counters
+        rounded = {cpu: (round(h, 1), round(s, 1)) for cpu, (h, s) in result.items()}
+        return {cpu: hs for cpu, hs in rounded.items() if hs != (0.0, 0.0)}
 
     def counter_rates(self, host: Mapping[str, Any], busy_cpus: float) -> dict[Any, float]:
         n = self.ncpus

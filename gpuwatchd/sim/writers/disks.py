@@ -16,7 +16,9 @@ sd disks the sd majors (8, then 65-71, then 128-135) with 16 minors per disk
 (`sda` 8:0, `sdb` 8:16, `sdq` 65:0); virtio `vdX` 252:16*N; mmcblk 179:8*N; anything
 else takes the next 259 minor. With `sysfs`, it also lays out `<sysfs>/block/<disk>/`
 (`dev`, `size`, `queue/rotational`, and `<part>/partition`, `<part>/dev`), which the
-disks source uses to tell whole devices from partitions.
+disks source uses to tell whole devices from partitions, and the `<sysfs>/dev/block/
+MAJ:MIN` links to them (`../../block/<disk>`, `../../block/<disk>/<part>`), by which a
+mount's device number leads to its disk.
 
 Counters integrate `timeline.host_state(t)["disks"][name]` with `Integrator` (a
 missing value is 0), so that iostat's formulas give the scenario's values back:
@@ -241,6 +243,15 @@ class DiskstatsWriter:
                     (d / part / "partition", "1\n"),
                 ):
                     changed += self.files.put(os.fspath(path), content)
+                links = self.sysfs / "dev" / "block"
+                links.mkdir(parents=True, exist_ok=True)
+                for (dmajor, dminor), target in (
+                    ((major, minor), f"../../block/{d.name}"),
+                    ((pmajor, pminor), f"../../block/{d.name}/{part}"),
+                ):
+                    link = links / f"{dmajor}:{dminor}"
+                    if not link.is_symlink():
+                        link.symlink_to(target)
             elif not present[disk] and was is True:
                 shutil.rmtree(d, ignore_errors=True)
                 self.files.forget(os.fspath(d))

@@ -18,7 +18,8 @@ host facts get `HostProcess` defaults and the GPU entry's name):
   pid (a launcher's ranks), by pid;
 * `workers` child processes (default 0), pids pid*1000+1 … (listed, each followed by a
   space, in the main thread's `children`), ppid = pid, comm `pt_data_worker` (as
-  PyTorch names its DataLoader workers), each at `worker_cpu_percent` of a core;
+  PyTorch names its DataLoader workers), each at `worker_cpu_percent` of a core; the
+  first `io_blocked_workers` of them in state D (waiting for I/O) in their `stat`;
 * `<sysfs>/fs/cgroup/<cgroup>/cpu.max` ("max 100000", or `cpu_quota_cpus` × 100000)
   and `cpu.stat` (`usage_usec` … `burst_usec`): the cgroup's processes' CPU time;
   with a quota, `nr_periods` rises 10/s (100 ms periods) and `nr_throttled` by
@@ -35,8 +36,9 @@ process with `container: true` whose cgroup names no container runtime is put in
 `/system.slice/docker-<id>.scope`. `running: false` removes the pid's directories and
 its workers'; a process (or worker) that appears again is a new one: a later
 `starttime` and counters from zero, as after a restart. The node booted 1000 s before
-the scenario starts. Only a changed file is written, through a temporary file and
-`os.replace`.
+the scenario starts: `<procfs>/uptime` reads 1000 s plus the scenario's time, so a
+process's age is the scenario time since it first appeared. Only a changed file is
+written, through a temporary file and `os.replace`.
 """
 
 from __future__ import annotations
@@ -238,9 +240,67 @@ def maps_text(cudart: str | None) -> str:
     return "".join(maps_line(*region) for region in regions)
 
 
+V1_CPU = "cpu,cpuacct"  # the v1 hierarchy of the cpu controller (as systemd mounts it)
+SLURMD_CGROUP = "/system.slice/slurmd.service"
+# a login shell's environment, before a process's own `environment`
+BASE_ENVIRONMENT = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+}
+
+
+def environ_text(fact: HostProcess) -> str:
+    """/proc/<pid>/environ: `KEY=value` entries, each followed by a NUL."""
+    variables = {**BASE_ENVIRONMENT, "HOME": f"/home/u{fact.uid}", **fact.environment}
+    return "".join(f"{key}={value}\0" for key, value in variables.items())
+
+
+def cgroup_of(fact: HostProcess) -> tuple[str, str]:
+    """(/proc/<pid>/cgroup, the cgroup holding its CPU limit: a v2 path, or for cgroup
+    v1 `/cpu,cpuacct/<path>`). An owner's layout (host.SlurmOwner, PodOwner) replaces
+    `cgroup`; a Slurm step on v1 has its `cpu` controller at slurmd's cgroup."""
+    owner = fact.owner
+    slurm = owner.slurm if owner is not None else None
+    if slurm is not None and slurm.cgroup == "v1":
+        step = f"/slurm/uid_{fact.uid}/job_{slurm.job}/step_{slurm.step}"
+        task = f"{step}/task_{slurm.task}"
+        lines = (
+            f"12:freezer:{step}", f"11:devices:{task}", f"10:memory:{task}",
+            f"9:cpuset:{step}", f"4:{V1_CPU}:{SLURMD_CGROUP}", f"1:name=systemd:{SLURMD_CGROUP}",
+        )  # fmt: skip
+        return "\n".join(lines) + "\n", f"/{V1_CPU}{SLURMD_CGROUP}"
+    path = container_cgroup(fact)
+    return f"0::{path}\n", path
+
+
+def _owner_path(fact: HostProcess) -> str | None:
+    """The cgroup v2 path of a process's owner; None: it has none (or a v1 Slurm one)."""
+    owner = fact.owner
+    if owner is None:
+        return None
+    if owner.slurm is not None:
+        slurm = owner.slurm
+        if slurm.cgroup == "v1":
+            return None
+        step = f"/system.slice/slurmstepd.scope/job_{slurm.job}/step_{slurm.step}"
+        return f"{step}/user/task_{slurm.task}"
+    pod = owner.pod
+    assert pod is not None
+    container = pod.container_id or hashlib.sha256(f"pod/{fact.pid}".encode()).hexdigest()
+    qos = "" if pod.qos == "guaranteed" else pod.qos
+    if pod.driver == "cgroupfs":
+        return "/".join(("/kubepods", *([qos] if qos else []), f"pod{pod.uid}", container))
+    uid = pod.uid.replace("-", "_")
+    slice_ = f"kubepods-{qos}-pod{uid}.slice" if qos else f"kubepods-pod{uid}.slice"
+    scope = f"{'crio' if pod.runtime == 'cri-o' else 'cri-containerd'}-{container}.scope"
+    parent = f"/kubepods.slice/kubepods-{qos}.slice" if qos else "/kubepods.slice"
+    return f"{parent}/{slice_}/{scope}"
+
+
 def container_cgroup(fact: HostProcess) -> str:
-    """The process's cgroup v2 path; a container's is made to name its runtime."""
-    path = "/" + fact.cgroup.strip("/")
+    """The process's cgroup v2 path (its owner's, if it has one on v2); a container's is
+    made to name its runtime."""
+    path = "/" + (_owner_path(fact) or fact.cgroup).strip("/")
     if fact.container and not any(marker in path for marker in CONTAINER_MARKERS):
         digest = hashlib.sha256(f"container/{fact.pid}".encode()).hexdigest()
         path = f"/system.slice/docker-{digest}.scope"
@@ -302,6 +362,10 @@ class ProcessesWriter:
     def write(self, t: float) -> int:
         """Bring the trees to the node's state at time t; returns how many files changed."""
         before = self.writes
+        # the clock of the processes' start times (fs/proc/uptime.c: seconds since boot,
+        # then idle seconds summed over the CPUs, both with 2 decimals)
+        uptime = BOOT_SECONDS + t
+        self.files.put(f"{self.proc}/uptime", f"{uptime:.2f} {uptime * self._nr_cpus * 0.9:.2f}\n")
         host_values = self.timeline.host_state(t).get("processes") or {}
         facts = self.pids(t)
         plans: dict[int, tuple[HostProcess, dict[str, Any]]] = {}
@@ -343,7 +407,7 @@ class ProcessesWriter:
                 rates[(pid, "w", k)] = per_worker
             path = self._cgroup_paths.get(pid)
             if path is None:
-                path = self._cgroup_paths[pid] = container_cgroup(fact)
+                path = self._cgroup_paths[pid] = cgroup_of(fact)[1]
             group = cgroups.setdefault(path, {"ticks": 0.0})
             group["ticks"] += main + (others if threads > 1 else 0.0) + per_worker * workers
             for key in ("cpu_quota_cpus", "throttled_ratio"):
@@ -430,8 +494,9 @@ class ProcessesWriter:
             user = math.floor(ticks * USER_SHARE)
             if fresh or child not in self._child_start:
                 self._child_start[child] = round((BOOT_SECONDS + t) * USER_HZ)
+            blocked = k < int(values.get("io_blocked_workers") or 0)  # waiting for I/O
             line = stat_line(
-                child, WORKER_NAME, worker_state, pid, user, ticks - user, 1,
+                child, WORKER_NAME, "D" if blocked else worker_state, pid, user, ticks - user, 1,
                 self._child_start[child], cpus[(threads + k) % len(cpus)],
             )  # fmt: skip
             put(f"{self.proc}/{child}/stat", line)
@@ -459,7 +524,7 @@ class ProcessesWriter:
         old_threads, old_workers = running.shape[3:5] if running.shape else (0, 0)
         name = fact.name[:15]
         base = f"{self.proc}/{pid}"
-        cgroup = f"0::{container_cgroup(fact)}\n"
+        cgroup = cgroup_of(fact)[0]
         maps = self._maps_of(fact.cudart)
         nr_cpus, numa_nodes = self._nr_cpus, self._numa_nodes
         put = self.files.put
@@ -469,6 +534,7 @@ class ProcessesWriter:
         put(f"{base}/status", status)
         put(f"{base}/comm", name + "\n")
         put(f"{base}/cgroup", cgroup)
+        put(f"{base}/environ", environ_text(fact))
         put(f"{base}/maps", maps)
         listed = "".join(f"{child} " for child in [*worker_pids(pid, workers), *kids])
         for j in range(threads):
@@ -506,6 +572,9 @@ class ProcessesWriter:
         return text
 
     def _write_cgroup(self, path: str, quota: float | None, totals: dict[Hashable, float]) -> None:
+        if path.startswith(f"/{V1_CPU}/"):
+            self._write_cgroup_v1(path, quota, totals)
+            return
         directory = self.cgroup_root + path
         cpu_max = "max" if quota is None else str(round(quota * PERIOD_US))
         self.files.put(f"{directory}/cpu.max", f"{cpu_max} {PERIOD_US}\n")
@@ -520,6 +589,25 @@ class ProcessesWriter:
             f"nr_periods {periods}\nnr_throttled {throttled}\n"
             f"throttled_usec {throttled_usec}\nnr_bursts 0\nburst_usec 0\n",
         )
+
+    def _write_cgroup_v1(
+        self, path: str, quota: float | None, totals: dict[Hashable, float]
+    ) -> None:
+        """cgroup v1's cpu controller: cfs quota and period, cpu.stat (throttled_time in
+        ns), cpuacct.usage (ns)."""
+        directory = self.cgroup_root + path
+        periods = int(totals.get(("cg", path, "periods"), 0.0))
+        throttled = min(periods, int(totals.get(("cg", path, "throttled"), 0.0)))
+        throttled_ns = int(totals.get(("cg", path, "throttled_usec"), 0.0)) * 1000
+        cfs_quota = -1 if quota is None else round(quota * PERIOD_US)
+        self.files.put(f"{directory}/cpu.cfs_quota_us", f"{cfs_quota}\n")
+        self.files.put(f"{directory}/cpu.cfs_period_us", f"{PERIOD_US}\n")
+        self.files.put(
+            f"{directory}/cpu.stat",
+            f"nr_periods {periods}\nnr_throttled {throttled}\nthrottled_time {throttled_ns}\n",
+        )
+        usage = int(totals.get(("cg", path, "usage"), 0.0))
+        self.files.put(f"{directory}/cpuacct.usage", f"{usage * 1000}\n")
 
     # -- files ----------------------------------------------------------------------------
 
@@ -539,7 +627,9 @@ __all__ = [
     "DEFAULTS",
     "WORKER_NAME",
     "ProcessesWriter",
+    "cgroup_of",
     "container_cgroup",
+    "environ_text",
     "expand_cpulist",
     "maps_line",
     "maps_text",

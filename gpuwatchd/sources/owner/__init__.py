@@ -182,13 +182,19 @@ class Attribution:
         self.pod_resources = pod_resources
         self.users = UserNames(users)
 
-    def owners(self, gpus: Iterable[GpuProcesses]) -> dict[str, Owner | None]:
-        """uuid -> owner of each GPU given (None: nobody)."""
+    def owners(
+        self,
+        gpus: Iterable[GpuProcesses],
+        read: Callable[[int], ProcessFacts | None] | None = None,
+    ) -> dict[str, Owner | None]:
+        """uuid -> owner of each GPU given (None: nobody). `read`: how a process's facts
+        are read (default self.processes.read; a caller that reads them too passes a memo)."""
         gpus = list(gpus)
         files = read_job_files(self.job_dir) if self.job_dir is not None else {}
         jobs = {index: ids[0] for index, ids in files.items()}
         pods = self.pod_resources.devices() if self.pod_resources is not None else {}
-        owners = owners_by_gpu(gpus, self.processes.read, jobs=jobs, pods=pods, users=self.users)
+        facts = read or self.processes.read
+        owners = owners_by_gpu(gpus, facts, jobs=jobs, pods=pods, users=self.users)
         self.processes.keep({pid for gpu in gpus for pid in gpu.memory})
         return owners
 

@@ -25,9 +25,20 @@ SLURM_STEPS = {"4294967292": "extern", "4294967291": "batch", "4294967290": "int
 # worker's rank while SLURM_PROCID is the launcher's; mpirun inside an allocation inherits
 # the batch step's SLURM_PROCID (0)
 RANKS = (b"RANK", b"OMPI_COMM_WORLD_RANK", b"PMI_RANK", b"SLURM_PROCID")
-WANTED = frozenset(
-    {b"SLURM_JOB_ID", b"SLURM_STEP_ID", b"SLURM_JOB_USER", b"TORCHELASTIC_RUN_ID", *RANKS}
-)
+# a launcher's signature: the variables torchrun, DeepSpeed, mpirun (Open MPI, MPICH,
+# Intel MPI, PMIx) set in each rank. SLURM_PROCID alone is none: every process of a batch
+# script or `srun jupyter` has it (0); a step of several tasks is (SLURM_STEP_NUM_TASKS)
+SIGNATURE = (
+    b"RANK", b"LOCAL_RANK", b"WORLD_SIZE", b"OMPI_COMM_WORLD_RANK", b"OMPI_COMM_WORLD_SIZE",
+    b"PMI_RANK", b"PMI_SIZE", b"PMIX_RANK",
+)  # fmt: skip
+# what names the launch the ranks share: torch.distributed's rendezvous store, torchrun's
+# run, the PMIx namespace of an MPI job, the Slurm step
+COMMUNICATORS = (
+    b"MASTER_ADDR", b"MASTER_PORT", b"TORCHELASTIC_RUN_ID", b"PMIX_NAMESPACE", b"SLURM_JOB_ID",
+    b"SLURM_STEP_ID", b"SLURM_STEP_NUM_TASKS",
+)  # fmt: skip
+WANTED = frozenset({b"SLURM_JOB_USER", *RANKS, *SIGNATURE, *COMMUNICATORS})
 MAX_ENVIRON = 1 << 20
 _VALUE = re.compile(r"[\w.:@+-]{1,64}")  # a label value: printable, no space, bounded
 _RANK = re.compile(r"[0-9]{1,7}")
@@ -42,6 +53,10 @@ class Launch:
     slurm_user: str = ""  # SLURM_JOB_USER
     rank: str = ""  # the first of RANKS set
     run_id: str = ""  # TORCHELASTIC_RUN_ID (torchrun's --rdzv-id; its default "none" left out)
+    launched: bool = False  # a launcher's signature (SIGNATURE): one rank of a job
+    # the launch it shares with its job's other ranks, when `launched` and one is named:
+    # "<MASTER_ADDR>:<MASTER_PORT>", "torchrun:<run id>", "pmix:<namespace>", "slurm:<J>.<S>"
+    communicator: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +76,34 @@ def parse_environ(data: bytes) -> Launch:
     step = values.get(b"SLURM_STEP_ID", "")
     run_id = values.get(b"TORCHELASTIC_RUN_ID", "")
     ranks = (values.get(name, "") for name in RANKS)
+    run_id = "" if run_id == "none" else run_id
+    tasks = values.get(b"SLURM_STEP_NUM_TASKS", "")
+    launched = any(_RANK.fullmatch(values.get(name, "")) for name in SIGNATURE) or (
+        _RANK.fullmatch(tasks) is not None and int(tasks) > 1
+    )
     return Launch(
         slurm_job=values.get(b"SLURM_JOB_ID", ""),
         slurm_step=SLURM_STEPS.get(step, step),
         slurm_user=values.get(b"SLURM_JOB_USER", ""),
         rank=next((rank for rank in ranks if _RANK.fullmatch(rank)), ""),
-        run_id="" if run_id == "none" else run_id,
+        run_id=run_id,
+        launched=launched,
+        communicator=_communicator(values, run_id) if launched else "",
     )
+
+
+def _communicator(values: dict[bytes, str], run_id: str) -> str:
+    """The first name of the launch its ranks share (Launch.communicator); "" if none."""
+    address, port = values.get(b"MASTER_ADDR"), values.get(b"MASTER_PORT")
+    job, step = values.get(b"SLURM_JOB_ID"), values.get(b"SLURM_STEP_ID")
+    namespace = values.get(b"PMIX_NAMESPACE")
+    if address and port:
+        return f"{address}:{port}"
+    if run_id:
+        return f"torchrun:{run_id}"
+    if namespace:
+        return f"pmix:{namespace}"
+    return f"slurm:{job}.{step}" if job and step else ""
 
 
 def parse_uid(status: bytes) -> int | None:
