@@ -22,8 +22,9 @@ import pytest
 import yaml
 from daemon_process import require_tool, running_daemon
 from dashboards import DASHBOARDS, REGENERATE, generator, panel_queries, panels, substitute
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from servers import free_port, running_prometheus
+from servers import free_port, running_prometheus, wait_until
 
 from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
 
@@ -191,9 +192,14 @@ def owner_exposition(metrics_url: str, target: str) -> str:
     docs/fleet.md fixes, as its processes source will export it for a torchrun job in a
     Kubernetes pod; `job`, `instance` and `node` are the daemon's target's (served with
     honor_labels, so they join with the daemon's own series)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    (info,) = [f for f in text_string_to_metric_families(text) if f.name == "gpuwatchd_gpu_info"]
+
+    def gpu_info() -> list[Metric]:  # the NVML source's first poll may not have landed yet
+        with urllib.request.urlopen(metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        families = text_string_to_metric_families(text)
+        return [f for f in families if f.name == "gpuwatchd_gpu_info" and f.samples]
+
+    (info,) = wait_until("the daemon's gpuwatchd_gpu_info", gpu_info, timeout=60)
     lines = ["# TYPE gpuwatchd_gpu_owner_info gauge"]
     for sample in info.samples:
         gpu, uuid = sample.labels["gpu"], sample.labels["uuid"]

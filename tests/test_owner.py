@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from servers import wait_until
 
 from gpuwatchd.sources.owner import (
     LABELS,
@@ -488,7 +489,9 @@ def test_unreadable_environment_is_normal() -> None:
     variables = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     variables.update(SLURM_JOB_ID="4242", SLURM_PROCID="7")
     helper = subprocess.Popen(["sleep", "30"], env=variables)
+    environ = Path(f"/proc/{helper.pid}/environ")
     try:
+        wait_until("the helper's exec", lambda: b"SLURM_JOB_ID=4242" in environ.read_bytes(), 10)
         gpu = GpuProcesses(0, "GPU-0", {helper.pid: 1.0})
 
         def read() -> list[str]:

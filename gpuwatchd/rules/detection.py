@@ -15,7 +15,7 @@ import logging
 import multiprocessing
 import os
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from gpuwatchd.config import Config
@@ -32,12 +32,14 @@ class Replay:
 
 
 _played: dict[str, Replay] = {}
+_playing: dict[str, Future[Replay]] = {}  # started by play_ahead, not taken yet
 
 
 def replay(name: str) -> Replay:
     """Play the built-in scenario `name` to its end with the default config (cached)."""
     if name not in _played:
-        _played[name] = _play(name)
+        playing = _playing.pop(name, None)
+        _played[name] = playing.result() if playing is not None else _play(name)
     return _played[name]
 
 
@@ -45,17 +47,27 @@ def replays(names: list[str] | None = None) -> dict[str, Replay]:
     """Every built-in scenario (or `names`) played, those not played yet in parallel,
     one process per CPU, the longest first (cached as `replay`)."""
     names = builtin_scenarios() if names is None else names
+    play_ahead(names)
+    return {name: replay(name) for name in names}
+
+
+def play_ahead(names: list[str]) -> None:
+    """Start playing the scenarios not played or playing yet in worker processes, one
+    per CPU, the longest first; `replay` takes each result when asked. The test suite
+    starts the corpus this way at collection, so it plays while other tests wait on
+    their servers."""
     todo = sorted(
-        (n for n in set(names) if n not in _played),
+        (n for n in set(names) if n not in _played and n not in _playing),
         key=lambda n: -load_scenario(n).duration,
     )
     workers = min(len(todo), os.cpu_count() or 1)
-    if workers > 1:
-        context = multiprocessing.get_context("spawn")  # no threads of ours come along
-        quiet = logging.root.manager.disable  # the workers log as this process would
-        with ProcessPoolExecutor(workers, context, logging.disable, (quiet,)) as pool:
-            _played.update(zip(todo, pool.map(_play, todo), strict=True))
-    return {name: replay(name) for name in names}
+    if workers < 2:
+        return  # played in this process, when asked
+    context = multiprocessing.get_context("spawn")  # no threads of ours come along
+    quiet = logging.root.manager.disable  # the workers log as this process would
+    pool = ProcessPoolExecutor(workers, context, logging.disable, (quiet,))
+    _playing.update((name, pool.submit(_play, name)) for name in todo)
+    pool.shutdown(wait=False)  # its workers end once the last scenario is played
 
 
 def _play(name: str) -> Replay:

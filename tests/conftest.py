@@ -1,0 +1,23 @@
+"""Suite-wide setup: the scenario corpus starts playing as soon as it is collected.
+
+test_detection.py and test_scenario_corpus.py read the replays of every built-in scenario
+(`gpuwatchd.rules.detection`), played in worker processes, one per CPU: started at
+collection, they play while the rest of the suite mostly waits on real servers and
+processes, and those tests, run last, take the results.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwatchd.rules.detection import play_ahead
+from gpuwatchd.sim.scenario import builtin_scenarios
+
+CORPUS_FILES = {"test_detection.py", "test_scenario_corpus.py"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    corpus = [item for item in items if item.path.name in CORPUS_FILES]
+    if corpus:
+        play_ahead(builtin_scenarios())
+        items[:] = [item for item in items if item.path.name not in CORPUS_FILES] + corpus
