@@ -430,6 +430,8 @@ def main() -> int:
     header = ["node", "CPU ms/s", "sim writer ms/s", "RSS MiB", "NVML calls/s",
               "GPUs exported", "sources down", "source errors"]  # fmt: skip
     print(table(header, rows))
+    if len(by_size) < 2:  # a slope needs two node sizes
+        return 0
     per_gpu, at_none = slope(by_size)
     print(
         f"\nCPU per GPU (least squares over {sorted(by_size)} GPUs): **{per_gpu:.3f} ms/s "

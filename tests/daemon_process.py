@@ -9,8 +9,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import resources
+from pathlib import Path
 
 import pytest
+import yaml
+
+from gpuwatchd.sim.scenario import SCENARIO_PACKAGE
 
 
 @contextmanager
@@ -56,4 +61,16 @@ def require_tool(name: str) -> str:
         if os.environ.get("CI"):
             pytest.fail(f"{name} is not installed; .ci/run should install it")
         pytest.skip(f"{name} not installed (apt-get install prometheus)")
+    return path
+
+
+def shorten(scenario: str, durations: dict[str, str], tmp_path: Path) -> Path:
+    """A built-in scenario with its phases' durations replaced (and its expectations
+    dropped: the end-to-end tests check alerts, not causes)."""
+    data = yaml.safe_load((resources.files(SCENARIO_PACKAGE) / f"{scenario}.yaml").read_text())
+    for phase in data["phases"]:
+        phase["duration"] = durations[phase["name"]]
+    data.pop("expect", None)
+    path = tmp_path / f"{scenario}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

@@ -14,14 +14,11 @@ from __future__ import annotations
 import time
 import urllib.parse
 from contextlib import ExitStack
-from importlib import resources
 from pathlib import Path
 
 import yaml
-from daemon_process import running_daemon
+from daemon_process import running_daemon, shorten
 from servers import Webhook, running_alertmanager, running_prometheus, wait_until
-
-from gpuwatchd.sim.scenario import SCENARIO_PACKAGE
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -30,17 +27,6 @@ SHORT_FOR = 5.0  # seconds: the `for` of daemon rules and alerts in this test
 # onset and end of each fault in the shortened scenarios, in seconds from the start
 PCIE_ONSET, NCCL_ONSET, NCCL_END = 10, 10, 45
 
-
-def shorten(scenario: str, durations: dict[str, str], tmp_path: Path) -> Path:
-    """A built-in scenario with its phases' durations replaced (and its expectations
-    dropped: the alerts are what this test checks)."""
-    data = yaml.safe_load((resources.files(SCENARIO_PACKAGE) / f"{scenario}.yaml").read_text())
-    for phase in data["phases"]:
-        phase["duration"] = durations[phase["name"]]
-    data.pop("expect", None)
-    path = tmp_path / f"{scenario}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def _seconds(value: str) -> float:

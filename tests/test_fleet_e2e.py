@@ -18,14 +18,11 @@ from __future__ import annotations
 import time
 import urllib.parse
 from contextlib import ExitStack
-from importlib import resources
 from pathlib import Path
 
 import yaml
-from daemon_process import running_daemon
+from daemon_process import running_daemon, shorten
 from servers import Prometheus, running_prometheus, wait_until
-
-from gpuwatchd.sim.scenario import SCENARIO_PACKAGE
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "deploy" / "prometheus" / "jobs.yaml"
@@ -33,16 +30,6 @@ ONSET = 15  # seconds from node2's start to rank 3 stopping
 FOR = "2s"
 WINDOW = "10s"
 
-
-def shorten(scenario: str, durations: dict[str, str], tmp_path: Path) -> Path:
-    """A built-in scenario with its phases' durations replaced, its expectations dropped."""
-    data = yaml.safe_load((resources.files(SCENARIO_PACKAGE) / f"{scenario}.yaml").read_text())
-    for phase in data["phases"]:
-        phase["duration"] = durations[phase["name"]]
-    data.pop("expect", None)
-    path = tmp_path / f"{scenario}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def short_jobs_rules(tmp_path: Path) -> Path:
