@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import http.client
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -27,6 +25,7 @@ from typing import Any
 
 import psutil
 import yaml
+from bench_scrape import spawned_daemon
 
 from gpuwatchd import store as store_module
 from gpuwatchd.config import Config
@@ -164,26 +163,8 @@ def bench_scrape(exporter: Exporter) -> dict[str, float]:
 def bench_daemon(scenario: Path) -> dict[str, float]:
     """Spawn the real daemon; time to the first scrape with every source up; RSS; CPU."""
     started = time.monotonic()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpuwatchd",
-            "run",
-            "--simulate",
-            str(scenario),
-            "--listen",
-            "127.0.0.1:0",
-            "--log-level",
-            "warning",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stderr is not None
-    line = next(line for line in proc.stderr if "gpuwatchd: serving" in line)
-    host_port = line.rsplit(" on ", 1)[1].strip().split("/")[2]
-    try:
+    with spawned_daemon(str(scenario)) as (url, pid):
+        host_port = url.split("/")[2]
         while True:
             connection = http.client.HTTPConnection(host_port)
             connection.request("GET", "/metrics")
@@ -193,15 +174,12 @@ def bench_daemon(scenario: Path) -> dict[str, float]:
                 break
             time.sleep(0.05)
         first_scrape = time.monotonic() - started
-        process = psutil.Process(proc.pid)
+        process = psutil.Process(pid)
         before, window_start = process.cpu_times(), time.monotonic()
         time.sleep(30)  # steady state: every source polled several times
         after = process.cpu_times()
         window = time.monotonic() - window_start
         rss = process.memory_info().rss / 2**20
-    finally:
-        proc.terminate()
-        proc.wait(10)
     busy = after.user + after.system - before.user - before.system
     return {
         "first full scrape s": first_scrape,

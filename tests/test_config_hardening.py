@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from series import error_loading_fifo
 
 from gpuwatchd.config import ConfigError, load_config
 from gpuwatchd.daemon import Pipeline
@@ -153,22 +154,7 @@ def test_deeply_nested_yaml_is_a_config_error(tmp_path: Path) -> None:
 
 def test_a_fifo_as_the_config_is_refused_at_once(tmp_path: Path) -> None:
     path = tmp_path / "gpuwatchd.yaml"
-    os.mkfifo(path)
-    outcome: list[BaseException] = []
-
-    def load() -> None:
-        try:
-            load_config(path)
-        except BaseException as e:
-            outcome.append(e)
-
-    loader = threading.Thread(target=load, daemon=True)
-    loader.start()
-    loader.join(10)
-    if loader.is_alive():  # stuck opening the FIFO: let it go, then fail
-        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-        pytest.fail("reading the config blocked")
-    (error,) = outcome
+    error = error_loading_fifo(path, load_config)
     assert isinstance(error, ConfigError) and "not a regular file" in str(error)
 
 

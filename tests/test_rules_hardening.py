@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from series import error_loading_fifo
 
 from gpuwatchd.cli import main
 from gpuwatchd.config import load_config
@@ -105,22 +106,7 @@ def test_a_huge_file_is_refused_before_it_is_parsed(
 
 def test_a_fifo_as_the_rule_file_is_refused_at_once(tmp_path: Path) -> None:
     path = tmp_path / "rules.yaml"
-    os.mkfifo(path)
-    outcome: list[BaseException] = []
-
-    def load() -> None:
-        try:
-            load_rules(path, CATALOG)
-        except BaseException as e:
-            outcome.append(e)
-
-    loader = threading.Thread(target=load, daemon=True)
-    loader.start()
-    loader.join(10)
-    if loader.is_alive():  # stuck opening the FIFO: let it go, then fail
-        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-        pytest.fail("reading the rule file blocked")
-    (error,) = outcome
+    error = error_loading_fifo(path, lambda p: load_rules(p, CATALOG))
     assert isinstance(error, RulesError) and "not a regular file" in str(error)
 
 
