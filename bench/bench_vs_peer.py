@@ -11,9 +11,10 @@ with realistic NVML costs: the fake libnvidia-ml under each one's real pynvml sp
 real driver's CPU per call and blocks 20 ms in nvmlDeviceGetPcieThroughput
 (gpuwatchd.sim.fake_nvml.DRIVER_COSTS): gpuwatchd as `gpuwatchd run --simulate`, the
 production path with the default configuration; nvitop-exporter through
-bench/peer_on_sim.py, its own CLI with the default 1 s interval. They run one after the
-other, alternating (A B A B ...), each round warming up then measured for `--seconds`,
-both scraped every 15 s meanwhile as Prometheus would.
+bench/peer_on_sim.py, its own CLI with the default 1 s interval; and the floor, a bare
+loop making only the NVML reads a diagnosis needs (bench/floor_on_sim.py). They run one
+after the other, in turn (A B C A B C ...), each round warming up then measured for
+`--seconds`, all scraped every 15 s meanwhile as Prometheus would.
 
 Measured from /proc for the process and its children: CPU (schedstat, ns) per second of
 the window, RSS at its end, and the NVML calls per second the fake counted
@@ -281,10 +282,16 @@ def peer(python: Path, scenario: Path, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def simulator_rss(python: Path, scenario: Path, whole_node: bool) -> float:
-    """MiB the simulator adds to a process that has loaded the exporter itself: the fake
-    NVML (and, `whole_node`, the simulated node gpuwatchd runs on), measured in processes
-    of their own."""
+def floor(scenario: Path, port: int) -> list[str]:
+    return [sys.executable, str(ROOT / "bench" / "floor_on_sim.py"), str(scenario), str(port)]
+
+
+def simulator_rss(
+    python: Path, scenario: Path, whole_node: bool, exporter: str | None = None
+) -> float:
+    """MiB the simulator adds to a process that has loaded the exporter itself (the
+    peer, or the `exporter` imports given): the fake NVML (and, `whole_node`, the
+    simulated node gpuwatchd runs on), measured in processes of their own."""
     site = sysconfig.get_paths()["purelib"]
     if whole_node:
         exporter = (
@@ -293,7 +300,7 @@ def simulator_rss(python: Path, scenario: Path, whole_node: bool) -> float:
         )
         simulator = "from gpuwatchd.sim.node import SimNode; SimNode(load_scenario(s), False)"
     else:
-        exporter = "import nvitop, nvitop_exporter.cli, nvitop_exporter.exporter"
+        exporter = exporter or "import nvitop, nvitop_exporter.cli, nvitop_exporter.exporter"
         simulator = (
             "import pynvml; from gpuwatchd.sim.clock import SimClock; "
             "from gpuwatchd.sim.fake_nvml import FakeNvmlLib; from gpuwatchd.sim.scenario "
@@ -368,19 +375,21 @@ def main() -> int:
     print(f"# gpuwatchd vs {peer_version(python)}, {date.today()}\n")
     print(f"Machine: {machine()}.\n")
 
-    runs: dict[str, list[Run]] = {"gpuwatchd": [], "peer": []}
-    for i in range(args.rounds):  # A B A B ...
+    runs: dict[str, list[Run]] = {"gpuwatchd": [], "peer": [], "floor": []}
+    commands = {"gpuwatchd": gpuwatchd, "peer": lambda n, p: peer(python, n, p), "floor": floor}
+    for i in range(args.rounds):  # A B C A B C ...
         for who in runs:
             port = free_port()
-            command = gpuwatchd(node, port) if who == "gpuwatchd" else peer(python, node, port)
+            command = commands[who](node, port)
             result = run(who, command, port, args.warmup, args.seconds)
             runs[who].append(result)
             print(f"<!-- round {i + 1} {who}: {result} -->", flush=True)
-    ours, theirs = runs["gpuwatchd"], runs["peer"]
+    ours, theirs, bare = runs["gpuwatchd"], runs["peer"], runs["floor"]
     simulators = {
         "gpuwatchd": simulator_rss(Path(sys.executable), node, whole_node=True),
         "peer": simulator_rss(python, node, whole_node=False),
     }
+    simulators["floor"] = simulator_rss(Path(sys.executable), node, False, "import pynvml")
     print(
         f"\n8 GPUs, {args.rounds} rounds of {args.seconds:g} s each, alternating; "
         "mean (min–max) over the rounds\n"
@@ -393,7 +402,11 @@ def main() -> int:
             f"{simulators[who]:.1f}",
             spread(r, "calls", 0),
         ]
-        for who, name, r in (("gpuwatchd", "gpuwatchd", ours), ("peer", "nvitop-exporter", theirs))
+        for who, name, r in (
+            ("gpuwatchd", "gpuwatchd", ours),
+            ("peer", "nvitop-exporter", theirs),
+            ("floor", "bare NVML loop (bench/floor_on_sim.py)", bare),
+        )
     ]
     header = ["exporter", "CPU ms/s", "RSS MiB", "of which the simulator, MiB", "NVML calls/s"]
     print(table(header, rows))
@@ -402,7 +415,8 @@ def main() -> int:
         f"\nCPU, nvitop-exporter / gpuwatchd: **{ratio:.1f}×**. Left out of the CPU: the "
         f"fake NVML's overshoot, gpuwatchd {mean(ours, 'overshoot'):.2f} ms/s, nvitop-exporter "
         f"{mean(theirs, 'overshoot'):.2f} ms/s; gpuwatchd's simulated node's writer thread, "
-        f"{mean(ours, 'sim_cpu'):.2f} ms/s.\n"
+        f"{mean(ours, 'sim_cpu'):.2f} ms/s. gpuwatchd / the bare NVML loop: "
+        f"**{mean(ours, 'cpu') / mean(bare, 'cpu'):.1f}×**.\n"
     )
     names = sorted({n for r in ours for n in r.by_thread}, key=lambda n: -mean_thread(ours, n))
     print("gpuwatchd per thread, ms/s (mean over the rounds)\n")

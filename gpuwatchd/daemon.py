@@ -211,7 +211,7 @@ class Daemon:
         now = self.pipeline.now()
         self.scheduler.check_hung(now)  # a stuck poll: down, then a fresh thread
         self.pipeline.evaluate_rules()
-        self.pipeline.exporter.render()
+        self.pipeline.exporter.refresh()  # the sources' families: when a scrape asks
 
     def reload(self, config: Config | None = None) -> None:
         """SIGHUP: apply `config` (the file read again; None: unchanged) as far as it can
@@ -229,7 +229,7 @@ class Daemon:
                 self.evaluate_once()
             except Exception:  # the loop must survive anything one cycle throws
                 log.exception("evaluation cycle failed")
-            else:  # only a loop that renders is alive: a wedged one gets restarted
+            else:  # only a loop that evaluates is alive: a wedged one gets restarted
                 self.notifier.alive()
             next_at = max(next_at + interval, time.monotonic())
             self._stop.wait(next_at - time.monotonic())

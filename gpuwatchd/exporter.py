@@ -1,8 +1,11 @@
-"""Renders what the store and the pollers hold into cached expositions (web.py serves them).
+"""Renders what the store and the pollers hold into the exposition web.py serves.
 
-The exporter never calls a source: `render()` runs once per evaluation cycle and swaps
-in new bytes; a scrape only picks the cached bytes for its content type. A slow or hung
-source therefore can never slow a scrape down.
+The exporter never calls a source, so a slow or hung source can never slow a scrape
+down. The sources' families are rendered when a scrape asks (`latest()`), as far as
+they changed since the last scrape: Prometheus scrapes every 15-60 s, the sources poll
+every 1-10 s, and rendering every poll's values would be work nobody reads. The rules'
+families are the evaluation loop's: it renders them on a transition (`refresh()`), so
+a scrape never reads the engine while it evaluates.
 """
 
 from __future__ import annotations
@@ -91,7 +94,10 @@ class Exporter:
         self._views: dict[str, _View] = {}  # each source's series, as last rendered
         self._current = Exposition(b"", b"", float("nan"))
         self._joined: list[tuple[object, bytes, bytes]] = []  # what the current bytes joined
+        self._derived_parts: list[tuple[object, bytes, bytes]] = []  # as the loop left them
+        self.refreshed_at = float("nan")  # when the evaluation loop last refreshed
         self._lock = threading.Lock()
+        self._render_lock = threading.Lock()  # one render at a time: scrapes and callers
 
     def _part(
         self,
@@ -164,25 +170,46 @@ class Exporter:
 
         return self._part("", version, self.specs, own)
 
-    def render(self) -> Exposition:
+    def refresh(self) -> None:
+        """The evaluation loop's share, every cycle: the rules' families, rendered again
+        only when their version changed (a transition, a firing cause's seconds)."""
         now = self.now()
-        parts = [self._source_part(poller, now) for poller in self.pollers]
-        parts.append(self._own_part(now))
-        for i, (version, rows) in enumerate(self.derived):
-            parts.append(self._part(f"derived {i}", version(), self.specs, rows))
+        parts = [
+            self._part(f"derived {i}", version(), self.specs, rows)
+            for i, (version, rows) in enumerate(self.derived)
+        ]
         with self._lock:
-            current = self._current
-        joined = self._joined
-        if len(parts) == len(joined) and all(a is b for a, b in zip(parts, joined, strict=True)):
-            exposition = Exposition(current.text, current.openmetrics, now)  # nothing new
-        else:
-            self._joined = parts
-            text = b"".join(p[1] for p in parts)
-            openmetrics = b"".join(p[2] for p in parts) + OPENMETRICS_EOF
-            exposition = Exposition(text, openmetrics, now)
-        with self._lock:
-            self._current = exposition
-        return exposition
+            self._derived_parts = parts
+            self.refreshed_at = now
+
+    def latest(self) -> Exposition:
+        """What a scrape serves: the sources' and the daemon's families rendered again as
+        far as they changed since the last render, the rules' as the loop left them."""
+        with self._render_lock:
+            now = self.now()
+            parts = [self._source_part(poller, now) for poller in self.pollers]
+            parts.append(self._own_part(now))
+            with self._lock:
+                parts += self._derived_parts
+                current = self._current
+            joined = self._joined
+            if len(parts) == len(joined) and all(
+                a is b for a, b in zip(parts, joined, strict=True)
+            ):
+                exposition = Exposition(current.text, current.openmetrics, now)  # nothing new
+            else:
+                self._joined = parts
+                text = b"".join(p[1] for p in parts)
+                openmetrics = b"".join(p[2] for p in parts) + OPENMETRICS_EOF
+                exposition = Exposition(text, openmetrics, now)
+            with self._lock:
+                self._current = exposition
+            return exposition
+
+    def render(self) -> Exposition:
+        """Everything, up to date now (`refresh()` then `latest()`)."""
+        self.refresh()
+        return self.latest()
 
     @property
     def current(self) -> Exposition:

@@ -78,8 +78,9 @@ class SourceSeries:
     updated_at: float | None = None
     generation: int = 0  # bumped by every update, so readers can tell new data from old
     stale_after: float = float("inf")
-    # the last updates' changes: (generation, the series whose value changed, came or went)
-    log: deque[tuple[int, list[SeriesKey]]] = field(default_factory=lambda: deque(maxlen=8))
+    # the last updates' changes: (generation, the series whose value changed, came or went);
+    # enough of them to span a 30 s scrape interval of a source polled every second
+    log: deque[tuple[int, list[SeriesKey]]] = field(default_factory=lambda: deque(maxlen=32))
     order: list[tuple[SeriesKey, Series]] = field(default_factory=list)  # the last update's
 
 

@@ -431,7 +431,7 @@ class MetricsServer:
     # -- endpoints -----------------------------------------------------------------------
 
     async def _metrics(self, request: web.BaseRequest, user: str | None) -> web.Response:
-        current = self.exporter.current
+        current = self.exporter.latest()
         if wants_openmetrics(request.headers.get("Accept")):
             return web.Response(
                 body=current.openmetrics, headers={"Content-Type": OPENMETRICS_TYPE}
@@ -439,17 +439,17 @@ class MetricsServer:
         return web.Response(body=current.text, headers={"Content-Type": TEXT_TYPE})
 
     async def _healthz(self, request: web.BaseRequest, user: str | None) -> web.Response:
-        """Healthy while the render loop is alive; sources being down is not unhealthy.
+        """Healthy while the evaluation loop is alive; sources being down is not unhealthy.
 
         With basic auth configured, a caller without credentials (a kubelet probe) gets
-        the status and one word; the details (render age, sources) need the password.
+        the status and one word; the details (the loop's age, sources) need the password.
         """
-        age = self.exporter.now() - self.exporter.current.rendered_at
+        age = self.exporter.now() - self.exporter.refreshed_at
         healthy = age <= 30
         if self._auth is not None and user is None:
             return _text(200, "ok\n") if healthy else _text(503, "unhealthy\n")
         if not healthy:
-            return _text(503, f"exposition not rendered for {age:.0f}s\n")
+            return _text(503, f"rules not evaluated for {age:.0f}s\n")
         lines = [
             f"source {p.name}: {'up' if p.health.up else 'down'}" for p in self.exporter.pollers
         ]
@@ -457,10 +457,10 @@ class MetricsServer:
 
     async def _status_page(self, request: web.BaseRequest, user: str | None) -> web.Response:
         """Rendered off the loop, at most once per evaluation cycle however many ask."""
-        rendered_at = self.exporter.current.rendered_at
-        if self._page is None or self._page[0] != rendered_at:
+        cycle = self.exporter.refreshed_at
+        if self._page is None or self._page[0] != cycle:
             page = asyncio.get_running_loop().run_in_executor(self._workers, self.status_page)
-            self._page = (rendered_at, page)
+            self._page = (cycle, page)
         try:
             body = await asyncio.shield(self._page[1])
         except Exception:  # a bug in the page answers 500 instead of dropping the connection

@@ -139,11 +139,9 @@ def test_http_endpoints_serve_cached_bytes(setup):
         status, ctype, body = get(base + "/metrics")
         assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
         assert b'gpuwatchd_gpu_temperature_celsius{gpu="0",uuid="GPU-a"} 61.0' in body
-        # a scrape never renders: new samples show only after the next render
+        # a scrape renders what the last poll stored (the loop need not have run)
         source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 70.0)]
         poller.poll()
-        assert get(base + "/metrics")[2] == body
-        exporter.render()
         assert b"} 70.0" in get(base + "/metrics")[2]
         status, ctype, body = get(base + "/metrics", "application/openmetrics-text; version=1.0.0")
         assert ctype.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
@@ -232,3 +230,28 @@ def test_own_and_derived_parts_are_rendered_again_only_when_their_version_change
     assert b"} 1.0" in exporter.render().text and asked == [0, 1]
     poller.poll()  # the source and the daemon's own part (its health) change; not the rules'
     assert exporter.render().text is not first.text and asked == [0, 1]
+    version[0] = 2  # a scrape serves the rules' families as the evaluation loop left them
+    assert b"} 1.0" in exporter.latest().text and asked == [0, 1]
+    exporter.refresh()
+    assert b"} 2.0" in exporter.latest().text and asked == [0, 1, 2]
+
+
+def test_a_scrape_after_many_polls_shows_the_last_values(setup):
+    """Between two scrapes a source polls more often than the store's change log spans:
+    the scrape catches up with all of it (its changes, or the whole source again)."""
+    clock, source, poller, exporter = setup
+    for polls in (3, 40):  # within the change log, then past it
+        for i in range(polls):
+            source.next = [
+                Sample("gpuwatchd_gpu_temperature_celsius", (str(gpu), f"GPU-{gpu}"), i + gpu)
+                for gpu in range(i % 3 + 1)  # series come and go too
+            ]
+            poller.poll()
+            clock.t += 1
+        text = exporter.latest().text
+        want = {str(gpu): float(polls - 1 + gpu) for gpu in range((polls - 1) % 3 + 1)}
+        got = {
+            s.labels["gpu"]: s.value
+            for s in families(text)["gpuwatchd_gpu_temperature_celsius"].samples
+        }
+        assert got == want

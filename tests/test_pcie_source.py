@@ -17,6 +17,7 @@ from gpuwatchd.sources import pcie as pcie_module
 from gpuwatchd.sources.base import Context
 from gpuwatchd.sources.pcie import (
     PcieSource,
+    aer_total,
     link_generation,
     parse_aer,
     parse_hex,
@@ -267,6 +268,29 @@ def test_unreadable_or_vanished_gpu_never_fails_the_poll(tmp_path: Path) -> None
     assert got[("pcie_link_degraded", (NVME, NVME, "gpu"))] == 0  # Gen3 x4: both ends' best
 
 
+def test_link_maxima_and_numa_node_are_read_once_per_function_on_the_bus(tmp_path: Path) -> None:
+    """LnkCap and the NUMA node do not change while a function is on the bus: read at the
+    first poll that could, not again; a function that left and came back is read anew."""
+    root = build_tree(tmp_path, relabel={NVME: GPU_LABELS, E810: GPU_LABELS})
+    source = source_for(root)
+    nvme = device_dir(root, NVME)
+    first = by_key(source.collect())
+    gpu = ("pcie_link_width_max", (NVME, NVME, "gpu"))
+    (nvme / "max_link_width").write_text("1\n")
+    (nvme / "numa_node").write_text("7\n")
+    (nvme / "current_link_width").write_text("2\n")  # the current width is read every poll
+    got = by_key(source.collect())
+    assert got[gpu] == first[gpu] and got[("pcie_link_width", (NVME, NVME, "gpu"))] == 2
+    assert got[("pcie_gpu_numa_node", (NVME,))] == first[("pcie_gpu_numa_node", (NVME,))]
+    listed = root / "bus" / "pci" / "devices" / E810
+    target = listed.readlink()
+    listed.unlink()  # one function leaves the bus, and is back
+    by_key(source.collect())
+    listed.symlink_to(target)
+    got = by_key(source.collect())
+    assert got[gpu] == 1 and got[("pcie_gpu_numa_node", (NVME,))] == 7
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     garbage=st.dictionaries(
@@ -396,7 +420,7 @@ def test_parse_aer_on_the_real_files() -> None:
             FIXTURES / "procfs/bus/pci/devices" / E810,
         ]:
             counts = parse_aer((fixture / name).read_text())
-            assert counts[total] == 0
+            assert counts[total] == 0 == aer_total((fixture / name).read_text(), total)
             assert len(counts) > 5
     text = "RxErr 3\nBadTLP 1\ndev_cor_errs_bit[12] 2\nTOTAL_ERR_COR 6\n"
     assert parse_aer(text) == {
@@ -457,6 +481,8 @@ def test_parsers_never_raise(text: str) -> None:
     assert parse_link_width(text) in (None, 1, 2, 4, 8, 12, 16, 32)
     aer = parse_aer(text)
     assert all(isinstance(v, int) and v >= 0 for v in aer.values())
+    for total in ("TOTAL_ERR_COR", "TOTAL_ERR_FATAL"):
+        assert aer_total(text, total) == aer.get(total)
     numa = parse_numa_node(text)
     assert numa is None or numa >= -1
     parse_hex(text)

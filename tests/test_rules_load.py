@@ -311,7 +311,7 @@ def test_sighup_reloads_the_rules_of_a_running_daemon(tmp_path: Path):
         assert daemon.pipeline.rules_watcher.wait_idle(10)
         daemon.evaluate_once()  # and the rules swapped in between two cycles
         assert [r.name for r in engine.rules.rules] == ["cause_z"]
-        text = daemon.pipeline.exporter.current.text.decode()
+        text = daemon.pipeline.exporter.latest().text.decode()  # what a scrape gets
         assert 'gpuwatchd_starvation_active{cause="cause_z",dimension="compute",gpu="0"' in text
         assert "gpuwatchd_rules_last_reload_successful 1.0" in text
     finally:

@@ -336,7 +336,7 @@ def test_healthz_answers_probes_without_the_password_and_tells_them_nothing(tmp_
         server.exporter.now = lambda: time.time() + 3600
         assert request(server, "GET", "/healthz")[::2] == (503, b"unhealthy\n")
         status, _, body = request(server, "GET", "/healthz", basic("alice", PASSWORD))
-        assert status == 503 and b"not rendered for" in body
+        assert status == 503 and b"rules not evaluated for" in body
 
 
 def test_a_flood_that_exhausts_the_rate_limit_does_not_fail_the_probes(tmp_path):

@@ -7,6 +7,7 @@ series 'gpu_sm_activ_ratio' (did you mean 'gpu_sm_active_ratio'?)`.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -135,11 +136,18 @@ def _describe(err: Any) -> tuple[str, str]:
     return field, f"{message}, got {brief(err.get('input'))}"
 
 
+@functools.lru_cache(maxsize=4)
+def _parsed_yaml(text: str) -> Any:
+    """A rule file's YAML, parsed once per text: every pipeline (each replayed scenario,
+    each reload of an unchanged file) loads the same rules. Only read, never changed."""
+    return yaml.safe_load(text)
+
+
 def parse_rules(text: str, where: str, catalog: Catalog | None = None) -> RuleSet:
     """Validate and compile a rule file's text; RulesError lists every problem."""
     catalog = catalog or Catalog.builtin()
     try:
-        data = yaml.safe_load(text)
+        data = _parsed_yaml(text)
     except yaml.YAMLError as e:
         raise RulesError([f"{where}: not valid YAML: {' '.join(str(e).split())}"]) from e
     except RecursionError as e:

@@ -510,7 +510,7 @@ class FakeNvmlLib(DeviceReads):
         (`context.extras["nvml_wait"]`)."""
         # done.wait wakes the moment the poll's work is done (the common case); the short
         # timeout only bounds how late a thread that blocked on a hung GPU is noticed
-        while not done.wait(0.0005):
+        while not done.wait(0.005):
             with self._hang_changed:
                 if thread in self._blocked_threads:
                     return False

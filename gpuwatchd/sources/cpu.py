@@ -162,23 +162,31 @@ def parse_meminfo(text: str) -> dict[str, int]:
     return result
 
 
-def busy_ratio(now: tuple[int, ...], before: tuple[int, ...]) -> tuple[float, float, float] | None:
-    """(busy, iowait, steal) ratios between two readings of one cpu line; None if no
-    time passed. A column that went backwards counts as 0."""
-    deltas = [max(0, a - b) for a, b in zip(now, before, strict=True)]
+def cpu_ratios(
+    now: tuple[int, ...], before: tuple[int, ...]
+) -> tuple[float, float, float, float] | None:
+    """(busy, iowait, steal, interrupts) ratios between two readings of one cpu line;
+    None if no time passed. A column that went backwards counts as 0. Interrupts: the
+    share in hard (irq) and soft (softirq) handlers, what interrupts cost that CPU."""
+    deltas = [a - b if a > b else 0 for a, b in zip(now, before, strict=True)]
     total = sum(deltas)
     if total <= 0:
         return None
     busy = total - deltas[IDLE] - deltas[IOWAIT]
-    return busy / total, deltas[IOWAIT] / total, deltas[STEAL] / total
+    irq = deltas[IRQ] + deltas[SOFTIRQ]
+    return busy / total, deltas[IOWAIT] / total, deltas[STEAL] / total, irq / total
+
+
+def busy_ratio(now: tuple[int, ...], before: tuple[int, ...]) -> tuple[float, float, float] | None:
+    """(busy, iowait, steal) of `cpu_ratios`."""
+    ratios = cpu_ratios(now, before)
+    return None if ratios is None else ratios[:3]
 
 
 def interrupt_ratio(now: tuple[int, ...], before: tuple[int, ...]) -> float | None:
-    """Share of a cpu line's time in hard (irq) and soft (softirq) interrupt handlers
-    between two readings: what interrupts cost that CPU; None if no time passed."""
-    deltas = [max(0, a - b) for a, b in zip(now, before, strict=True)]
-    total = sum(deltas)
-    return (deltas[IRQ] + deltas[SOFTIRQ]) / total if total > 0 else None
+    """The interrupts share of `cpu_ratios`."""
+    ratios = cpu_ratios(now, before)
+    return None if ratios is None else ratios[3]
 
 
 # -- the source -----------------------------------------------------------------------------
@@ -237,6 +245,7 @@ class CpuSource(Source):
         self.meminfo_path = os.path.join(procfs, "meminfo")
         self.pressure_dir = os.path.join(procfs, "pressure")
         self._prev: StatReading | None = None
+        self._labels: dict[int, tuple[str]] = {}  # a core's label values, made once
         self._psi_missing_logged = False
 
     def _read_required(self, path: str) -> str:
@@ -285,16 +294,17 @@ class CpuSource(Source):
             old = before.get(cpu)
             if old is None:
                 continue
-            ratios = busy_ratio(times, old)
+            ratios = cpu_ratios(times, old)
             if ratios is None:
                 continue
-            busy = ratios[0]
-            irq = interrupt_ratio(times, old)
+            busy, irq = ratios[0], ratios[3]
             if per_core:
-                samples.append(Sample("gpuwatchd_cpu_busy_ratio", (str(cpu),), busy))
-                if irq is not None:
-                    samples.append(Sample("gpuwatchd_cpu_interrupt_ratio", (str(cpu),), irq))
-            if irq is not None and (most_irq is None or irq > most_irq):
+                labels = self._labels.get(cpu)
+                if labels is None:
+                    labels = self._labels[cpu] = (str(cpu),)
+                samples.append(Sample("gpuwatchd_cpu_busy_ratio", labels, busy))
+                samples.append(Sample("gpuwatchd_cpu_interrupt_ratio", labels, irq))
+            if most_irq is None or irq > most_irq:
                 most_irq = irq
             if busiest is None or busy > busiest:
                 busiest = busy

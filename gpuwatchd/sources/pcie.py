@@ -103,6 +103,17 @@ def parse_aer(text: str) -> dict[str, int]:
     return counts
 
 
+def aer_total(text: str, name: str) -> int | None:
+    """`parse_aer(text).get(name)`, parsing only the lines that mention `name` (the
+    files have a line per error kind; the poll wants the totals)."""
+    for line in reversed(text.splitlines()):
+        if name in line:
+            match = _AER_LINE.fullmatch(line.strip())
+            if match is not None and match.group(1) == name:
+                return int(match.group(2))
+    return None
+
+
 def parse_numa_node(text: str) -> int | None:
     """A `numa_node` file: the node, -1 for none (any negative), None if garbled."""
     match = _NUMA.fullmatch(text.strip())
@@ -140,6 +151,7 @@ class LinkReading:
     width: int | None = None
     width_max: int | None = None
     aer: dict[str, int] = field(default_factory=dict)  # severity -> TOTAL_ERR_* count
+    present: bool = True  # its current_link_speed could be read (not gone from the bus)
 
     @property
     def generation(self) -> int | None:
@@ -173,20 +185,26 @@ class LinkReading:
         return False if len(known) == len(pairs) else None
 
 
-def read_link(path: str) -> LinkReading:
-    def text(name: str) -> str:
-        return _read(os.path.join(path, name)) or ""
+def read_link(path: str, caps: tuple[float | None, int | None] | None = None) -> LinkReading:
+    """One function's link files; `caps`: its (max speed, max width) known already."""
 
+    def text(name: str) -> str:
+        return _read(f"{path}/{name}") or ""
+
+    current = _read(f"{path}/current_link_speed")
+    if caps is None or current is None:  # not known, or the function is gone: read them
+        caps = parse_link_speed(text("max_link_speed")), parse_link_width(text("max_link_width"))
     reading = LinkReading(
-        speed=parse_link_speed(text("current_link_speed")),
-        speed_max=parse_link_speed(text("max_link_speed")),
+        speed=parse_link_speed(current or ""),
+        speed_max=caps[0],
         width=parse_link_width(text("current_link_width")),
-        width_max=parse_link_width(text("max_link_width")),
+        width_max=caps[1],
+        present=current is not None,
     )
     for file, total, severity in _AER_FILES:
-        content = _read(os.path.join(path, file))
+        content = _read(f"{path}/{file}")
         if content is not None:
-            value = parse_aer(content).get(total)
+            value = aer_total(content, total)
             if value is not None:
                 reading.aer[severity] = value
     return reading
@@ -261,6 +279,10 @@ class PcieSource(Source):
         # entry name in bus/pci/devices -> its path (GPU first, root port last), or None
         # for a function that is not a GPU
         self._paths: dict[str, tuple[PciFunction, ...] | None] = {}
+        # what does not change while a function is on the bus, read once: a function's
+        # (max speed, max width), its LnkCap; a GPU's NUMA node
+        self._caps: dict[str, tuple[float | None, int | None]] = {}
+        self._numa: dict[str, int] = {}
 
     def gpus(self) -> list[tuple[PciFunction, ...]]:
         """The path of every GPU found by the last poll: the GPU first, the root port last."""
@@ -284,22 +306,42 @@ class PcieSource(Source):
             gpu = path[0]
             for fn in path:
                 if fn.path not in readings:
-                    readings[fn.path] = read_link(fn.path)
+                    readings[fn.path] = self._read_link(fn.path)
             for i, fn in enumerate(path):
                 other = link_partner(path, i)
                 partner = None if other is None else readings[other.path]
                 self._link_samples(samples, gpu.bdf, fn, readings[fn.path], partner)
-            numa_text = _read(os.path.join(gpu.path, "numa_node"))
-            numa = None if numa_text is None else parse_numa_node(numa_text)
+            numa = self._numa_node(gpu.path) if readings[gpu.path].present else None
             if numa is not None:
                 samples.append(Sample("gpuwatchd_pcie_gpu_numa_node", (gpu.bdf,), float(numa)))
         return samples
 
+    def _read_link(self, path: str) -> LinkReading:
+        """The function's link; its maxima from the first poll that read both."""
+        reading = read_link(path, self._caps.get(path))
+        if not reading.present:
+            self._caps.pop(path, None)
+        elif reading.speed_max is not None and reading.width_max is not None:
+            self._caps[path] = (reading.speed_max, reading.width_max)
+        return reading
+
+    def _numa_node(self, path: str) -> int | None:
+        numa = self._numa.get(path)
+        if numa is None:
+            text = _read(os.path.join(path, "numa_node"))
+            numa = None if text is None else parse_numa_node(text)
+            if numa is not None:
+                self._numa[path] = numa
+        return numa
+
     def _refresh(self, entries: list[str]) -> None:
         """Walk functions new to the listing; forget the ones that left it."""
         present = set(entries)
-        for gone in [name for name in self._paths if name not in present]:
-            del self._paths[gone]
+        if gone := [name for name in self._paths if name not in present]:
+            for name in gone:
+                del self._paths[name]
+            self._caps.clear()  # a function left the bus: whatever came back is read anew
+            self._numa.clear()
         for name in entries:
             if name in self._paths:
                 continue
@@ -377,6 +419,7 @@ def walk_to_root(resolved: str) -> tuple[PciFunction, ...]:
 
 __all__ = [
     "BDF",
+    "aer_total",
     "LinkReading",
     "PciFunction",
     "PcieSource",

@@ -1,0 +1,137 @@
+"""Desktop processes and the /proc scan that finds them.
+
+Display servers, compositors and desktop indexers (`DESKTOP_PROCESSES`) are never a
+GPU's main process; `DesktopWatch` finds them in a scan of /proc every `scan_every`
+polls (which also collects every ppid on kernels without task/*/children), follows the
+ones found, and emits the node-wide desktop CPU series. See "Desktop and other tenants"
+in gpuwatchd.sources.processes. A mixin of ProcessesSource, which sets the state it
+declares.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpuwatchd.config import ProcessesConfig
+from gpuwatchd.metrics import Sample
+from gpuwatchd.sources import processes as package
+from gpuwatchd.sources.processes.metrics import DESKTOP_COUNT, DESKTOP_CPU, DESKTOP_CPU_BY_NAME
+from gpuwatchd.sources.processes.procfs import CLK_TCK, _is_count, parse_stat
+
+# Display servers, compositors, greeters and desktop indexers that use a GPU or CPU on
+# a training box. A name is matched against comm, which the kernel cuts at 15 bytes;
+# these names are the only values of the `name` label.
+DESKTOP_PROCESSES = (
+    "Xorg",
+    "X",
+    "Xwayland",
+    "gnome-shell",
+    "mutter",
+    "kwin_x11",
+    "kwin_wayland",
+    "plasmashell",
+    "gdm",
+    "gdm3",
+    "gdm-x-session",
+    "gdm-wayland-session",
+    "gdm-session-worker",
+    "sddm",
+    "sddm-greeter",
+    "lightdm",
+    "xfwm4",
+    "cinnamon",
+    "weston",
+    "sway",
+    "Hyprland",
+    "tracker-miner-fs",  # tracker-miner-fs-3 has the same 15-byte comm
+    "tracker-extract",
+    "gnome-software",
+)
+_DESKTOP_BY_COMM: dict[str, str] = {}
+for _name in DESKTOP_PROCESSES:
+    _DESKTOP_BY_COMM.setdefault(_name[:15], _name)
+
+
+def desktop_name(comm: str) -> str | None:
+    """The DESKTOP_PROCESSES name a comm stands for, or None."""
+    return _DESKTOP_BY_COMM.get(comm.strip()[:15])
+
+
+@dataclass
+class _Desktop:
+    name: str  # from DESKTOP_PROCESSES
+    start: int = -1
+    at: float = 0.0
+    ticks: int = 0
+
+
+class DesktopWatch:
+    """ProcessesSource's /proc scan and desktop processes."""
+
+    settings: ProcessesConfig
+    scans: int
+    _proc: str
+    _desktop: dict[int, _Desktop]
+    _children_file: bool
+    _ppid_children: dict[int, list[int]]
+    _complain: Callable[[str, str], None]
+
+    def _scan(self) -> None:
+        """Desktop processes by comm (and, without task/*/children, every ppid)."""
+        self.scans += 1
+        try:
+            entries = os.listdir(self._proc)
+        except OSError as e:
+            self._complain("scan", f"{self._proc}: {e}")
+            return
+        by_ppid: dict[int, list[int]] = {}
+        with_ppid = not self._children_file
+        for entry in entries:
+            if not _is_count(entry):
+                continue
+            pid = int(entry)
+            try:
+                if with_ppid:
+                    stat = parse_stat(package._read(f"{self._proc}/{entry}/stat", 4096))
+                    comm = stat.comm
+                    by_ppid.setdefault(stat.ppid, []).append(pid)
+                else:
+                    comm = package._read(f"{self._proc}/{entry}/comm", 4096).decode(
+                        "utf-8", "replace"
+                    )
+            except (OSError, ValueError):
+                continue
+            if not self.settings.desktop:
+                continue
+            label = desktop_name(comm)
+            if label is not None and pid not in self._desktop:
+                self._desktop[pid] = _Desktop(label)
+        if with_ppid:
+            self._ppid_children = by_ppid
+
+    def _desktop_samples(self, now: float, out: list[Sample]) -> None:
+        total = 0.0
+        rated = 0
+        by_name: dict[str, float] = {}
+        for pid, proc in list(self._desktop.items()):
+            try:
+                stat = parse_stat(package._read(f"{self._proc}/{pid}/stat", 4096))
+            except (OSError, ValueError):
+                del self._desktop[pid]  # exited (or unreadable: found again by a scan)
+                continue
+            if desktop_name(stat.comm) != proc.name:
+                del self._desktop[pid]  # the pid now belongs to something else
+                continue
+            if proc.start == stat.starttime and now > proc.at:
+                rate = max(0, stat.ticks - proc.ticks) / CLK_TCK / (now - proc.at)
+                total += rate
+                rated += 1
+                by_name[proc.name] = by_name.get(proc.name, 0.0) + rate
+            proc.start, proc.at, proc.ticks = stat.starttime, now, stat.ticks
+        out.append(Sample(DESKTOP_COUNT.name, (), float(len(self._desktop))))
+        if rated or not self._desktop:
+            out.append(Sample(DESKTOP_CPU.name, (), total))
+        for name, rate in sorted(by_name.items()):
+            out.append(Sample(DESKTOP_CPU_BY_NAME.name, (name,), rate))

@@ -1,0 +1,98 @@
+"""The metrics the processes source exports (specs only; the source emits the samples).
+
+Per GPU under `{gpu, uuid}` (the main process's facts, the lists' counts, the owner),
+and node-wide for desktop processes. Kept apart so that the source module holds the
+wiring, not some hundred lines of help texts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuwatchd.metrics import GPU_LABELS, counter, gauge
+from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
+
+
+def _gpu(name: str, help: str, extra: tuple[str, ...] = ()) -> Any:
+    return gauge(name, help, GPU_LABELS + extra)
+
+
+PROCESSES = _gpu("gpu_processes", "Processes NVML lists on the GPU, by list.", ("kind",))
+DESKTOP = _gpu(
+    "gpu_desktop_processes", "Desktop processes (display servers, compositors) on the GPU."
+)
+OTHERS = _gpu(
+    "gpu_other_processes",
+    "Processes on the GPU besides its main process and desktop processes.",
+)
+INFO = _gpu(
+    "gpu_process_info",
+    "The GPU's main process (most GPU memory): its name and CUDA runtime; always 1.",
+    ("name", "cudart"),
+)
+PID = _gpu("gpu_process_pid", "Process id of the GPU's main process.")
+JOB = _gpu(
+    "gpu_process_job",
+    "Job of the GPU's main process, as a pid: equal values, one job. Ranks of one launch "
+    "(launcher variables in their environment, one owner): their common parent, else the "
+    "lowest rank's pid; a process without them: its own pid; environment unreadable: the "
+    "parent it shares with other GPUs' main processes.",
+)
+OWNER = _gpu(
+    "gpu_owner_info",
+    "Who owns the GPU: the Slurm job, Kubernetes pod, container or user of its main "
+    "process (docs/fleet.md); always 1.",
+    OWNER_LABELS,
+)
+CPU = _gpu(
+    "gpu_process_cpu_cores",
+    "CPU used by the GPU's main process, all threads, in cores (1 = one core busy).",
+)
+BUSIEST = _gpu(
+    "gpu_process_busiest_thread_cpu_ratio",
+    "CPU used by the main process's busiest thread, share of one core.",
+)
+THREADS = _gpu("gpu_process_threads", "Threads of the GPU's main process.")
+WORKERS = _gpu(
+    "gpu_process_workers", "Child processes of the GPU's main process (DataLoader workers)."
+)
+WORKERS_CPU = _gpu(
+    "gpu_process_workers_cpu_cores",
+    "CPU used by the main process's children, summed, in cores.",
+)
+CPUS_ALLOWED = _gpu("gpu_process_cpus_allowed", "CPUs the main process may run on (its affinity).")
+NUMA_ALIGNED = _gpu(
+    "gpu_process_numa_aligned",
+    "1 if every CPU the main process may run on is local to the GPU's NUMA node.",
+)
+QUOTA = _gpu(
+    "gpu_process_cpu_quota_cpus",
+    "The main process's cgroup CPU limit, in CPUs (absent: no limit).",
+)
+THROTTLED = _gpu(
+    "gpu_process_throttled_ratio",
+    "Share of the cgroup's CPU periods in which it was throttled (main process's cgroup).",
+)
+THROTTLED_SECONDS = counter(
+    "gpu_process_throttled_seconds_total",
+    "Time the main process's cgroup spent throttled (cgroup cpu.stat).",
+    GPU_LABELS,
+)
+CONTAINER = _gpu("gpu_process_in_container", "1 if the main process runs in a container.")
+CUDART = _gpu(
+    "gpu_process_cudart_version",
+    "CUDA runtime version the main process mapped, e.g. 12.1 (12: major only known).",
+)
+AGE = _gpu(
+    "gpu_process_age_seconds",
+    "Seconds since the GPU's main process started (/proc/PID/stat starttime against /proc/uptime).",
+)
+DESKTOP_CPU = gauge(
+    "desktop_cpu_cores", "CPU used by desktop processes on the node, summed, in cores."
+)
+DESKTOP_COUNT = gauge("desktop_processes", "Desktop processes running on the node.")
+DESKTOP_CPU_BY_NAME = gauge(
+    "desktop_process_cpu_cores",
+    "CPU used by desktop processes of one name, in cores.",
+    ("name",),
+)

@@ -1,0 +1,352 @@
+"""ProcessesSource: wires the parts of the processes source and emits its samples.
+
+Per poll (`collect`): the GPUs' process lists (gpus.NvmlLists), desktop processes
+(desktop.DesktopWatch), the main process of each GPU read once (facts.MainProcessReader),
+owners and launch facts (gpuwatchd.sources.owner), jobs (jobs.group_jobs), then one set
+of samples per GPU and the node-wide desktop ones. What the series mean is documented in
+gpuwatchd.sources.processes, which re-exports this class (registered as `processes`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpuwatchd.config import ProcessesConfig, SourceConfig
+from gpuwatchd.metrics import Sample
+from gpuwatchd.sources import processes as package
+from gpuwatchd.sources import register
+from gpuwatchd.sources.base import Context, Source, not_mounted
+from gpuwatchd.sources.nvmlapi import process_table, quietly
+from gpuwatchd.sources.owner import (
+    Attribution,
+    GpuProcesses,
+    Owner,
+    PodResources,
+    ProcessFacts,
+)
+from gpuwatchd.sources.processes.desktop import DesktopWatch, _Desktop, desktop_name
+from gpuwatchd.sources.processes.facts import Facts, MainProcessReader, _CgroupReading, _Known
+from gpuwatchd.sources.processes.gpus import KINDS, NvmlLists, _Gpu
+from gpuwatchd.sources.processes.jobs import ADOPTERS, _Memo, group_jobs, launch_key
+from gpuwatchd.sources.processes.metrics import (
+    AGE,
+    BUSIEST,
+    CONTAINER,
+    CPU,
+    CPUS_ALLOWED,
+    CUDART,
+    DESKTOP,
+    DESKTOP_COUNT,
+    DESKTOP_CPU,
+    DESKTOP_CPU_BY_NAME,
+    INFO,
+    JOB,
+    NUMA_ALIGNED,
+    OTHERS,
+    OWNER,
+    PID,
+    PROCESSES,
+    QUOTA,
+    THREADS,
+    THROTTLED,
+    THROTTLED_SECONDS,
+    WORKERS,
+    WORKERS_CPU,
+)
+from gpuwatchd.sources.processes.procfs import _is_count, parse_cpulist, version_number
+from gpuwatchd.sources.procio import METRICS as PROCIO_METRICS
+from gpuwatchd.sources.procio import JobIo
+
+log = logging.getLogger("gpuwatchd.sources.processes")
+
+
+def _candidates(
+    lists: dict[str, dict[int, float]], names: dict[int, str | None]
+) -> dict[int, float]:
+    """The processes a GPU's main one is chosen among (ProcessesSource._main): its
+    non-desktop compute processes, else its non-desktop graphics ones; pid -> memory."""
+    for kind in KINDS:
+        found = {pid: memory for pid, memory in lists.get(kind, {}).items()
+                 if desktop_name(names.get(pid) or "") is None}  # fmt: skip
+        if found:
+            return found
+    return {}
+
+
+@register
+class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
+    name = "processes"
+    metrics = (
+        PROCESSES, DESKTOP, OTHERS, INFO, PID, JOB, OWNER, CPU, BUSIEST, THREADS, WORKERS,
+        WORKERS_CPU, CPUS_ALLOWED, NUMA_ALIGNED, QUOTA, THROTTLED, THROTTLED_SECONDS, CONTAINER,
+        CUDART, AGE, DESKTOP_CPU, DESKTOP_COUNT, DESKTOP_CPU_BY_NAME, *PROCIO_METRICS,
+    )  # fmt: skip
+
+    def __init__(self, config: SourceConfig, context: Context) -> None:
+        super().__init__(config, context)
+        self.settings = (
+            config
+            if isinstance(config, ProcessesConfig)
+            else ProcessesConfig.model_validate(config.model_dump())
+        )
+        self._clock: Callable[[], float] = context.extras.get("clock", time.monotonic)
+        self._proc = os.fspath(context.procfs)
+        self._sys = os.fspath(context.sysfs)
+        self._cgroup_root = os.path.join(self._sys, "fs", "cgroup")
+        self._table = process_table(context)  # the nvml source's lists, when it runs
+        self._nv: Any = None
+        self._codes: dict[int, str] = {}
+        self._gpus: list[_Gpu] = []  # as NVML counts them, when this source asks it itself
+        self._shared: dict[int, _Gpu] = {}  # the GPUs of the nvml source's lists, by index
+        self._functions: dict[str, list[tuple[str, Any]]] = {}
+        self.polls = 0
+        self.scans = 0
+        self._names: dict[int, str] = {}  # comm of the pids NVML lists
+        self._known: dict[int, _Known] = {}  # main processes
+        self._desktop: dict[int, _Desktop] = {}
+        self._cgroups: dict[str, tuple[float, int, int]] = {}  # cpu.stat -> (at, periods, thr)
+        self._children_file = True  # False: the kernel has no task/*/children
+        self._ppid_children: dict[int, list[int]] = {}  # from the last scan, if needed
+        self._complained: set[str] = set()
+        # online CPUs (<sysfs>/devices/system/cpu/online): an affinity mask may name
+        # possible CPUs that are not there; empty when unknown
+        self._online: frozenset[int] = frozenset()
+        self._cpulists: dict[str, frozenset[int]] = {}
+        self._uptime: float | None = None  # /proc/uptime at this poll
+        self._owners = self._attribution()
+        # procio: what each job reads, from which disks, and its CPUs' iowait/IRQ time
+        self._io = JobIo(self._proc, self._sys, self._complain)
+
+    def _attribution(self) -> Attribution:
+        """Owners (when `owner`) and the launch facts jobs are grouped by (always)."""
+        s = self.settings
+        pods = None
+        if s.owner and s.pod_resources_socket is not None:
+            pods = PodResources(
+                os.fspath(s.pod_resources_socket), s.pod_resources_timeout,
+                s.pod_resources_refresh, clock=self._clock,
+            )  # fmt: skip
+        return Attribution(
+            self.context.procfs,
+            job_dir=s.job_mapping_dir if s.owner else None,
+            pod_resources=pods,
+            read_environ=s.owner_environ,
+        )
+
+    def close(self) -> None:
+        self._owners.close()
+        nv, self._nv = self._nv, None
+        if nv is not None:
+            quietly(nv, nv.nvmlShutdown)
+
+    # -- polling --------------------------------------------------------------------------
+
+    def collect(self) -> list[Sample]:
+        now = self._clock()
+        shared = self._table.fresh(now, self.config.interval)
+        if shared is None and self._nv is None:
+            self._start()
+        if not os.path.isdir(self._proc):
+            raise not_mounted(self._proc, "procfs", self.context.procfs)
+        self.polls += 1
+        self._uptime = self._read_uptime()
+        scan = self.settings.desktop or not self._children_file
+        scanning = (self.polls - 1) % self.settings.scan_every == 0
+
+        # 1. who is on which GPU
+        on_gpu = self._listed(shared) if shared is not None else self._ask_nvml()
+        listed = {pid for _, lists in on_gpu for used in lists.values() for pid in used}
+        names = self._names_of(listed)
+
+        # 2. desktop processes: NVML's, and every scan_every polls /proc's
+        if scanning:
+            self._online = self._online_cpus()
+        if scan and scanning:
+            self._scan()
+        for pid in listed:
+            label = desktop_name(names.get(pid) or "")
+            if label is not None and pid not in self._desktop:
+                self._desktop[pid] = _Desktop(label)
+
+        # 3. the main process of each GPU, read once however many GPUs it drives
+        mains: dict[int, int | None] = {}  # gpu index -> pid
+        for gpu, lists in on_gpu:
+            mains[gpu.index] = self._main(lists, names)
+        memo: dict[str, _CgroupReading | None] = {}
+        facts: dict[int, Facts | None] = {}
+        self._io.begin(now)
+        for main in mains.values():
+            if main is not None and main not in facts:
+                facts[main] = self._facts(main, now, scanning, memo)
+        self._io.end()
+        for gone in [p for p in self._known if p not in facts]:
+            del self._known[gone]
+        read = {r.stat_path for r in memo.values() if r is not None}
+        for path in [p for p in self._cgroups if p not in read]:
+            del self._cgroups[path]
+
+        launches = _Memo(self._owners.processes.read)
+        owners = self._owned(on_gpu, names, launches)
+        jobs = self._jobs(facts, launches)
+        samples: list[Sample] = []
+        for gpu, lists in on_gpu:
+            self._gpu_samples(gpu, lists, names, mains[gpu.index], facts, jobs, scanning, samples)
+            owner = owners.get(gpu.labels[1])
+            if owner is not None:
+                samples.append(Sample(OWNER.name, gpu.labels + owner.values(), 1.0))
+        self._desktop_samples(now, samples)
+        return samples
+
+    def _owned(
+        self,
+        on_gpu: list[tuple[_Gpu, dict[str, dict[int, float]]]],
+        names: dict[int, str | None],
+        read: Callable[[int], ProcessFacts | None],
+    ) -> dict[str, Owner | None]:
+        """uuid -> owner of each GPU, from the processes its main one is chosen among."""
+        if not self.settings.owner:
+            return {}
+        gpus = [GpuProcesses(gpu.index, gpu.labels[1], _candidates(lists, names))
+                for gpu, lists in on_gpu]  # fmt: skip
+        return self._owners.owners(gpus, read)
+
+    def _names_of(self, pids: set[int]) -> dict[int, str | None]:
+        """comm of each pid NVML lists, read once while it stays listed."""
+        names: dict[int, str | None] = {pid: self._names[pid] for pid in pids if pid in self._names}
+        for pid in pids - names.keys():
+            try:
+                names[pid] = (
+                    package._read(f"{self._proc}/{pid}/comm", 4096)
+                    .decode("utf-8", "replace")
+                    .rstrip("\n")
+                )
+            except OSError:
+                names[pid] = None  # gone or unreadable: not cached, asked again next poll
+        self._names = {pid: name for pid, name in names.items() if name is not None}
+        return names
+
+    @staticmethod
+    def _main(lists: dict[str, dict[int, float]], names: dict[int, str | None]) -> int | None:
+        """Most GPU memory, compute before graphics, lowest pid on a tie; no desktop."""
+        best: tuple[int, float, int] | None = None
+        for rank, kind in enumerate(KINDS):
+            for pid, memory in lists.get(kind, {}).items():
+                if desktop_name(names.get(pid) or "") is not None:
+                    continue
+                key = (-rank, memory, -pid)
+                if best is None or key > best:
+                    best = key
+        return None if best is None else -best[2]
+
+    def _jobs(
+        self, facts: dict[int, Facts | None], read: Callable[[int], ProcessFacts | None]
+    ) -> dict[int, int]:
+        """The job of each main process read this poll ("The job" in the package's docstring)."""
+        parents = {pid: found.ppid for pid, found in facts.items() if found is not None}
+        keys = {pid: launch_key(read(pid)) for pid in parents}
+        if not self.settings.owner:
+            self._owners.processes.keep(set(parents))  # owners() keeps them otherwise
+        return group_jobs(parents, self._adopter, keys)
+
+    def _read_uptime(self) -> float | None:
+        """Seconds since boot (/proc/uptime's first field), the clock of starttime."""
+        text = package._text(f"{self._proc}/uptime")
+        if text is None:
+            return None
+        first = text.split()[0] if text.split() else ""
+        if not _is_count(first.replace(".", "", 1)):
+            self._complain("uptime", f"{self._proc}/uptime: not an uptime: {text[:40]!r}")
+            return None
+        return float(first)
+
+    def _adopter(self, pid: int) -> bool:
+        """True when the process is a subreaper by name (systemd, init): not a launcher.
+        Unreadable (exited this instant, or hidden) counts as a launcher."""
+        try:
+            comm = package._read(f"{self._proc}/{pid}/comm", 4096).decode("utf-8", "replace")
+        except OSError:
+            return False
+        return comm.strip() in ADOPTERS
+
+    # -- samples --------------------------------------------------------------------------
+
+    def _gpu_samples(
+        self,
+        gpu: _Gpu,
+        lists: dict[str, dict[int, float]],
+        names: dict[int, str | None],
+        main: int | None,
+        facts: dict[int, Facts | None],
+        jobs: dict[int, int],
+        scanning: bool,
+        out: list[Sample],
+    ) -> None:
+        labels = gpu.labels
+        pids: set[int] = set()
+        for kind in KINDS:
+            if kind in lists:
+                out.append(Sample(PROCESSES.name, labels + (kind,), float(len(lists[kind]))))
+                pids.update(lists[kind])
+        desktop = {pid for pid in pids if desktop_name(names.get(pid) or "") is not None}
+        out.append(Sample(DESKTOP.name, labels, float(len(desktop))))
+        others = len(pids - desktop - ({main} if main is not None else set()))
+        out.append(Sample(OTHERS.name, labels, float(others)))
+        found = facts.get(main) if main is not None else None
+        if found is None:
+            return
+        f = found
+        out.append(Sample(INFO.name, labels + (f.name, f.cudart or ""), 1.0))
+        out.append(Sample(PID.name, labels, float(f.pid)))
+        out.append(Sample(JOB.name, labels, float(jobs.get(f.pid, f.pid))))
+        out.append(Sample(THREADS.name, labels, float(f.threads)))
+        optional = (
+            (CPU, f.cpu),
+            (BUSIEST, f.busiest),
+            (WORKERS, f.workers),
+            (WORKERS_CPU, f.workers_cpu),
+            (CONTAINER, None if f.container is None else float(f.container)),
+            (QUOTA, f.quota),
+            (THROTTLED, f.throttled_ratio),
+            (THROTTLED_SECONDS, f.throttled_seconds),
+            (CUDART, None if f.cudart is None else version_number(f.cudart)),
+            (AGE, f.age),
+        )
+        for spec, value in optional:
+            if value is not None:
+                out.append(Sample(spec.name, labels, float(value)))
+        self._io.samples(f.pid, labels, out)
+        if f.cpus is not None:
+            out.append(Sample(CPUS_ALLOWED.name, labels, float(len(f.cpus))))
+            local = self._local_cpus(gpu, scanning)
+            cpus = f.cpus & self._online if self._online else f.cpus
+            if local is not None and cpus:
+                out.append(Sample(NUMA_ALIGNED.name, labels, float(cpus <= local)))
+
+    def _local_cpus(self, gpu: _Gpu, scanning: bool) -> frozenset[int] | None:
+        """The GPU's NUMA-local CPUs, read once (again at scans while unreadable)."""
+        if gpu.local_cpus is None and gpu.bus_id and (gpu.local_read_at < 0 or scanning):
+            gpu.local_read_at = self.polls
+            path = os.path.join(self._sys, "bus", "pci", "devices", gpu.bus_id, "local_cpulist")
+            text = package._text(path)
+            try:
+                gpu.local_cpus = None if text is None else parse_cpulist(text) or None
+            except ValueError as e:
+                self._complain("local_cpulist", f"{path}: {e}")
+        return gpu.local_cpus
+
+    def _online_cpus(self) -> frozenset[int]:
+        text = package._text(os.path.join(self._sys, "devices", "system", "cpu", "online"))
+        try:
+            return frozenset() if text is None else parse_cpulist(text)
+        except ValueError:
+            return frozenset()
+
+    def _complain(self, kind: str, message: str) -> None:
+        """A bad file: WARNING the first time for its kind of file, DEBUG after."""
+        level = logging.DEBUG if kind in self._complained else logging.WARNING
+        self._complained.add(kind)
+        log.log(level, "processes: %s; facts it feeds are left out", message)
