@@ -20,6 +20,7 @@ from prometheus_client.utils import floatToGoString
 from gpuwatchd.metrics import MetricSpec
 
 Rows = list[tuple[tuple[str, ...], float]]
+_Line = tuple[float, str, str]  # a series' value, its name and labels, its sample line
 _LabelKey = tuple[tuple[str, ...], tuple[str, ...]]
 
 
@@ -44,8 +45,9 @@ class Renderer:
     strings are escaped once per live series)."""
 
     def __init__(self) -> None:
-        # family -> (its rows, its lines by label values, its body)
-        self._families: dict[str, tuple[Rows, dict[tuple[str, ...], tuple[float, str]], str]] = {}
+        # family -> (its rows, its lines by label values: (value, name and labels, line),
+        # its body)
+        self._families: dict[str, tuple[Rows, dict[tuple[str, ...], _Line], str]] = {}
         self._headers: dict[MetricSpec, tuple[str, str]] = {}
 
     def _label_string(self, names: tuple[str, ...], values: tuple[str, ...]) -> str:
@@ -56,7 +58,7 @@ class Renderer:
 
     def render(self, families: Iterable[tuple[MetricSpec, Rows | None]]) -> tuple[bytes, bytes]:
         old = self._families
-        kept: dict[str, tuple[Rows, dict[tuple[str, ...], tuple[float, str]], str]] = {}
+        kept: dict[str, tuple[Rows, dict[tuple[str, ...], _Line], str]] = {}
         text: list[str] = []
         openmetrics: list[str] = []
         for spec, rows in families:
@@ -72,14 +74,16 @@ class Renderer:
             else:
                 assert rows is not None, f"{name}: no rows and none rendered before"
                 lines = before[1] if before is not None else {}
-                fresh: dict[tuple[str, ...], tuple[float, str]] = {}
+                fresh: dict[tuple[str, ...], _Line] = {}
                 for values, value in rows:
                     line = lines.get(values)
-                    if line is None or not _same(line[0], value):
-                        label_string = self._label_string(spec.labels, values)
-                        line = (value, f"{name}{label_string} {floatToGoString(value)}\n")
+                    if line is None:
+                        series = name + self._label_string(spec.labels, values)
+                        line = (value, series, f"{series} {floatToGoString(value)}\n")
+                    elif not _same(line[0], value):
+                        line = (value, line[1], f"{line[1]} {floatToGoString(value)}\n")
                     fresh[values] = line
-                family = (rows, fresh, "".join(line for _, line in fresh.values()))
+                family = (rows, fresh, "".join(line[2] for line in fresh.values()))
             kept[name] = family
             text.append(headers[0] + family[2])
             openmetrics.append(headers[1] + family[2])
