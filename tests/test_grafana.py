@@ -9,31 +9,36 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
+from concurrent import futures
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 from daemon_process import require_tool, running_daemon
 from dashboards import DASHBOARDS, REGENERATE, generator, panel_queries, panels, substitute
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
-from servers import free_port, running_prometheus, wait_until
+from servers import running_prometheus
 
+from gpuwatchd.sim.fake_nvml import gpu_uuid
 from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
+from gpuwatchd.sources.owner.podresources_v1 import api_pb2, api_pb2_grpc
+from gpuwatchd.sources.owner.process import user_name
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIO = Path(__file__).resolve().parent / "fixtures" / "scenarios" / "dashboard-evidence.yaml"
 RECORDING_RULES = REPO / "deploy" / "prometheus" / "recording.yaml"
 JOB_RULES = REPO / "deploy" / "prometheus" / "jobs.yaml"
 FLEET, NODE = DASHBOARDS
-JOB_ID = "torchrun-4242"  # the job the owner stand-in gives the simulated node's GPUs
+SIM_NODE, GPUS = "sim-dashboards", 4  # SCENARIO's hostname and GPU count
+# the owner the e2e test gives SCENARIO's process (owned_scenario, running_kubelet): a
+# torchrun job (its run ID is the job_id) in a Kubernetes pod the kubelet names
+JOB_ID = "vit-train-7f3a"
+POD_UID = "0b5d7c1e-3f2a-4e8b-9c6d-1a2b3c4d5e6f"
+POD = {"namespace": "ml-team", "pod": "train-0", "container": "trainer"}
 
 VARIABLES = {
     FLEET.name: {"datasource", "cluster", "job", "node", "job_id"},
@@ -73,8 +78,11 @@ def test_the_command_line_checks_the_files_in_another_process():
     """`python -m grafana.dashboards --check`: same bytes under another hash seed."""
     sdk_generator()
     check = subprocess.run(
-        [sys.executable, "-m", "grafana.dashboards", "--check"], cwd=REPO, capture_output=True,
-        text=True, env=dict(os.environ, PYTHONHASHSEED="12345"),
+        [sys.executable, "-m", "grafana.dashboards", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONHASHSEED="12345"),
     )
     assert check.returncode == 0, check.stderr
 
@@ -123,10 +131,13 @@ def test_docs_name_every_panel():
 
 
 def test_panel_queries_substitutes_grafana_variables(tmp_path: Path):
-    assert substitute(
-        'rate(x{job=~"$job", node=~"${node}", gpu=~"${gpu:regex}"}[$__rate_interval])',
-        {"job": "gpuwatchd", "node": "n1:9766", "gpu": ".*"},
-    ) == 'rate(x{job=~"gpuwatchd", node=~"n1:9766", gpu=~".*"}[1m])'
+    assert (
+        substitute(
+            'rate(x{job=~"$job", node=~"${node}", gpu=~"${gpu:regex}"}[$__rate_interval])',
+            {"job": "gpuwatchd", "node": "n1:9766", "gpu": ".*"},
+        )
+        == 'rate(x{job=~"gpuwatchd", node=~"n1:9766", gpu=~".*"}[1m])'
+    )
     assert substitute("increase(x[$__range]) / $__interval", {"__range": "5m"}) == (
         "increase(x[5m]) / 15s"
     )
@@ -135,16 +146,31 @@ def test_panel_queries_substitutes_grafana_variables(tmp_path: Path):
     )
     with pytest.raises(KeyError, match=r"\$nodes"):
         substitute('x{node="$nodes"}', {"node": "n1"})
-    collapsed = {"panels": [
-        {"type": "row", "title": "r", "panels": [
-            {"type": "timeseries", "title": "inside", "targets": [{"expr": "up{job=~\"$job\"}"}]},
-        ]},
-        {"type": "stat", "title": "outside", "targets": [{"expr": "vector(1)"}, {"refId": "B"}]},
-    ]}
+    collapsed = {
+        "panels": [
+            {
+                "type": "row",
+                "title": "r",
+                "panels": [
+                    {
+                        "type": "timeseries",
+                        "title": "inside",
+                        "targets": [{"expr": 'up{job=~"$job"}'}],
+                    },
+                ],
+            },
+            {
+                "type": "stat",
+                "title": "outside",
+                "targets": [{"expr": "vector(1)"}, {"refId": "B"}],
+            },
+        ]
+    }
     path = tmp_path / "collapsed.json"
     path.write_text(json.dumps(collapsed))
     assert panel_queries(path, {"job": "j"}) == [
-        ("inside", 'up{job=~"j"}'), ("outside", "vector(1)"),
+        ("inside", 'up{job=~"j"}'),
+        ("outside", "vector(1)"),
     ]
     queries = panel_queries(NODE, example_values())
     assert queries and all("$" not in expr.replace('"$1"', "") for _, expr in queries)
@@ -161,18 +187,21 @@ def test_every_query_parses_with_promtool(tmp_path: Path):
         for title, expr in panel_queries(path, example_values())
     ]
     rules = {
-        "groups": [{
-            "name": "dashboards",
-            "rules": [
-                {"record": f"dashboard_query_{i}", "expr": expr}
-                for i, (_, expr) in enumerate(queries)
-            ],
-        }]
+        "groups": [
+            {
+                "name": "dashboards",
+                "rules": [
+                    {"record": f"dashboard_query_{i}", "expr": expr}
+                    for i, (_, expr) in enumerate(queries)
+                ],
+            }
+        ]
     }
     rule_file = tmp_path / "queries.yaml"
     rule_file.write_text(yaml.safe_dump(rules, width=1000))
-    check = subprocess.run([promtool, "check", "rules", str(rule_file)], capture_output=True,
-                           text=True)
+    check = subprocess.run(
+        [promtool, "check", "rules", str(rule_file)], capture_output=True, text=True
+    )
     if check.returncode != 0:  # name the panels: the output only numbers the rules
         index = "\n".join(f"dashboard_query_{i}: {name}" for i, (name, _) in enumerate(queries))
         pytest.fail(f"promtool check rules:\n{check.stdout}{check.stderr}\n{index}")
@@ -182,65 +211,55 @@ def test_the_scenario_shows_what_it_says():
     """The e2e test's scenario: its faults fire where and when its `expect` says."""
     check = subprocess.run(
         [sys.executable, "-m", "gpuwatchd", "simulate", str(SCENARIO), "--check"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]
 
 
-def owner_exposition(metrics_url: str, target: str) -> str:
-    """gpuwatchd_gpu_owner_info for each GPU of the daemon at `metrics_url`, in the labels
-    docs/fleet.md fixes, as its processes source will export it for a torchrun job in a
-    Kubernetes pod; `job`, `instance` and `node` are the daemon's target's (served with
-    honor_labels, so they join with the daemon's own series)."""
-
-    def gpu_info() -> list[Metric]:  # the NVML source's first poll may not have landed yet
-        with urllib.request.urlopen(metrics_url, timeout=10) as response:
-            text = response.read().decode()
-        families = text_string_to_metric_families(text)
-        return [f for f in families if f.name == "gpuwatchd_gpu_info" and f.samples]
-
-    (info,) = wait_until("the daemon's gpuwatchd_gpu_info", gpu_info, timeout=60)
-    lines = ["# TYPE gpuwatchd_gpu_owner_info gauge"]
-    for sample in info.samples:
-        gpu, uuid = sample.labels["gpu"], sample.labels["uuid"]
-        labels = {
-            "job": "gpuwatchd", "instance": target, "node": target, "gpu": gpu, "uuid": uuid,
-            "scheduler": "kubernetes", "job_id": JOB_ID, "step": "", "rank": gpu,
-            "user": "1000", "namespace": "ml-team", "pod": "train-0", "container": "trainer",
-        }
-        assert labels.keys() == {"job", "instance", "node", "gpu", "uuid", *OWNER_LABELS}
-        lines.append(
-            "gpuwatchd_gpu_owner_info{"
-            + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "} 1"
-        )
-    assert len(lines) > 1, "the daemon lists no GPUs"
-    return "\n".join(lines) + "\n"
+def owned_scenario(tmp_path: Path) -> Path:
+    """SCENARIO with its training process (pid 7100, on all four GPUs) run by torchrun in
+    a Kubernetes pod: POD_UID's container cgroup, in place of the fixture's ad hoc one, and
+    torchrun's variables in its environment. From these (and the kubelet's names,
+    `running_kubelet`) the daemon's processes source exports each GPU's owner."""
+    scenario = yaml.safe_load(SCENARIO.read_text(encoding="utf-8"))
+    (process,) = [p for p in scenario["node"]["host"]["processes"] if p["pid"] == 7100]
+    del process["cgroup"]  # the pod's replaces it
+    process["owner"] = {"pod": {"uid": POD_UID, "qos": "guaranteed"}}
+    process["environment"] = {
+        "TORCHELASTIC_RUN_ID": JOB_ID,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    path = tmp_path / SCENARIO.name
+    path.write_text(yaml.safe_dump(scenario, sort_keys=False), encoding="utf-8")
+    return path
 
 
 @contextmanager
-def serving_text(body: str) -> Iterator[str]:
-    """A real HTTP server answering every GET with `body` (text exposition); its host:port."""
+def running_kubelet(socket: Path, gpus: list[str]) -> Iterator[None]:
+    """A gRPC server implementing the kubelet's pod-resources API on the unix socket
+    `socket`: POD's container holds the GPUs `gpus` (UUIDs)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            data = body.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    class Kubelet(api_pb2_grpc.PodResourcesListerServicer):
+        def List(self, request: object, context: grpc.ServicerContext) -> object:  # noqa: N802
+            devices = api_pb2.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=gpus)
+            container = api_pb2.ContainerResources(name=POD["container"], devices=[devices])
+            pod = api_pb2.PodResources(
+                name=POD["pod"], namespace=POD["namespace"], containers=[container]
+            )
+            return api_pb2.ListPodResourcesResponse(pod_resources=[pod])
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    api_pb2_grpc.add_PodResourcesListerServicer_to_server(Kubelet(), server)
+    server.add_insecure_port(f"unix://{socket}")
+    server.start()
     try:
-        yield "{}:{}".format(*server.server_address)
+        yield
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop(grace=None)
 
 
 def test_every_panel_query_returns_data(tmp_path: Path):
@@ -248,16 +267,23 @@ def test_every_panel_query_returns_data(tmp_path: Path):
     from a real Prometheus scraping `gpuwatchd run --simulate` with the recording rules
     and the job rules (deploy/prometheus/jobs.yaml).
 
-    The job view joins on gpuwatchd_gpu_owner_info. The simulated node's owners are not
-    used: the test serves a stand-in owner series per GPU (owner_exposition, labelled as
-    docs/fleet.md fixes, a job with a job_id, a namespace and a user, which the scenario's
-    process has not), and the daemon's own attribution is switched off
-    (sources.processes.owner: false) so that each GPU has exactly one owner, as on a real
-    node; a second one would make every join many-to-many.
+    The job view joins on gpuwatchd_gpu_owner_info as the daemon exports it: the node
+    runs SCENARIO with its process made a torchrun job in a Kubernetes pod
+    (owned_scenario), and a real gRPC kubelet names the pod (running_kubelet), so each
+    GPU has one owner with a job_id, a namespace and a user (docs/fleet.md). GPU 1's
+    Xid (five seconds in) is a cause firing on a GPU of the job.
     """
+    scenario = owned_scenario(tmp_path)
+    gpus = [gpu_uuid(SIM_NODE, gpu) for gpu in range(GPUS)]
+    socket = tmp_path / "kubelet.sock"
     config = tmp_path / "gpuwatchd.yaml"
-    config.write_text(yaml.safe_dump({"sources": {"processes": {"owner": False}}}))
-    with running_daemon(str(SCENARIO), "--config", str(config)) as metrics_url:
+    config.write_text(
+        yaml.safe_dump({"sources": {"processes": {"pod_resources_socket": str(socket)}}})
+    )
+    with (
+        running_kubelet(socket, gpus),
+        running_daemon(str(scenario), "--config", str(config)) as metrics_url,
+    ):
         target = urllib.parse.urlparse(metrics_url).netloc
         values = example_values(node=target)  # servers.py labels each target node=host:port
         queries = [
@@ -265,15 +291,9 @@ def test_every_panel_query_returns_data(tmp_path: Path):
             for path in DASHBOARDS
             for title, expr in panel_queries(path, values)
         ]
-        with serving_text(owner_exposition(metrics_url, target)) as owners, running_prometheus(
-            tmp_path, {"gpuwatchd": [target], "owners": [owners]},
-            rule_files=[RECORDING_RULES, JOB_RULES],
-            scrape_options={"honor_labels": True},  # the stand-in's job, instance and node
+        with running_prometheus(
+            tmp_path, {"gpuwatchd": [target]}, rule_files=[RECORDING_RULES, JOB_RULES]
         ) as prometheus:
-            assert not prometheus.query(
-                f'count by (job, instance, uuid) (gpuwatchd_gpu_owner_info{{instance="{target}"}})'
-                " > 1"
-            ), "a GPU with two owners: the daemon exports its own despite owner: false"
             empty = queries
             deadline = time.monotonic() + 45
             while True:
@@ -281,6 +301,19 @@ def test_every_panel_query_returns_data(tmp_path: Path):
                 if not empty or time.monotonic() > deadline:
                     break
                 time.sleep(1)
+            owners = {
+                s["metric"]["gpu"]: {k: s["metric"].get(k, "") for k in ("uuid", *OWNER_LABELS)}
+                for s in prometheus.query(f'gpuwatchd_gpu_owner_info{{instance="{target}"}}')
+            }
     assert not empty, f"{len(empty)} of {len(queries)} queries returned no data:\n" + "\n".join(
         f"  {title}: {expr}" for title, expr in empty
     )
+    owner = {
+        "scheduler": "kubernetes",
+        "job_id": JOB_ID,
+        "step": "",
+        "rank": "0",
+        "user": user_name(1000),  # the simulated process's uid, named by this host
+        **POD,
+    }
+    assert owners == {str(gpu): {"uuid": uuid, **owner} for gpu, uuid in enumerate(gpus)}
