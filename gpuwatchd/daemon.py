@@ -106,7 +106,8 @@ class Pipeline:
                 config.history,
             )
         self.engine = RuleEngine(self.store, rules, self._source_up, catalog)
-        self.rules_watcher = RuleFileWatcher(self.engine, config.rules_file, now)
+        wall = now if to_wall is None else (lambda: to_wall(now()))  # reload time, exported
+        self.rules_watcher = RuleFileWatcher(self.engine, config.rules_file, wall)
         specs = [*all_specs(self.sources), *RULE_METRICS]
         self.exporter = Exporter(
             self.store, self.pollers, specs, now, self.engine.exposition(), to_wall

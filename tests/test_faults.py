@@ -413,7 +413,7 @@ def test_wall_clock_steps_change_no_measurement(node, tmp_path):
     """NTP stepping the clock at boot, or `date -s`: an hour forward, then two back. No
     source goes down or stale, a pending cause does not fire early, seconds starved do
     not jump (nor run backwards), exported timestamps follow the new wall clock, and
-    staleness and /healthz's render age are still judged on time."""
+    staleness and /healthz's loop age are still judged on time."""
     (tmp_path / "rules.yaml").write_text(BUSY_RULE)
     n = node(
         [{"name": "busy", "duration": 3600, "set": TRAINING}],
@@ -453,13 +453,20 @@ def test_wall_clock_steps_change_no_measurement(node, tmp_path):
     assert fresh(m.source("nvml")[2], n, within=2)
     assert all(m.source(s)[1] == before for s, before in errors.items())
 
+    # a rules reload after the steps is stamped with the wall clock of its moment
+    (tmp_path / "rules.yaml").write_text(BUSY_RULE + "\n# edited\n")
+    n.run(2)  # seen changed, then settled: loaded on the loader thread
+    assert n.pipeline.rules_watcher.wait_idle(10)
+    n.run(1)  # swapped in
+    assert fresh(serving(n).get("rules_last_reload_success_timestamp_seconds"), n, within=3)
+
     # after the step back a source that stops must still go stale on time, not an hour late
     n.frozen = {"interrupts", "cpu"}
     (n.sim.root / "proc" / "interrupts").unlink()
     n.run(20)
     m = serving(n, "interrupts")
     assert not any(name.startswith(P + "interrupts_") for name in names_of(m))
-    # and an evaluation loop that stops rendering is unhealthy after 30 s, not 2 h later
+    # and an evaluation loop that stops is unhealthy after 30 s, not 2 h later
     n.clock.advance(31)
     assert n.healthz()[0] == 503
 
