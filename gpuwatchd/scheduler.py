@@ -8,6 +8,11 @@ read cached bytes. A poll still stuck after `abandon_after` is given up on: a fr
 thread polls the source's lane (so it recovers by itself once its input answers again)
 and the stuck call's result, if it ever comes, is dropped. One stuck thread per source
 at most is left behind: while it has not returned, the source is not given up on again.
+
+A source that waits on its input (the probe's socket) may rest between polls while it
+has nothing to read and nothing that changes with time (`Poller.rest`): its lane's
+thread sleeps until the input comes, and the evaluation loop keeps its series current
+meanwhile (`Poller.refresh`), as polls that find nothing new would.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ class Poller:
         self._lock = threading.Lock()
         self._current = 0  # the poll whose result counts; abandoning one moves past it
         self.abandoned = 0  # polls given up on whose calls have not returned yet
+        # a source that can rest on its input has `idle(wake) -> bool`: True if the series
+        # of its last poll stay as they are until input comes (it then calls `wake`, once)
+        self._idle: Callable[[Callable[[], None]], bool] | None = getattr(source, "idle", None)
+        self._resting: list[Sample] | None = None
+        self._last: list[Sample] = []
         self.retime(source.config.interval, source.config.timeout)
 
     def retime(self, interval: float, timeout: float) -> None:
@@ -61,6 +71,7 @@ class Poller:
         with self._lock:
             self._current += 1
             mine = self._current
+            self._resting = None
         started = self._now()
         self._in_flight_since = started
         cpu0 = time.perf_counter()
@@ -84,6 +95,8 @@ class Poller:
             self._failed(f"{kind}: {error}" if str(error) else kind)
         else:
             self._store.update(self.name, read_at, samples)
+            if self._idle is not None:
+                self._last = samples
             if not self.health.up and self.health.last_error is not None:
                 log.info("source %s: recovered", self.name)
             self.health.up, self.health.last_error = True, None
@@ -92,6 +105,28 @@ class Poller:
         self._in_flight_since = None
         self._hang_reported = False
         return True
+
+    def rest(self, wake: Callable[[], None]) -> bool:
+        """After a successful poll: True if the source has nothing to read until its input
+        comes (it then calls `wake`), so that its lane may sleep until then instead of
+        polling; while it rests, `refresh` keeps its series current."""
+        with self._lock:  # a refresh sees it resting once its input may wake it
+            if self._idle is None or not self.health.up or not self._idle(wake):
+                return False
+            self._resting = self._last
+        return True
+
+    def refresh(self) -> None:
+        """A resting source's series, stored as current now, about as often as it would
+        be polled: a poll would find the same (no input came) and nothing to expire."""
+        if self._resting is None:  # not resting (read again under the lock)
+            return
+        with self._lock:
+            now, last = self._now(), self.health.last_success
+            if self._resting is None or last is None or now - last < self.interval / 2:
+                return
+            self._store.update(self.name, now, self._resting)
+            self.health.last_success = now
 
     def check_hung(self, now: float) -> None:
         """Mark the source down (once) if its current poll has outlived the timeout, or
@@ -138,6 +173,9 @@ ABANDON_AFTER = 60.0  # seconds a poll may hang before a fresh thread takes over
 # before it); every other source reads kernel files and they share one.
 LANES = {"nvml": "nvml", "processes": "nvml", "dcgm": "dcgm", "probe": "probe"}
 HOST_LANE = "host"
+# a resting source is polled at least this often all the same (were its input's
+# thread ever to die, what came would be read by then)
+REST_AT_MOST = 60.0
 
 
 def name_os_thread(name: str) -> None:
@@ -154,6 +192,8 @@ class ThreadedScheduler:
     """Real time: a daemon thread per lane of sources, each source polled on its own
     interval (and a fresh thread for a lane whose poll is stuck). `lanes` maps a source
     to its lane, the others to HOST_LANE; without it every source has a lane of its own.
+    A lane of one source that rests (`Poller.rest`) sleeps until its input comes, and is
+    then polled on its interval again: at most once an interval, however much comes.
     """
 
     def __init__(
@@ -165,6 +205,7 @@ class ThreadedScheduler:
         self.pollers = pollers
         self.abandon_after = abandon_after
         self._stop = threading.Event()
+        self._wakes: list[threading.Event] = []  # each lane thread's, set by stop()
         self._threads: list[threading.Thread] = []
         self._lanes: dict[str, list[Poller]] = {}
         self._lane_of: dict[str, str] = {}
@@ -186,29 +227,40 @@ class ThreadedScheduler:
 
     def _loop(self, pollers: list[Poller]) -> None:
         name_os_thread(threading.current_thread().name)
+        wake = threading.Event()  # a resting source's input came, or stop()
+        self._wakes.append(wake)
         start = time.monotonic()
         next_at = [start] * len(pollers)
         while not self._stop.is_set():
+            polled = False
             for i, poller in enumerate(pollers):
                 if next_at[i] > time.monotonic():
                     continue
                 if not poller.poll():
                     return  # given up on while stuck: a fresh thread polls its lane now
+                polled = True
                 next_at[i] += poller.interval
                 now = time.monotonic()
                 if next_at[i] < now:  # fell behind (slow or hung poll): skip, don't burst
                     next_at[i] = now + poller.interval
+            wake.clear()
+            if polled and len(pollers) == 1 and pollers[0].rest(wake.set):
+                wake.wait(REST_AT_MOST)  # then polled when due: an interval after the last
             self._stop.wait(max(0.0, min(next_at) - time.monotonic()))
 
     def check_hung(self, now: float) -> None:
-        """Judge every poll in flight; a stuck one past `abandon_after` gets a fresh thread."""
+        """Judge every poll in flight; a stuck one past `abandon_after` gets a fresh thread.
+        (Each evaluation cycle: keeps resting sources current first.)"""
         for poller in self.pollers:
+            poller.refresh()
             poller.check_hung(now)
             if poller.abandon_if_stuck(now, self.abandon_after):
                 self._spawn(self._lane_of[poller.name])
 
     def stop(self, join_timeout: float = 1.0) -> None:
         self._stop.set()
+        for wake in self._wakes:
+            wake.set()
         for thread in self._threads:
             thread.join(join_timeout)  # a thread stuck in a C call is a daemon; let it be
 

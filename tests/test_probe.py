@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,14 @@ from hypothesis import strategies as st
 
 from gpuwatchd import probe
 from gpuwatchd.config import ProbeConfig
+from gpuwatchd.scheduler import LANES, Poller, ThreadedScheduler
 from gpuwatchd.sim.fake_nvml import gpu_uuid
 from gpuwatchd.sim.node import SimNode
 from gpuwatchd.sim.scenario import Scenario
 from gpuwatchd.sources import REGISTRY, SourceError
-from gpuwatchd.sources.probe import ProbeSocket, ProbeSource, Report
+from gpuwatchd.sources.base import Context
+from gpuwatchd.sources.probe import REPORTS, ProbeSocket, ProbeSource, Report
+from gpuwatchd.store import Store
 from tests.series import Metrics as SampleIndex
 
 P = "gpuwatchd_"
@@ -486,6 +490,69 @@ def test_no_reports_no_nvml(nodes: Any) -> None:
     m = node.poll(1)
     assert m.node("probe_processes") == 0
     assert node.source._nv is None  # nothing to attribute: NVML not even started
+
+
+def test_a_quiet_poll_hands_back_the_last_samples(nodes: Any) -> None:
+    wire = Datagrams()
+    node = nodes(two_jobs(), wire)
+    first = node.source.collect()
+    assert node.source.collect() is first  # nothing came, nobody to expire: not rebuilt
+    wire.send(100, b"{not json")
+    bad = node.source.collect()
+    assert bad is not first and Metrics(bad).node("probe_reports_total", "malformed") == 1
+    assert node.source.collect() is bad
+    wire.send(100, GOOD)
+    placed = node.source.collect()
+    assert Metrics(placed).gpu("probe_pid", 0) == 100
+    assert node.source.collect() is not placed  # a known pid: placed and expired each poll
+
+
+class WatchedSocket(ProbeSocket):
+    """The daemon's socket, counting the polls that read it and telling when a lane rests
+    on it (waits for its next datagram)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, 8192)
+        self.reads = 0
+        self.resting = threading.Semaphore(0)
+
+    def receive(self, limit: int) -> list[tuple[int, bytes]]:
+        self.reads += 1
+        return super().receive(limit)
+
+    def notify(self, wake: Any) -> bool:
+        waits = super().notify(wake)
+        if waits:
+            self.resting.release()
+        return waits
+
+
+def test_an_idle_probe_lane_sleeps_until_a_datagram_comes(tmp_path: Path) -> None:
+    sock = WatchedSocket(tmp_path / "probe.sock")
+    config = ProbeConfig(socket=sock.path, interval=0.1)
+    source = ProbeSource(config, Context(extras={"probe_receiver": sock}))
+    t = [0.0]
+    store = Store()
+    poller = Poller(source, store, lambda: t[0])
+    scheduler = ThreadedScheduler([poller], lanes=LANES)
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    scheduler.start()
+    try:
+        assert sock.resting.acquire(timeout=10)  # polled once, then waits on the socket
+        assert sock.reads == 1
+        t[0] = 100.0  # long past its staleness (3 intervals): the evaluation loop
+        scheduler.check_hung(t[0])  # keeps its series current, as polls would
+        assert poller.health.up and poller.health.last_success == 100.0
+        assert not store.is_stale("probe", t[0])
+        sender.sendto(b"{not json", str(sock.path))
+        assert sock.resting.acquire(timeout=10)  # woken, polled once, resting again
+        assert sock.reads == 2
+        latest = dict(store.source_latest("probe"))
+        assert latest[(REPORTS.name, ("malformed",))] == 1
+    finally:
+        sender.close()
+        scheduler.stop()
+        source.close()
 
 
 @settings(max_examples=200, deadline=None)

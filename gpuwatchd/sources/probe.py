@@ -15,6 +15,10 @@ directory must be the daemon's (or root's) and writable by no other user (see
 for `expire_after`; a pid that reports but is on no GPU is counted in
 `probe_unplaced_processes`.
 
+While no pid is known (nothing to expire or place), a poll that receives nothing hands
+back the last poll's samples, and the source rests (`idle`): its lane's thread sleeps
+until a datagram comes instead of polling every second (scheduler.py).
+
 Per GPU, the probed process with the most memory on it supplies the series: its batch
 counters, DataLoader settings and, on the GPU its CUDA device is, the caching
 allocator's state. The simulator stands in for the kernel with
@@ -164,6 +168,9 @@ class Receiver(Protocol):
 
     def close(self) -> None: ...
 
+    # optional (the socket's): `notify(wake) -> bool`, True if nothing waits now and
+    # `wake` will be called, once, when something comes
+
 
 INBOX_CAPACITY = 1024  # datagrams waiting for a poll, all senders together (<= 8 MiB)
 
@@ -195,6 +202,9 @@ class Inbox:
                 self._size -= 1
             mine.append((pid, data))
             self._size += 1
+
+    def __len__(self) -> int:
+        return self._size
 
     def take(self, limit: int) -> list[tuple[int, bytes]]:
         """Up to `limit` datagrams, oldest first within a uid, one uid after another."""
@@ -238,6 +248,7 @@ class ProbeSocket:
         self._inbox = Inbox(capacity)
         self._lock = threading.Lock()
         self._closing = False
+        self._wake: Callable[[], None] | None = None  # `notify`'s, until a datagram comes
         self._thread = threading.Thread(
             target=self._wait_and_drain, name="probe-socket", daemon=True
         )
@@ -275,10 +286,23 @@ class ProbeSocket:
                 if flags & socket.MSG_TRUNC:
                     data = data + b"\0"  # marks it too large whatever was read
                 self._inbox.put(uid, pid, data)
+                wake, self._wake = self._wake, None
+                if wake is not None:
+                    wake()
 
     def receive(self, limit: int) -> list[tuple[int, bytes]]:
         self._drain()
         return self._inbox.take(limit)
+
+    def notify(self, wake: Callable[[], None]) -> bool:
+        """Have `wake` called (once, by the draining thread) when the next datagram comes;
+        False, and no call, if one is waiting already. Under the drain's lock, so that
+        none can come in between unseen."""
+        with self._lock:
+            if len(self._inbox) or self._closing:
+                return False
+            self._wake = wake
+        return True
 
     def close(self) -> None:
         self._closing = True
@@ -413,6 +437,7 @@ class ProbeSource(Source):
         self._nv: Any = None
         self._gpus: dict[int, tuple[Any, str]] = {}  # index -> (handle, uuid), once known
         self._gpu_count = 0
+        self._quiet: list[Sample] | None = None  # the last samples, while no pid is known
 
     def close(self) -> None:
         receiver, self._receiver = self._receiver, None
@@ -427,9 +452,14 @@ class ProbeSource(Source):
         if self._receiver is None:
             self._receiver = ProbeSocket(self.settings.socket, self.settings.max_report_bytes)
         now = self._clock()
-        for pid, data in self._receiver.receive(INBOX_CAPACITY):  # all since the last poll
+        received = self._receiver.receive(INBOX_CAPACITY)  # all since the last poll
+        dropped = getattr(self._receiver, "dropped", 0)
+        if self._quiet is not None and not received and dropped == self._results["queue_full"]:
+            return self._quiet  # nothing came, no pid to expire or place: the same as before
+        self._forget_warnings()  # before accepting: a pid may have been reused
+        for pid, data in received:
             self._accept(pid, data, now)
-        self._results["queue_full"] = getattr(self._receiver, "dropped", 0)
+        self._results["queue_full"] = dropped
         self._expire(now)
         samples: list[Sample] = []
         placed = self._gpu_samples(samples) if self._pids else set()
@@ -444,7 +474,15 @@ class ProbeSource(Source):
         samples.extend(Sample(REPORTS.name, (r,), float(n)) for r, n in self._results.items())
         samples.append(Sample(PROCESSES.name, (), float(len(self._pids))))
         samples.append(Sample(UNPLACED.name, (), float(len(unplaced))))
+        self._quiet = None if self._pids else samples
         return samples
+
+    def idle(self, wake: Callable[[], None]) -> bool:
+        """True if the last poll's samples stay as they are until a datagram comes (no pid
+        is known, to expire or place, and none waits); the socket then calls `wake`.
+        Never with a receiver that cannot tell (the simulator's, driven by its clock)."""
+        notify = getattr(self._receiver, "notify", None)
+        return self._quiet is not None and notify is not None and bool(notify(wake))
 
     # -- accepting ----------------------------------------------------------------------
 
@@ -493,9 +531,12 @@ class ProbeSource(Source):
                 f"{self._proc}/{pid}"
             ):
                 del self._pids[pid]
-        # forget a warning once its pid has exited: a pid that only ever sends bad
-        # reports is never in _pids, and must still be warned about once, not per poll
-        self._warned = {w for w in self._warned if os.path.isdir(f"{self._proc}/{w[0]}")}
+
+    def _forget_warnings(self) -> None:
+        """Forget a warning once its pid has exited: a pid that only ever sends bad
+        reports is never in _pids, and must still be warned about once, not per poll."""
+        if self._warned:
+            self._warned = {w for w in self._warned if os.path.isdir(f"{self._proc}/{w[0]}")}
 
     # -- attributing --------------------------------------------------------------------
 
