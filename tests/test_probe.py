@@ -588,3 +588,16 @@ def test_simulated_probe_integrates_rates(nodes: Any) -> None:
     assert m.gpu("probe_cuda_alloc_retries_total", 2) == 6
     assert m.gpu("probe_cuda_init_seconds", 2) == 4.5
     assert m.gpu("probe_loader_workers", 2) is None
+
+
+def test_a_simulated_node_lets_the_probe_rest_only_where_no_probe_ever_reports() -> None:
+    """`run --simulate` as on a real node: without a probing process the lane sleeps."""
+    from gpuwatchd.sim.probe import SimProbeReceiver
+    from gpuwatchd.sim.scenario import Timeline, load_scenario
+
+    def notify(name: str) -> bool:
+        receiver = SimProbeReceiver(Timeline(load_scenario(name)), time.time, lambda: 0.0)
+        return receiver.notify(lambda: None)
+
+    assert notify("healthy-8gpu")
+    assert not notify("dataloader-workers0-probe-4090")

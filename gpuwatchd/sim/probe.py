@@ -39,6 +39,13 @@ class SimProbeReceiver:
         node = timeline.scenario.node
         self._uuids = [gpu_uuid(node.hostname, i) for i in range(node.gpu_count)]
         self._init_at: dict[int, float] = {}  # pid -> when its CUDA start finished
+        # no probe ever reports: as on a node where no training process uses the probe
+        self._silent = not any(timeline.host_state(t).get("probe") for t, _ in timeline.phases())
+
+    def notify(self, wake: Callable[[], None]) -> bool:
+        """As the socket's (the probe source may rest on it): True, and `wake` never
+        called, only on a node whose probes never report."""
+        return self._silent
 
     def receive(self, limit: int) -> list[tuple[int, bytes]]:
         t = self._elapsed()
