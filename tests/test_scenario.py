@@ -290,3 +290,37 @@ def test_an_expectation_names_a_cause_or_a_metric_with_bounds():
     ):
         with pytest.raises(ValueError, match=why):
             Expectation.model_validate(bad)
+
+
+@pytest.mark.parametrize(
+    "durations", [["10s", "20s", "5m", "1m"], [0.1, 0.2, 0.3, 0.7, 1.1, 0.1, 0.3, 2.9, 0.35]]
+)
+def test_the_state_kept_at_phase_starts_is_every_phase_applied(durations):
+    """Timeline keeps the state at each phase's start, so that a time applies only its
+    own phase: the values are those of applying every phase from the first (the path it
+    keeps where starts summed in floats would leave a phase a hair short of whole)."""
+    phases = [
+        {
+            "name": f"p{i}",
+            "duration": d,
+            "ramp": {"utilization_gpu": [i, i + 50], "pcie_tx_mb_s": [0, 10 * i]},
+            "changes": [{"gpus": [i % 4], "set": {"pstate": i, "nvlink_down": [i]}}],
+            "bridges": {"sw0-up": {"gen": 1 + i % 4}},
+            "host": {"cpu_busy_percent": i},
+            "host_ramp": {"iowait_percent": [0, i]},
+        }
+        for i, d in enumerate(durations)
+    ]
+    noise = {"seed": 1, "gpu": {"power_w": "5%"}, "host": {"cpu_busy_percent": 2}}
+    data = {"name": "t", "node": {"gpu_count": 4}, "phases": phases, "noise": noise}
+    kept, every = (Timeline(Scenario.model_validate(data)) for _ in range(2))
+    every._starts_at = every._starts_at[:1]  # no phase applied: each t applies all it follows
+    edges = [*kept._starts, kept.duration]
+    times = {-1.0, kept.duration + 1, *(k * kept.duration / 97 for k in range(98))}
+    times |= {e + d for e in edges for d in (-1e-9, 0.0, 1e-9)}
+    for t in sorted(times):
+        assert repr(kept.state(t)) == repr(every.state(t))
+        assert repr(kept.host_state(t)) == repr(every.host_state(t))
+        assert kept.integral("pcie_tx_mb_s", 0, t) == every.integral("pcie_tx_mb_s", 0, t)
+    whole = isinstance(durations[0], str)  # whole seconds add up exactly: a start per phase
+    assert (len(kept._starts_at) == len(durations)) == whole

@@ -1,0 +1,321 @@
+"""The pydantic models of a scenario file and their validation (docs/scenarios.md).
+
+A `Scenario` is a `Node` (hardware, initial values), `Phase`s that set or ramp GPU,
+bridge and host values, `Noise` on values, and `Expectation`s: the ground truth the
+rules are checked against. Unknown keys are errors (`Strict`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gpuwatchd.config import Duration
+from gpuwatchd.sim.host import HostHardware, HostValues, check_host_ramp
+from gpuwatchd.sim.models import BUILTIN_MODELS, GpuModel
+from gpuwatchd.sim.scenario.noise import _amplitude
+from gpuwatchd.sim.scenario.topology import Topology
+
+CLOCK_EVENT_REASONS = (
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "display_clock_setting",
+)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GpuProcess(Strict):
+    pid: int
+    name: str = "python"
+    gpu_memory_mib: float = 0
+    kind: Literal["compute", "graphics"] = "compute"  # which NVML process list it is in
+
+
+class GpuValues(Strict):
+    """Everything a phase can set or ramp on a GPU, in human units (the fakes convert)."""
+
+    utilization_gpu: float | None = Field(None, ge=0, le=100)  # percent
+    utilization_memory: float | None = Field(None, ge=0, le=100)  # percent
+    memory_used_mib: float | None = Field(None, ge=0)
+    power_w: float | None = Field(None, ge=0)
+    temperature_c: float | None = None
+    sm_clock_mhz: float | None = Field(None, ge=0)
+    mem_clock_mhz: float | None = Field(None, ge=0)
+    pstate: int | None = Field(None, ge=0, le=15)
+    clock_event_reasons: list[Literal[CLOCK_EVENT_REASONS]] | None = None  # type: ignore[valid-type]
+    pcie_gen: int | None = Field(None, ge=1, le=6)
+    pcie_width: int | None = Field(None, ge=1, le=32)
+    pcie_tx_mb_s: float | None = Field(None, ge=0)  # MB/s, 10^6 bytes
+    pcie_rx_mb_s: float | None = Field(None, ge=0)
+    pcie_replay_count: float | None = Field(None, ge=0)  # a counter: ramp it to make it rise
+    ecc_corrected_total: float | None = Field(None, ge=0)
+    ecc_uncorrected_total: float | None = Field(None, ge=0)
+    aer_correctable_total: float | None = Field(None, ge=0)  # AER counters of the GPU function
+    aer_nonfatal_total: float | None = Field(None, ge=0)
+    aer_fatal_total: float | None = Field(None, ge=0)
+    persistence_mode: bool | None = None
+    nvlink_down: list[int] | None = None  # link indices that are inactive
+    # DCGM profiling activity, ratios 0-1 (fields 1001-1008) and NVLink traffic (1011/1012)
+    gr_engine_active: float | None = Field(None, ge=0, le=1)
+    sm_active: float | None = Field(None, ge=0, le=1)
+    sm_occupancy: float | None = Field(None, ge=0, le=1)
+    tensor_active: float | None = Field(None, ge=0, le=1)
+    dram_active: float | None = Field(None, ge=0, le=1)
+    fp64_active: float | None = Field(None, ge=0, le=1)
+    fp32_active: float | None = Field(None, ge=0, le=1)
+    fp16_active: float | None = Field(None, ge=0, le=1)
+    nvlink_tx_mb_s: float | None = Field(None, ge=0)  # MB/s, 10^6 bytes
+    nvlink_rx_mb_s: float | None = Field(None, ge=0)
+    processes: list[GpuProcess] | None = None
+    lost: bool | None = None  # fell off the bus: NVML answers GPU_IS_LOST
+    hung: bool | None = None  # NVML calls on this GPU block
+    xid: list[int] | None = None  # Xid events raised once, at the start of the phase
+
+
+RAMPABLE = {
+    name for name, f in GpuValues.model_fields.items() if f.annotation in (float | None, int | None)
+}
+
+
+class LinkValues(Strict):
+    gen: int | None = Field(None, ge=1, le=6)
+    width: int | None = Field(None, ge=1, le=32)
+
+
+PCIE_WIDTHS = (1, 2, 4, 8, 12, 16, 32)  # the link widths the PCIe spec defines
+
+
+class LinkCapability(Strict):
+    """A function's own maximum (its LnkCap: sysfs max_link_speed / max_link_width)."""
+
+    gen: int | None = Field(None, ge=1, le=6)
+    width: Literal[PCIE_WIDTHS] | None = None  # type: ignore[valid-type]
+
+
+# groups `pcie_max` can name besides single functions
+PCIE_GROUPS = ("gpus", "root_ports", "switch_ports")
+NVLINK_FABRICS = ("auto", "nvswitch", "direct", "bridge", "none")
+
+
+GpuSelector = Literal["all"] | list[int]
+
+
+def _check_ramp(ramp: dict[str, tuple[float, float]] | None) -> None:
+    for key in ramp or {}:
+        if key not in RAMPABLE:
+            raise ValueError(f"ramp.{key}: not a numeric GPU value ({', '.join(sorted(RAMPABLE))})")
+
+
+class Change(Strict):
+    gpus: GpuSelector = "all"
+    set: GpuValues = GpuValues()
+    ramp: dict[str, tuple[float, float]] = {}  # value: [from, to] across the phase
+
+    @model_validator(mode="after")
+    def _rampable(self) -> Change:
+        _check_ramp(self.ramp)
+        return self
+
+
+class Phase(Strict):
+    name: str
+    duration: Duration
+    # shorthand for a single change: gpus/set/ramp at the phase level
+    gpus: GpuSelector = "all"
+    set: GpuValues | None = None
+    ramp: dict[str, tuple[float, float]] | None = None
+    changes: list[Change] = []
+    bridges: dict[str, LinkValues] = {}  # bridge name (see Topology) -> link state
+    host: HostValues = HostValues()
+    host_ramp: dict[str, tuple[float, float]] = {}  # dotted host path: [from, to]
+
+    @model_validator(mode="after")
+    def _rampable(self) -> Phase:
+        _check_ramp(self.ramp)
+        check_host_ramp(self.host_ramp)
+        return self
+
+    def all_changes(self) -> list[Change]:
+        if self.set is None and self.ramp is None:
+            return self.changes
+        single = Change(gpus=self.gpus, set=self.set or GpuValues(), ramp=self.ramp or {})
+        return [single, *self.changes]
+
+
+class Node(Strict):
+    hostname: str = "sim-node"
+    driver_version: str = "550.90.07"
+    cuda_driver_version: int = 12040  # as nvmlSystemGetCudaDriverVersion: 1000*major + 10*minor
+    gpu_model: str | GpuModel = "a100-sxm4-80gb"
+    gpu_count: int = Field(8, ge=0, le=256)
+    pcie_topology: Literal["switched", "direct"] = "switched"
+    numa_nodes: int = Field(2, ge=1)
+    cpus: int = Field(128, ge=1)
+    dcgm: Literal["none", "3", "4"] = "4"  # DCGM installed (major version), or not at all
+    # NVML's library: present, absent (no driver installed, a container without the NVIDIA
+    # runtime), or present with the kernel driver not loaded
+    nvml: Literal["present", "no_library", "driver_not_loaded"] = "present"
+    host: HostHardware = HostHardware()
+    initial: GpuValues = GpuValues()
+    initial_host: HostValues = HostValues()
+    # each PCI function's own maximum, by topology name (gpu3, rp1, sw0-up, sw0-dp1) or
+    # group (gpus, root_ports, switch_ports; a name beats its group); default: the model's
+    pcie_max: dict[str, LinkCapability] = {}
+    # what the GPUs' NVLinks connect to (docs/scenarios.md); auto: SXM models on
+    # NVSwitches (8+ GPUs) or to each other, PCIe models to nothing (no bridge)
+    nvlink: Literal[NVLINK_FABRICS] = "auto"  # type: ignore[valid-type]
+
+    def nvlink_fabric(self) -> str:
+        """nvswitch | direct | bridge | none, with auto resolved."""
+        model = self.model()
+        if model.nvlinks == 0:
+            return "none"
+        if self.nvlink != "auto":
+            return self.nvlink
+        if model.sxm:
+            return "nvswitch" if self.gpu_count >= 8 else "direct"
+        return "none"
+
+    def model(self) -> GpuModel:
+        if isinstance(self.gpu_model, GpuModel):
+            return self.gpu_model
+        return BUILTIN_MODELS[self.gpu_model]
+
+    @model_validator(mode="after")
+    def _known_model(self) -> Node:
+        if isinstance(self.gpu_model, str) and self.gpu_model not in BUILTIN_MODELS:
+            raise ValueError(
+                f"gpu_model: unknown model {self.gpu_model!r} "
+                f"(built in: {', '.join(BUILTIN_MODELS)})"
+            )
+        if self.pcie_max:
+            names = Topology(self).functions
+            for key in self.pcie_max:
+                if key not in names and key not in PCIE_GROUPS:
+                    raise ValueError(
+                        f"pcie_max.{key}: no such PCI function or group (functions: "
+                        f"{', '.join(names)}; groups: {', '.join(PCIE_GROUPS)})"
+                    )
+        return self
+
+
+# GPU values that are counters (they must only rise): a ramp makes them rise, noise never
+COUNTERS = frozenset(
+    name for name in RAMPABLE if name.endswith("_total") or name == "pcie_replay_count"
+)
+
+
+class Noise(Strict):
+    """Jitter on any numeric value (docs/scenarios.md, "Noise"): deterministic for a seed,
+    uniform in [-amplitude, +amplitude], drawn afresh every `every` seconds (host values
+    every `host_every`)."""
+
+    seed: int = 0
+    every: Duration = 1.0
+    # the host's sources poll every 5 s (a draw per second would be averaged away, and
+    # would make every host writer rewrite its files each second)
+    host_every: Duration = 5.0
+    gpu: dict[str, float | str] = {}  # GPU value -> amplitude
+    host: dict[str, float | str] = {}  # dotted host path (as host_ramp) -> amplitude
+
+    @model_validator(mode="after")
+    def _valid(self) -> Noise:
+        for key, amplitude in self.gpu.items():
+            if key not in RAMPABLE:
+                raise ValueError(
+                    f"gpu.{key}: not a numeric GPU value ({', '.join(sorted(RAMPABLE))})"
+                )
+            if key in COUNTERS:
+                raise ValueError(f"gpu.{key}: a counter (it must only rise): ramp it instead")
+            _amplitude(f"gpu.{key}", amplitude)
+        for path, amplitude in self.host.items():
+            try:
+                check_host_ramp({path: (0.0, 0.0)})
+            except ValueError:
+                raise ValueError(f"host.{path}: not a numeric host value") from None
+            _amplitude(f"host.{path}", amplitude)
+        return self
+
+
+class Expectation(Strict):
+    """Ground truth for the rules: `cause` fires on `gpus` (from `onset`, by `by`), or never.
+
+    With `ends`, the fault ends then and the cause must have stopped firing by
+    `resolved_by` (the scenario's end if left out) and not fire again.
+
+    Or, instead of a cause, a series the daemon exports (`metric`, with `labels` to pick
+    one of a family) that must be `above` and/or `below` a value on those GPUs, with the
+    same timing: what shows a fault no rule is for (a source down, a GPU's NVML call
+    blocked). A series without a `gpu` label (`gpuwatchd_source_up{source="nvml"}`) is
+    the same for every GPU.
+    """
+
+    cause: str = ""
+    metric: str = ""  # e.g. gpuwatchd_gpu_nvml_hung_seconds
+    labels: dict[str, str] = {}  # further labels of the series, e.g. {source: nvml}
+    above: float | None = None
+    below: float | None = None
+    gpus: GpuSelector = "all"
+    never: bool = False
+    onset: Duration | Literal[0] = 0  # when the fault starts: firing earlier is wrong
+    by: Duration | None = None  # must be firing by then (default: `ends`, else the end)
+    ends: Duration | None = None  # when the fault ends
+    resolved_by: Duration | None = None  # must have stopped firing by then, for good
+
+    @property
+    def what(self) -> str:
+        """The cause, or the metric's condition as the check shows it."""
+        if self.cause:
+            return self.cause
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(self.labels.items()))
+        bounds = [f"> {self.above:g}"] if self.above is not None else []
+        bounds += [f"< {self.below:g}"] if self.below is not None else []
+        name = f"{self.metric}{{{labels}}}" if labels else self.metric
+        return f"{name} {' and '.join(bounds)}"
+
+    @model_validator(mode="after")
+    def _resolution(self) -> Expectation:
+        if bool(self.cause) == bool(self.metric):
+            raise ValueError("cause or metric: exactly one of them")
+        if self.metric and self.above is None and self.below is None:
+            raise ValueError("metric: needs above and/or below (the value it must show)")
+        if self.cause and (self.labels or self.above is not None or self.below is not None):
+            raise ValueError("labels, above, below: only with metric")
+        if self.ends is None:
+            if self.resolved_by is not None:
+                raise ValueError("resolved_by: needs ends (when the fault ends)")
+            return self
+        if self.never:
+            raise ValueError("ends: not with never: true (a cause that never fires)")
+        if self.ends <= self.onset:
+            raise ValueError(f"ends: must be after onset ({self.onset:g}s), got {self.ends:g}s")
+        if self.by is not None and self.by > self.ends:
+            raise ValueError(f"by: must not be after ends ({self.ends:g}s), got {self.by:g}s")
+        if self.resolved_by is not None and self.resolved_by < self.ends:
+            raise ValueError(
+                f"resolved_by: must not be before ends ({self.ends:g}s), got {self.resolved_by:g}s"
+            )
+        return self
+
+
+class Scenario(Strict):
+    name: str
+    description: str = ""
+    node: Node = Node()
+    phases: list[Phase] = Field(min_length=1)
+    noise: Noise = Noise()
+    expect: list[Expectation] = []
+
+    @property
+    def duration(self) -> float:
+        return sum(p.duration for p in self.phases)

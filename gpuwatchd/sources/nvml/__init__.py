@@ -1,0 +1,213 @@
+"""Per-GPU telemetry from NVML, through the real bindings (nvidia-ml-py's `pynvml`).
+
+The binding is `context.pynvml` when set (the simulator passes a private pynvml whose C
+library is a fake), else `import pynvml`. NVML is initialised on the first poll; if that
+fails (no libnvidia-ml, driver not loaded, ...) the poll raises SourceError with a
+one-line reason and the next poll tries again.
+
+What a poll costs is counted in NVML calls, each tens of microseconds of CPU in the
+driver. Per GPU and poll:
+- one nvmlDeviceGetFieldValues for everything the driver can batch (`FIELDS`): power,
+  the PCIe TX/RX byte counters (exported as rates between two polls, from the driver's
+  own timestamps), the PCIe replay counter, ECC totals and mode, and the state of every
+  NVLink (a field per link, scoped by link index);
+- one call each for what has no field (`READS`): utilization, memory, SM clock,
+  P-state, clock event reasons and the running compute processes;
+- slow facts (`SLOW`: temperature, memory clock, PCIe link generation and width,
+  persistence mode, power limit, the graphics processes) every `SLOW_EVERY` polls, kept
+  in between;
+- static facts (identity, NVLink count, maximum clocks and link) once, and once per
+  GPU what its first active NVLink reaches (nvmlDeviceGetNvLinkRemoteDeviceType);
+- one event wait that drains pending Xid events without blocking.
+nvmlDeviceGetPcieThroughput is never called: it blocks ~20 ms per call to sample a
+counter. Where the driver lacks the byte counters (before R555) the PCIe rates are left
+out (logged once). A field the driver answers NOT_SUPPORTED is dropped from the batch;
+where a classic call reads the same value (power) that call is used instead.
+
+The process lists are shared: the nvml source publishes each poll's lists in a
+`ProcessTable` (`context.extras["nvml_processes"]`) that the processes source reads
+instead of asking NVML again.
+
+Errors, per GPU and per call (or field):
+- NOT_SUPPORTED / FUNCTION_NOT_FOUND: the series is dropped for that GPU and the call
+  is never made again on it (logged once). A read with an older alternative (clock
+  event reasons -> throttle reasons) falls back to it on FUNCTION_NOT_FOUND instead.
+- GPU_IS_LOST: this poll reports only `gpu_lost 1`, `gpu_info` and the Xid counters
+  for that GPU (the Xid 79 drained as it fell off is what explains the loss); other
+  GPUs go on.
+- anything else: that series is missing from this poll only.
+A call that blocks (a GPU gone bad inside the driver) cannot be interrupted, so the
+calls are made by a reader thread that the poll waits for at most half the source's
+timeout. A GPU whose call has not returned by then is reported with its identity, its
+Xids and `gpu_nvml_hung_seconds` (how long it has blocked), not its readings; GPUs the
+reader had not reached yet keep their last values with `gpu_nvml_stale 1`. The blocked
+reader is retired (it ends when its call returns) and a new one makes the next polls'
+calls, leaving the hung GPU alone while its call is in flight: the other GPUs are read
+as before (where the driver lets them; one that blocks too is left alone in turn, so at
+most one thread per GPU is ever stuck). Every other read is made once per poll as
+listed above: no call is added.
+
+An NVLink is expected up (`gpu_nvlink_expected`) once it has been seen active since
+the daemon started, or when the board wires every link: a GPU whose active link reaches
+an NVSwitch (HGX/DGX baseboards connect all links of all GPUs to the switches; then so
+is every GPU of the node with as many links), or when the config's `expected_nvlinks`
+names it. A link never seen active is not otherwise: PCIe boards without an NVLink
+bridge report every link inactive, and bridged H100 PCIe cards 6 of their 18 by design.
+A link down before the daemon starts is thus known on an NVSwitch board or by config.
+
+NVML's event data carries no time, so an Xid is stamped when it is drained, with
+`context.extras["now"]` (a wall-clock callable; default time.time) so that a replay in
+virtual time stamps it in scenario time. `gpu_info`'s pci_bus_id is in the sysfs form
+("0000:34:00.0", as the pcie source's gpu_bus_id), not NVML's "00000000:34:00.0".
+
+Layout
+------
+The source is split by responsibility into the modules of this package; every public
+name the module had before the split is importable from the package itself.
+
+* `metrics`: the metric specs and the clock event reasons' labels;
+* `reads`: what is read per GPU -- the call table (`READS`, `POWER_READ`), the
+  field-values batch (`FIELDS`, the NVLink state and count fields), their cadence, and
+  `_Gpu`, what the source remembers about one GPU;
+* `reader`: the reader thread and one poll's hand-off (`_Reader`, `_Poll`) and the
+  polling that waits for it a bounded time, reporting a GPU whose call has blocked
+  (`Polling`: `collect`, the hung-GPU handling);
+* `nvlink`: the NVLink count and whether each link is expected up (`NvLinks`);
+* `source`: `NvmlSource` (registered as "nvml"), which wires them: NVML's lifecycle,
+  errors, identities, Xid events and each GPU's reads.
+
+Every module logs as `gpuwatchd.sources.nvml`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gpuwatchd.sources.nvml.metrics import (
+    CLOCK_REASON,
+    CLOCK_REASONS,
+    CUDA_VERSION,
+    DEVICES,
+    ECC_ERRORS,
+    ECC_MODE,
+    HUNG,
+    INFO,
+    LAST_XID,
+    LOST,
+    MEM_CLOCK,
+    MEM_CLOCK_MAX,
+    MEMORY_TOTAL,
+    MEMORY_USED,
+    MEMORY_UTILIZATION,
+    NVLINK,
+    NVLINK_EXPECTED,
+    PCIE_GEN,
+    PCIE_GEN_MAX,
+    PCIE_REPLAYS,
+    PCIE_RX,
+    PCIE_TX,
+    PCIE_WIDTH,
+    PCIE_WIDTH_MAX,
+    PERSISTENCE,
+    POWER,
+    POWER_LIMIT,
+    PROCESS_MEMORY,
+    PROCESSES,
+    PSTATE,
+    SM_CLOCK,
+    SM_CLOCK_MAX,
+    STALE,
+    TEMPERATURE,
+    UTILIZATION,
+    XID,
+)
+from gpuwatchd.sources.nvml.reads import (
+    EVERY_POLL,
+    FIELDS,
+    FIELDS_KEY,
+    KINDS,
+    NVLINK_COUNT,
+    NVLINK_STATE,
+    ONCE,
+    POWER_READ,
+    READS,
+    SLOW,
+    SLOW_EVERY,
+    Field,
+    Read,
+)
+from gpuwatchd.sources.nvml.source import NvmlSource
+from gpuwatchd.sources.nvmlapi import (
+    Direct,
+    ListedGpu,
+    cuda_version_string,
+    process_table,
+    quietly,
+    start_nvml,
+    sysfs_bus_id,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "NvmlSource",
+    # the tables of what is read
+    "EVERY_POLL",
+    "FIELDS",
+    "FIELDS_KEY",
+    "KINDS",
+    "NVLINK_COUNT",
+    "NVLINK_STATE",
+    "ONCE",
+    "POWER_READ",
+    "READS",
+    "SLOW",
+    "SLOW_EVERY",
+    "Field",
+    "Read",
+    # the metric specs
+    "CLOCK_REASON",
+    "CLOCK_REASONS",
+    "CUDA_VERSION",
+    "DEVICES",
+    "ECC_ERRORS",
+    "ECC_MODE",
+    "HUNG",
+    "INFO",
+    "LAST_XID",
+    "LOST",
+    "MEM_CLOCK",
+    "MEM_CLOCK_MAX",
+    "MEMORY_TOTAL",
+    "MEMORY_USED",
+    "MEMORY_UTILIZATION",
+    "NVLINK",
+    "NVLINK_EXPECTED",
+    "PCIE_GEN",
+    "PCIE_GEN_MAX",
+    "PCIE_REPLAYS",
+    "PCIE_RX",
+    "PCIE_TX",
+    "PCIE_WIDTH",
+    "PCIE_WIDTH_MAX",
+    "PERSISTENCE",
+    "POWER",
+    "POWER_LIMIT",
+    "PROCESS_MEMORY",
+    "PROCESSES",
+    "PSTATE",
+    "SM_CLOCK",
+    "SM_CLOCK_MAX",
+    "STALE",
+    "TEMPERATURE",
+    "UTILIZATION",
+    "XID",
+    # nvmlapi's helpers, imported from here before the split
+    "Direct",
+    "ListedGpu",
+    "cuda_version_string",
+    "process_table",
+    "quietly",
+    "start_nvml",
+    "sysfs_bus_id",
+]

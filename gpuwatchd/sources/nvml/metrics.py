@@ -1,0 +1,92 @@
+"""The nvml source's metric specs, and the clock event reasons it reports by label."""
+
+from __future__ import annotations
+
+from gpuwatchd.metrics import GPU_LABELS, MetricSpec, counter, gauge
+
+
+def _gpu_gauge(name: str, help: str, extra: tuple[str, ...] = ()) -> MetricSpec:
+    return gauge(name, help, GPU_LABELS + extra)
+
+
+INFO = gauge(
+    "gpu_info",
+    "GPU identity; always 1.",
+    GPU_LABELS + ("model", "pci_bus_id", "driver_version", "cuda_driver_version"),
+)
+LOST = _gpu_gauge("gpu_lost", "1 if NVML reports the GPU lost (fallen off the bus).")
+UTILIZATION = _gpu_gauge("gpu_utilization_ratio", "Fraction of time a kernel was running.")
+MEMORY_UTILIZATION = _gpu_gauge(
+    "gpu_memory_utilization_ratio", "Fraction of time device memory was read or written."
+)
+MEMORY_USED = _gpu_gauge("gpu_memory_used_bytes", "Device memory in use.")
+MEMORY_TOTAL = _gpu_gauge("gpu_memory_total_bytes", "Device memory in total.")
+POWER = _gpu_gauge("gpu_power_watts", "Power draw.")
+POWER_LIMIT = _gpu_gauge("gpu_power_limit_watts", "Enforced power limit.")
+TEMPERATURE = _gpu_gauge("gpu_temperature_celsius", "GPU core temperature.")
+SM_CLOCK = _gpu_gauge("gpu_sm_clock_hertz", "Current SM clock.")
+SM_CLOCK_MAX = _gpu_gauge("gpu_sm_clock_max_hertz", "Maximum SM clock.")
+MEM_CLOCK = _gpu_gauge("gpu_memory_clock_hertz", "Current memory clock.")
+MEM_CLOCK_MAX = _gpu_gauge("gpu_memory_clock_max_hertz", "Maximum memory clock.")
+PSTATE = _gpu_gauge("gpu_performance_state", "Performance state, 0 (max) to 15 (min).")
+CLOCK_REASON = _gpu_gauge(
+    "gpu_clock_event_reason_active", "1 while this reason holds the clocks down.", ("reason",)
+)
+PCIE_GEN = _gpu_gauge("gpu_pcie_link_generation", "Current PCIe link generation.")
+PCIE_GEN_MAX = _gpu_gauge(
+    "gpu_pcie_link_generation_max", "Highest PCIe generation this GPU and slot support."
+)
+PCIE_WIDTH = _gpu_gauge("gpu_pcie_link_width", "Current PCIe link width (lanes).")
+PCIE_WIDTH_MAX = _gpu_gauge("gpu_pcie_link_width_max", "Maximum PCIe link width (lanes).")
+PCIE_TX = _gpu_gauge("gpu_pcie_tx_bytes_per_second", "PCIe transmit throughput (GPU to host).")
+PCIE_RX = _gpu_gauge("gpu_pcie_rx_bytes_per_second", "PCIe receive throughput (host to GPU).")
+PCIE_REPLAYS = counter(
+    "gpu_pcie_replay_errors_total", "PCIe replays (link-level retransmissions).", GPU_LABELS
+)
+ECC_ERRORS = counter(
+    "gpu_ecc_errors_total",
+    "ECC errors over the GPU's lifetime (aggregate).",
+    GPU_LABELS + ("type",),
+)
+PERSISTENCE = _gpu_gauge("gpu_persistence_mode", "1 if persistence mode is on.")
+ECC_MODE = _gpu_gauge("gpu_ecc_mode", "1 if ECC is currently enabled.")
+NVLINK = _gpu_gauge("gpu_nvlink_active", "1 if this NVLink is active.", ("link",))
+NVLINK_EXPECTED = _gpu_gauge(
+    "gpu_nvlink_expected",
+    "1 if this NVLink should be active: seen active since the daemon started, or wired by"
+    " an NVSwitch board.",
+    ("link",),
+)
+PROCESSES = _gpu_gauge("gpu_compute_processes", "Compute processes running on the GPU.")
+PROCESS_MEMORY = _gpu_gauge(
+    "gpu_process_memory_used_bytes", "Device memory used by one process.", ("pid",)
+)
+XID = counter("gpu_xid_errors_total", "Xid errors reported by the driver.", GPU_LABELS + ("xid",))
+LAST_XID = _gpu_gauge("gpu_last_xid_timestamp_seconds", "When the last Xid error was seen.")
+HUNG = _gpu_gauge(
+    "gpu_nvml_hung_seconds",
+    "How long an NVML call on this GPU has been blocked (0: none); its readings are left "
+    "out meanwhile.",
+)
+STALE = _gpu_gauge(
+    "gpu_nvml_stale",
+    "1 if this poll could not read the GPU (held up by a call on another GPU): its values "
+    "are the last read.",
+)
+CUDA_VERSION = gauge("cuda_driver_version", "CUDA version the driver supports, e.g. 12.4.")
+DEVICES = gauge("nvml_devices", "GPUs NVML reports on this node.")
+
+# metric label -> suffix of pynvml's nvmlClocksEventReason* (or older ...ThrottleReason*)
+CLOCK_REASONS = {
+    "gpu_idle": "GpuIdle",
+    "applications_clocks_setting": "ApplicationsClocksSetting",
+    "sw_power_cap": "SwPowerCap",
+    "hw_slowdown": "HwSlowdown",
+    "sync_boost": "SyncBoost",
+    "sw_thermal_slowdown": "SwThermalSlowdown",
+    "hw_thermal_slowdown": "HwThermalSlowdown",
+    "hw_power_brake_slowdown": "HwPowerBrakeSlowdown",
+    "display_clock_setting": "DisplayClockSetting",
+    "board_limit": "BoardLimit",
+    "reliability": "Reliability",
+}

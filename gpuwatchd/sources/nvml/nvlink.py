@@ -1,0 +1,79 @@
+"""NVLinks: how many a GPU has, and whether each is expected up.
+
+A link is expected once it has been seen active since the daemon started, on a GPU of
+an NVSwitch board (one active link reaching a switch: then every GPU with as many
+links), or where the config's `expected_nvlinks` names it (see the package docstring).
+`NvLinks` is a mixin of NvmlSource, which sets the state it declares.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from gpuwatchd.config import NvmlConfig, SourceConfig
+from gpuwatchd.metrics import Sample
+from gpuwatchd.sources.nvml.metrics import NVLINK_EXPECTED
+from gpuwatchd.sources.nvml.reads import _Entry, _Gpu, _GpuLost
+from gpuwatchd.sources.nvmlapi import Direct
+
+log = logging.getLogger("gpuwatchd.sources.nvml")
+
+
+class NvLinks:
+    """NvmlSource's NVLink count per GPU and its links' expectations."""
+
+    config: SourceConfig
+    _nv: Any
+    _direct: Direct | None
+    _nvswitch_links: set[int]
+    _describe: Callable[[Any], str]
+
+    def _links(self, gpu: _Gpu, count_field: int) -> int:
+        """How many NVLinks the GPU has (0: none, or the driver cannot tell)."""
+        nv, direct = self._nv, self._direct
+        assert direct is not None
+        try:
+            ((code, _, count),) = direct.field_values(
+                gpu.handle, direct.request([(count_field, 0)])
+            )
+        except nv.NVMLError as e:
+            log.debug("nvml: GPU %d: NVLink count: %s", gpu.index, self._describe(e))
+            return 0
+        return int(count) if code == nv.NVML_SUCCESS and count is not None else 0
+
+    def _nvlink_expected(self, gpu: _Gpu, entry: _Entry, active: bool, out: list[Sample]) -> None:
+        """Whether this link should be up (see the module's docstring): no call per poll,
+        one nvmlDeviceGetNvLinkRemoteDeviceType per GPU at its first active link."""
+        link = entry.scope
+        if active:
+            gpu.nvlink_seen.add(link)
+            if gpu.nvlink_remote is None:
+                gpu.nvlink_remote = self._remote_type(gpu, link)
+                if gpu.nvlink_remote == getattr(self._nv, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2):
+                    self._nvswitch_links.add(gpu.nvlinks)
+        configured = self.config.expected_nvlinks if isinstance(self.config, NvmlConfig) else ()
+        expected = (
+            active
+            or link in gpu.nvlink_seen
+            or gpu.nvlinks in self._nvswitch_links
+            or configured == "all"
+            or link in configured
+        )
+        out.append(Sample(NVLINK_EXPECTED.name, entry.labels, 1.0 if expected else 0.0))
+
+    def _remote_type(self, gpu: _Gpu, link: int) -> int:
+        """What an active link reaches (NVML_NVLINK_DEVICE_TYPE_*); UNKNOWN (0xFF) if the
+        driver or binding cannot tell (it is not asked again)."""
+        nv = self._nv
+        function = getattr(nv, "nvmlDeviceGetNvLinkRemoteDeviceType", None)
+        if function is None:
+            return 0xFF
+        try:
+            return int(function(gpu.handle, link))
+        except nv.NVMLError as e:
+            if e.value == nv.NVML_ERROR_GPU_IS_LOST:
+                raise _GpuLost from e
+            log.debug("nvml: GPU %d: NVLink %d remote type: %s", gpu.index, link, self._describe(e))
+            return 0xFF

@@ -1,0 +1,211 @@
+"""The nvml source's reader thread and one poll's hand-off to it.
+
+A call into a GPU wedged in the driver blocks and cannot be interrupted, so the polls'
+NVML calls are made by a `_Reader` thread; `Polling.collect` waits for it at most the
+source's patience, then reports the GPUs it read, the hung GPU (identity, Xids,
+`gpu_nvml_hung_seconds`) and the ones not reached (last values, `gpu_nvml_stale`), and
+retires a reader that blocked. `Polling` is a mixin of NvmlSource, which sets the state
+it declares.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from gpuwatchd.metrics import Sample
+from gpuwatchd.scheduler import name_os_thread
+from gpuwatchd.sources.nvml.metrics import HUNG, LAST_XID, STALE, XID
+from gpuwatchd.sources.nvml.reads import _Gpu
+from gpuwatchd.sources.nvmlapi import ListedGpu, ProcessTable
+
+log = logging.getLogger("gpuwatchd.sources.nvml")
+
+
+class _Poll:
+    """One poll's reads, made by the reader thread: the samples of each GPU it read."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.read: dict[int, list[Sample]] = {}
+        self.closed = False  # the poll stopped waiting: the reader stops at the next GPU
+        self.error: BaseException | None = None
+
+
+class _Reader:
+    """The thread that makes the polls' NVML calls, one poll at a time. A call into a
+    GPU wedged in the driver blocks and cannot be interrupted: the poll waits for it a
+    bounded time, goes on without that GPU and retires this reader, which ends once its
+    call returns; a new reader makes the next polls' calls."""
+
+    _ids = itertools.count()
+
+    def __init__(self, work: Callable[[_Poll], None]) -> None:
+        self._work = work
+        self._go = threading.Event()
+        self.done = threading.Event()
+        self.poll = _Poll()
+        self.retired = False
+        self.thread = threading.Thread(
+            target=self._run, name=f"nvml-reader-{next(self._ids)}", daemon=True
+        )
+        self.thread.start()
+
+    def submit(self, poll: _Poll) -> None:
+        self.poll = poll
+        self.done.clear()
+        self._go.set()
+
+    def retire(self) -> None:
+        self.retired = True
+        self._go.set()
+
+    def _run(self) -> None:
+        name_os_thread("nvml-reader")  # its CPU shows as the daemon's (top -H, benchmarks)
+        while True:
+            self._go.wait()
+            self._go.clear()
+            if self.retired:
+                return
+            poll = self.poll
+            try:
+                self._work(poll)
+            except BaseException as e:  # handed to the poll, raised there
+                poll.error = e
+            self.done.set()
+            if self.retired:
+                return
+
+
+def _wait(done: threading.Event, thread: threading.Thread, timeout: float) -> bool:
+    return done.wait(timeout)
+
+
+class Polling:
+    """NvmlSource's polls: the hand-off to its reader and the reader's work."""
+
+    _nv: Any
+    _patience: float
+    _reader: _Reader | None
+    _wait_reader: Callable[[threading.Event, threading.Thread, float], bool]
+    _events_lock: threading.Lock
+    _gpus: list[_Gpu]
+    _globals: list[Sample]
+    _clock: Callable[[], float]
+    _table: ProcessTable
+    _start: Callable[[], None]
+    _identify: Callable[[_Gpu], None]
+    _register_events: Callable[[_Gpu], None]
+    _drain_events: Callable[[], None]
+    _collect_gpu: Callable[[_Gpu, list[Sample]], None]
+
+    def collect(self) -> list[Sample]:
+        """The reader thread reads every GPU it can; what it has not read within
+        `_patience` (a call blocked on a GPU) is reported without waiting longer."""
+        if self._nv is None:
+            self._start()
+        poll, reader = _Poll(), self._reader
+        if reader is None:
+            reader = self._reader = _Reader(self._read_gpus)
+        reader.submit(poll)
+        if not self._wait_reader(reader.done, reader.thread, self._patience):
+            with poll.lock:
+                poll.closed = True
+            reader.retire()
+            self._reader = None
+        elif poll.error is not None:
+            raise poll.error
+        with poll.lock:
+            read = dict(poll.read)
+        out = list(self._globals)
+        listed = []
+        now = self._clock()
+        for gpu in self._gpus:
+            samples, since = read.get(gpu.index), gpu.busy_since
+            lists: dict[str, dict[int, float]] | None = None
+            if samples is None and since is not None:  # inside a call that has not returned
+                self._hung(gpu, now - since, out)
+            else:  # read, or else not reached this poll (held up behind a GPU that blocked)
+                out.extend(gpu.last if samples is None else samples)
+                if gpu.info is not None:
+                    out.append(Sample(STALE.name, gpu.labels, float(samples is None)))
+                    out.append(Sample(HUNG.name, gpu.labels, 0.0))
+                lists = gpu.last_lists
+            listed.append(ListedGpu(gpu.index, gpu.labels, gpu.bus_id, lists))
+        self._table.publish(now, listed)
+        return out
+
+    def _hung(self, gpu: _Gpu, seconds: float, out: list[Sample]) -> None:
+        """A GPU whose call blocks: what it is and its Xids, no readings (unknown now)."""
+        if not gpu.hung:
+            gpu.hung = True
+            log.warning(
+                "nvml: GPU %d: an NVML call on it has not returned for %.1fs; the other "
+                "GPUs are read without it",
+                gpu.index,
+                seconds,
+            )
+        if gpu.info is not None:
+            out.append(gpu.info)
+        for xid, count in gpu.xids.items():
+            out.append(Sample(XID.name, gpu.labels + (str(xid),), float(count)))
+        if gpu.last_xid is not None:
+            out.append(Sample(LAST_XID.name, gpu.labels, gpu.last_xid))
+        out.append(Sample(HUNG.name, gpu.labels, seconds))
+
+    def _read_gpus(self, poll: _Poll) -> None:
+        """The reader's work for one poll: identities and event registrations, the Xid
+        events, then each GPU's reads. A GPU is taken (its lock) for each step; one held
+        by a reader given up on is left alone. Stops at the next GPU once the poll has
+        stopped waiting for it."""
+        for gpu in self._gpus:
+            if gpu.handle is not None and gpu.events != "pending":
+                continue
+            if not self._take(gpu, poll):
+                if poll.closed:
+                    return
+                continue
+            try:
+                if gpu.handle is None:
+                    self._identify(gpu)
+                if gpu.handle is not None and gpu.events == "pending":
+                    self._register_events(gpu)
+            finally:
+                self._give(gpu)
+        if self._events_lock.acquire(blocking=False):  # not while a drain is stuck
+            try:
+                self._drain_events()
+            finally:
+                self._events_lock.release()
+        for gpu in self._gpus:
+            if not self._take(gpu, poll):
+                if poll.closed:
+                    return
+                continue
+            mine: list[Sample] = []
+            try:
+                self._collect_gpu(gpu, mine)
+                if gpu.hung:
+                    log.info("nvml: GPU %d: NVML calls return again", gpu.index)
+                    gpu.hung = False
+                gpu.last = mine
+                gpu.last_lists = None if gpu.lost else dict(gpu.lists)
+            finally:
+                self._give(gpu)
+            with poll.lock:
+                if poll.closed:
+                    return
+                poll.read[gpu.index] = mine
+
+    def _take(self, gpu: _Gpu, poll: _Poll) -> bool:
+        if poll.closed or not gpu.lock.acquire(blocking=False):
+            return False
+        gpu.busy_since = self._clock()
+        return True
+
+    def _give(self, gpu: _Gpu) -> None:
+        gpu.busy_since = None
+        gpu.lock.release()

@@ -1,0 +1,461 @@
+"""NvmlSource: NVML's lifecycle, errors, identities, Xid events and each GPU's reads.
+
+Registered as "nvml". It wires the package's parts: the polls and the reader thread
+(`reader.Polling`), the NVLink expectations (`nvlink.NvLinks`), and the tables of what
+is read (`reads`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpuwatchd.config import SourceConfig
+from gpuwatchd.metrics import Sample
+from gpuwatchd.sources import register
+from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.nvml.metrics import (
+    CLOCK_REASON,
+    CLOCK_REASONS,
+    CUDA_VERSION,
+    DEVICES,
+    ECC_ERRORS,
+    ECC_MODE,
+    HUNG,
+    INFO,
+    LAST_XID,
+    LOST,
+    MEM_CLOCK,
+    MEM_CLOCK_MAX,
+    MEMORY_TOTAL,
+    MEMORY_USED,
+    MEMORY_UTILIZATION,
+    NVLINK,
+    NVLINK_EXPECTED,
+    PCIE_GEN,
+    PCIE_GEN_MAX,
+    PCIE_REPLAYS,
+    PCIE_RX,
+    PCIE_TX,
+    PCIE_WIDTH,
+    PCIE_WIDTH_MAX,
+    PERSISTENCE,
+    POWER,
+    POWER_LIMIT,
+    PROCESS_MEMORY,
+    PROCESSES,
+    PSTATE,
+    SM_CLOCK,
+    SM_CLOCK_MAX,
+    STALE,
+    TEMPERATURE,
+    UTILIZATION,
+    XID,
+)
+from gpuwatchd.sources.nvml.nvlink import NvLinks
+from gpuwatchd.sources.nvml.reader import Polling, _Reader, _wait
+from gpuwatchd.sources.nvml.reads import (
+    EVERY_POLL,
+    FIELDS,
+    FIELDS_KEY,
+    NVLINK_COUNT,
+    NVLINK_STATE,
+    ONCE,
+    POWER_READ,
+    READS,
+    Field,
+    Read,
+    _Entry,
+    _Gpu,
+    _GpuLost,
+)
+from gpuwatchd.sources.nvmlapi import (
+    Direct,
+    cuda_version_string,
+    process_table,
+    quietly,
+    start_nvml,
+    sysfs_bus_id,
+)
+
+log = logging.getLogger("gpuwatchd.sources.nvml")
+
+_MAX_EVENTS_PER_POLL = 1024
+
+
+@register
+class NvmlSource(Polling, NvLinks, Source):
+    name = "nvml"
+    metrics = (
+        INFO,
+        LOST,
+        UTILIZATION,
+        MEMORY_UTILIZATION,
+        MEMORY_USED,
+        MEMORY_TOTAL,
+        POWER,
+        POWER_LIMIT,
+        TEMPERATURE,
+        SM_CLOCK,
+        SM_CLOCK_MAX,
+        MEM_CLOCK,
+        MEM_CLOCK_MAX,
+        PSTATE,
+        CLOCK_REASON,
+        PCIE_GEN,
+        PCIE_GEN_MAX,
+        PCIE_WIDTH,
+        PCIE_WIDTH_MAX,
+        PCIE_TX,
+        PCIE_RX,
+        PCIE_REPLAYS,
+        ECC_ERRORS,
+        PERSISTENCE,
+        ECC_MODE,
+        NVLINK,
+        NVLINK_EXPECTED,
+        PROCESSES,
+        PROCESS_MEMORY,
+        XID,
+        LAST_XID,
+        HUNG,
+        STALE,
+        CUDA_VERSION,
+        DEVICES,
+    )
+
+    def __init__(self, config: SourceConfig, context: Context) -> None:
+        super().__init__(config, context)
+        self._now: Callable[[], float] = context.extras.get("now", time.time)
+        self._clock: Callable[[], float] = context.extras.get("clock", time.monotonic)
+        self._table = process_table(context)
+        # how the poll waits for its reader: done.wait in real time; the simulator's
+        # (virtual time) returns as soon as the reader blocks in a hung call
+        self._wait_reader: Callable[[threading.Event, threading.Thread, float], bool] = (
+            context.extras.get("nvml_wait", _wait)
+        )
+        self._patience = config.timeout / 2  # returned before the scheduler's timeout
+        self._reader: _Reader | None = None
+        self._events_lock = threading.Lock()
+        self._nv: Any = None  # the binding, once NVML is initialised
+        self._gpus: list[_Gpu] = []
+        self._globals: list[Sample] = []
+        self._driver = ""
+        self._cuda = ""
+        self._event_set: Any = None
+        self._by_address: dict[int, _Gpu] = {}
+        self._logged: set[tuple[str, str]] = set()
+        # resolved from the binding by _start/_resolve
+        self._codes: dict[int, str] = {}
+        self._calls: dict[str, list[tuple[str, Any, tuple[Any, ...]]]] = {}
+        self._fields: list[tuple[int, Field]] = []
+        self._nvlink: tuple[int, int] = (0, 0)  # (state field id, count field id); 0: none
+        self._nvswitch_links: set[int] = set()  # link counts of GPUs found on NVSwitches
+        self._reasons: list[tuple[str, int]] = []
+        self._direct: Direct | None = None
+        self._xid_type = 0
+        self._wait: Any = None
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def _start(self) -> None:
+        nv, self._codes, count = start_nvml(self.context)
+        self._driver = quietly(nv, nv.nvmlSystemGetDriverVersion) or ""
+        cuda = quietly(nv, nv.nvmlSystemGetCudaDriverVersion)
+        self._cuda = cuda_version_string(cuda) if cuda else ""
+        self._globals = [Sample(DEVICES.name, (), float(count))]
+        if cuda:
+            self._globals.append(Sample(CUDA_VERSION.name, (), float(self._cuda)))
+        self._resolve(nv)
+        self._gpus = [_Gpu(i) for i in range(count)]
+        self._by_address = {}
+        self._event_set = quietly(nv, nv.nvmlEventSetCreate)
+        if self._event_set is None:
+            log.info("nvml: cannot create an event set; Xid errors will not be counted")
+        self._nv = nv
+        log.info("nvml: %d GPUs, driver %s, CUDA %s", count, self._driver, self._cuda)
+
+    def _resolve(self, nv: Any) -> None:
+        """Look the functions and constants of READS, FIELDS and the reasons up once."""
+
+        direct = self._direct = Direct(nv)
+
+        def bound(read: Read) -> list[tuple[str, Any, tuple[Any, ...]]]:
+            args = tuple(getattr(nv, a) for a in read.args)
+            functions = [getattr(nv, f, None) for f in read.functions]
+            if read.listing:
+                functions = [
+                    f and direct.lister(name)
+                    for f, name in zip(functions, read.functions, strict=True)
+                ]
+            return [
+                (f, function, args) for f, function in zip(read.functions, functions, strict=True)
+            ]
+
+        self._calls = {read.key: bound(read) for read in (*READS, POWER_READ)}
+        # a field this pynvml does not know is one the driver cannot be asked for either
+        self._fields = [(getattr(nv, f.constant), f) for f in FIELDS if hasattr(nv, f.constant)]
+        state = getattr(nv, NVLINK_STATE.constant, 0)
+        self._nvlink = (state, getattr(nv, NVLINK_COUNT, 0) if state else 0)
+        self._reasons = []
+        for label, suffix in CLOCK_REASONS.items():
+            bit = getattr(nv, "nvmlClocksEventReason" + suffix, None)
+            bit = getattr(nv, "nvmlClocksThrottleReason" + suffix, bit)
+            if bit:
+                self._reasons.append((label, int(bit)))
+        self._xid_type = int(nv.nvmlEventTypeXidCriticalError)
+        self._wait = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.retire()
+            self._reader = None
+        nv, self._nv = self._nv, None
+        if nv is None:
+            return
+        if self._event_set is not None:
+            quietly(nv, nv.nvmlEventSetFree, self._event_set)
+            self._event_set = None
+        quietly(nv, nv.nvmlShutdown)
+
+    # -- errors -----------------------------------------------------------------------
+
+    def _describe(self, error: Any) -> str:
+        return f"{error} ({self._codes.get(error.value, f'code {error.value}')})"
+
+    def _failed(self, gpu: _Gpu, key: str, function: str, error: Any) -> None:
+        """Handle an NVMLError from one call on one GPU (raises _GpuLost)."""
+        nv = self._nv
+        code = error.value
+        if code == nv.NVML_ERROR_GPU_IS_LOST:
+            raise _GpuLost
+        if code in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
+            gpu.disabled.add(key)
+            self._log_once(key, function, gpu, self._describe(error))
+        elif code == nv.NVML_ERROR_UNINITIALIZED:
+            self._nv = None  # someone shut NVML down: start again next poll
+            why = self._describe(error)
+            raise SourceError(f"NVML was shut down under us: {function} answered {why}")
+        else:
+            log.debug("nvml: GPU %d: %s failed: %s", gpu.index, function, self._describe(error))
+
+    def _log_once(self, key: str, function: str, gpu: _Gpu, why: str) -> None:
+        level = logging.DEBUG if (key, function) in self._logged else logging.INFO
+        self._logged.add((key, function))
+        log.log(level, "nvml: GPU %d: %s: %s; not asking again", gpu.index, function, why)
+
+    def _identify(self, gpu: _Gpu) -> None:
+        """Handle and identity, read once; retried each poll until they can be read."""
+        nv = self._nv
+        try:
+            handle = nv.nvmlDeviceGetHandleByIndex(gpu.index)
+            uuid = nv.nvmlDeviceGetUUID(handle)
+        except nv.NVMLError as e:
+            gpu.lost = e.value == nv.NVML_ERROR_GPU_IS_LOST
+            log.debug("nvml: GPU %d: no handle yet: %s", gpu.index, self._describe(e))
+            return
+        name = quietly(nv, nv.nvmlDeviceGetName, handle) or ""
+        pci_info = getattr(nv, "nvmlDeviceGetPciInfo_v3", None) or nv.nvmlDeviceGetPciInfo
+        pci = quietly(nv, pci_info, handle)
+        gpu.bus_id = sysfs_bus_id(pci.busId) if pci is not None else ""
+        labels = (str(gpu.index), uuid)
+        gpu.labels = labels
+        gpu.info = Sample(INFO.name, labels + (name, gpu.bus_id, self._driver, self._cuda), 1.0)
+        gpu.reason_labels = [(bit, labels + (label,)) for label, bit in self._reasons]
+        gpu.reads = list(READS)
+        gpu.handle = handle
+        self._batch(gpu)
+        address = ctypes.cast(handle, ctypes.c_void_p).value
+        if address is not None:
+            self._by_address[address] = gpu
+
+    def _batch(self, gpu: _Gpu) -> None:
+        """This GPU's field-values request: FIELDS and, per NVLink, its state."""
+        entries = [_Entry(fid, 0, f, gpu.labels + f.extra, f.constant) for fid, f in self._fields]
+        state, count = self._nvlink
+        links = gpu.nvlinks = self._links(gpu, count) if count else 0
+        for link in range(links):
+            labels = gpu.labels + (str(link),)
+            entries.append(
+                _Entry(state, link, NVLINK_STATE, labels, f"{NVLINK_STATE.constant}[{link}]")
+            )
+        self._ask(gpu, entries)
+
+    def _register_events(self, gpu: _Gpu) -> None:
+        """Ask for this GPU's Xid events; retried each poll until it works or can't."""
+        nv = self._nv
+        if self._event_set is None:
+            return
+        try:
+            if not nv.nvmlDeviceGetSupportedEventTypes(gpu.handle) & self._xid_type:
+                gpu.events = "unsupported"
+                return
+            nv.nvmlDeviceRegisterEvents(gpu.handle, self._xid_type, self._event_set)
+            gpu.events = "registered"
+        except nv.NVMLError as e:
+            if e.value in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
+                gpu.events = "unsupported"
+            log.debug("nvml: GPU %d: Xid events: %s", gpu.index, self._describe(e))
+
+    def _drain_events(self) -> None:
+        """Take every pending Xid event without waiting (timeout 0)."""
+        if self._event_set is None:
+            return
+        nv = self._nv
+        for _ in range(_MAX_EVENTS_PER_POLL):
+            try:
+                data = self._wait(self._event_set, 0)
+            except nv.NVMLError as e:
+                if e.value != nv.NVML_ERROR_TIMEOUT:
+                    log.debug("nvml: event wait failed: %s", self._describe(e))
+                return
+            if not data.eventType & self._xid_type:
+                continue
+            gpu = self._by_address.get(ctypes.cast(data.device, ctypes.c_void_p).value or 0)
+            if gpu is not None:
+                xid = int(data.eventData)
+                gpu.xids[xid] = gpu.xids.get(xid, 0) + 1
+                gpu.last_xid = self._now()
+                log.warning("nvml: GPU %d: Xid %d", gpu.index, xid)
+
+    def _collect_gpu(self, gpu: _Gpu, out: list[Sample]) -> None:
+        if gpu.handle is None:
+            if gpu.lost:
+                out.append(Sample(LOST.name, gpu.labels, 1.0))
+            return
+        mine: list[Sample] = []
+        try:
+            self._field_values(gpu, mine)
+            self._reads(gpu, mine)
+        except _GpuLost:
+            if not gpu.lost:
+                log.warning("nvml: GPU %d (%s): lost (GPU_IS_LOST)", gpu.index, gpu.labels[1])
+            gpu.lost = True
+            gpu.counters.clear()
+            # identity and Xids stay: the Xid (79) raised as it fell off explains the loss
+            self._identity(gpu, 1.0, out)
+            return
+        gpu.polls += 1
+        if gpu.lost:
+            log.info("nvml: GPU %d: answering again", gpu.index)
+            gpu.lost = False
+        self._identity(gpu, 0.0, out)
+        out.extend(mine)
+
+    def _identity(self, gpu: _Gpu, lost: float, out: list[Sample]) -> None:
+        """gpu_info, gpu_lost and the Xids drained for it: what a lost GPU still shows."""
+        assert gpu.info is not None
+        out.append(gpu.info)
+        out.append(Sample(LOST.name, gpu.labels, lost))
+        for xid, count in gpu.xids.items():
+            out.append(Sample(XID.name, gpu.labels + (str(xid),), float(count)))
+        if gpu.last_xid is not None:
+            out.append(Sample(LAST_XID.name, gpu.labels, gpu.last_xid))
+
+    def _reads(self, gpu: _Gpu, out: list[Sample]) -> None:
+        polls, kept = gpu.polls, gpu.kept
+        for read in gpu.reads:
+            key, every = read.key, read.every
+            if every != EVERY_POLL and key in kept and (every == ONCE or polls % every):
+                out.extend(kept[key])  # what it gave when it was read
+                continue
+            value = self._read(gpu, read)
+            if value is _MISSING:
+                kept.pop(key, None)  # asked again next poll
+                if read.listing:
+                    gpu.lists.pop(read.listing, None)
+                continue
+            if read.listing:
+                gpu.lists[read.listing] = value
+            if read.emit is None:
+                samples = [Sample(read.metric, gpu.labels, value * read.scale)]
+            else:
+                samples = []
+                read.emit(gpu, value, samples)
+            if every != EVERY_POLL:
+                kept[key] = samples
+            out.extend(samples)
+
+    def _read(self, gpu: _Gpu, read: Read) -> Any:
+        key = read.key
+        if key in gpu.disabled:
+            return _MISSING
+        calls = self._calls[key]
+        choice = gpu.choice.get(key, 0)
+        name, function, args = calls[choice]
+        try:
+            if function is None:  # this pynvml predates the function
+                raise self._nv.NVMLError(self._nv.NVML_ERROR_FUNCTION_NOT_FOUND)
+            value = function(gpu.handle, *args)
+        except self._nv.NVMLError as e:
+            if e.value == self._nv.NVML_ERROR_FUNCTION_NOT_FOUND and choice + 1 < len(calls):
+                gpu.choice[key] = choice + 1
+                self._log_once(key, name, gpu, f"{self._describe(e)}, using {calls[choice + 1][0]}")
+                return self._read(gpu, read)
+            self._failed(gpu, key, name, e)
+            return _MISSING
+        return value
+
+    def _field_values(self, gpu: _Gpu, out: list[Sample]) -> None:
+        """FIELDS and the NVLink states in one call; each field has its own nvmlReturn."""
+        if not gpu.batch:
+            return
+        nv, direct = self._nv, self._direct
+        assert direct is not None
+        try:
+            values = direct.field_values(gpu.handle, gpu.request)
+        except nv.NVMLError as e:
+            self._failed(gpu, FIELDS_KEY, "nvmlDeviceGetFieldValues", e)
+            if FIELDS_KEY in gpu.disabled:
+                self._unsupported(gpu, set(range(len(gpu.batch))))
+            return
+        success = nv.NVML_SUCCESS
+        unsupported: set[int] = set()
+        for i, ((code, stamp, number), entry) in enumerate(zip(values, gpu.batch, strict=True)):
+            if code == success and number is not None:
+                if entry.field.rate:
+                    self._rate(gpu, entry, int(number), stamp, out)
+                else:
+                    out.append(Sample(entry.field.metric, entry.labels, number * entry.field.scale))
+                    if entry.field is NVLINK_STATE:
+                        self._nvlink_expected(gpu, entry, bool(number), out)
+            elif code == nv.NVML_ERROR_GPU_IS_LOST:
+                raise _GpuLost
+            elif code in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
+                unsupported.add(i)
+                why = self._describe(nv.NVMLError(code))
+                self._log_once(entry.what, f"field {entry.what} ({entry.field.metric})", gpu, why)
+        if unsupported:
+            self._unsupported(gpu, unsupported)
+
+    def _unsupported(self, gpu: _Gpu, indices: set[int]) -> None:
+        """Drop these entries from the GPU's batch; their fallbacks are read from now on."""
+        for i in sorted(indices):
+            fallback = gpu.batch[i].field.fallback
+            if fallback is not None and fallback not in gpu.reads:
+                gpu.reads.append(fallback)
+        self._ask(gpu, [e for i, e in enumerate(gpu.batch) if i not in indices])
+
+    def _ask(self, gpu: _Gpu, entries: list[_Entry]) -> None:
+        assert self._direct is not None
+        gpu.batch = entries
+        gpu.request = self._direct.request([(e.field_id, e.scope) for e in entries])
+
+    def _rate(self, gpu: _Gpu, entry: _Entry, total: int, stamp_us: int, out: list[Sample]) -> None:
+        """A byte counter's rate since the last reading, by the driver's own timestamps
+        (a value the driver has not sampled again since keeps the last rate)."""
+        before, before_us, rate = gpu.counters.get(entry.field_id, (0, None, None))
+        if stamp_us != before_us:
+            rate = None  # the first reading, or a counter that wrapped or reset: no rate yet
+            if before_us is not None and stamp_us > before_us and total >= before:
+                rate = (total - before) * 1e6 / (stamp_us - before_us)
+            gpu.counters[entry.field_id] = (total, stamp_us, rate)
+        if rate is not None:
+            out.append(Sample(entry.field.metric, entry.labels, rate))
+
+
+_MISSING = object()
