@@ -106,7 +106,7 @@ def test_pages_are_only_what_a_person_must_act_on_now():
     critical = {r["name"] for r in default_rules["rules"] if r["severity"] == "critical"}
     assert critical == {"gpu_lost", "nccl_stall", "pcie_link_degraded"}
     static = {n for n, a in alerts().items() if a.get("labels", {}).get("severity") == "critical"}
-    assert static == {"GpuXidResetRequired", "GpuJobNcclStall"}
+    assert static == {"GpuXidResetRequired", "GpuNvmlHung", "GpuJobNcclStall"}
 
 
 def test_amtool_checks_the_example_route():
