@@ -533,6 +533,74 @@ def test_embedded_mode(make):
         simdcgm.use_for_embedded(None)
 
 
+# -- reading: one dcgmEntitiesGetLatestValues call per watch ----------------------------------
+
+
+def polls(sim: Sim, count: int = 3) -> list[list[Sample]]:
+    out = []
+    for _ in range(count):
+        out.append(sim.source.collect())
+        sim.advance(5)
+    return out
+
+
+def test_each_watch_is_read_in_one_call_without_callbacks(make):
+    sim = make("healthy-8gpu", exporter_compat=True)
+    sim.collect()  # connects; reads the NVML indices with one live call
+    calls = sim.engine.calls
+    before = calls["dcgmEntitiesGetLatestValues"]
+    polls(sim, 4)
+    assert calls["dcgmEntitiesGetLatestValues"] - before == 4 * 2  # device, profiling
+    assert calls["dcgmGetLatestValues_v2"] == 0
+
+
+@pytest.mark.parametrize("compat", [False, True])
+def test_a_libdcgm_without_the_bulk_call_reads_through_callbacks_alike(make, caplog, compat):
+    caplog.set_level(logging.INFO, "gpuwatchd.sources.dcgm")
+    scn = scenario([{"name": "x", "duration": 600, "gpus": [1], "set": {"xid": [79]}}])
+    runs = []
+    for without in ((), ("dcgmEntitiesGetLatestValues",)):
+        with simdcgm.library_without(*without):
+            sim = make(scn, exporter_compat=compat)
+            sim.engine.set_value(1002, simdcgm.FP64_BLANK, gpu=0)
+            sim.engine.set_value(155, "n/a", gpu=1)
+            runs.append(polls(sim, 3))
+            sim.engine.restart()  # a new session keeps what the library lacks
+            sim.down()
+            runs.append(polls(sim, 2))
+    assert runs[:2] == runs[2:]
+    older = sim
+    assert older.engine.calls["dcgmGetLatestValues_v2"] == 5 * 2 + 1  # + the one refused
+    assert older.engine.calls["dcgmEntitiesGetLatestValues"] == 0
+    fallback = [r.getMessage() for r in caplog.records if "instead" in r.getMessage()]
+    assert len(fallback) == 1 and "DCGM_ST_FUNCTION_NOT_FOUND" in fallback[0]
+
+
+def test_text_blanks_are_absent_without_a_warning(make, caplog):
+    caplog.set_level(logging.WARNING, "gpuwatchd.sources.dcgm")
+    sim = make()
+    sim.engine.set_value(155, "<<<NOT_SUPPORTED>>>", gpu=0)  # a text field's blank sentinel
+    m = sim.collect()
+    assert {labels[0] for labels in m.by_name[P + "gpu_dcgm_power_watts"]} == {"1"}
+    assert not caplog.records
+
+
+def test_our_group_removed_by_another_client_means_setting_up_again(make):
+    sim = make(interval=5.0)
+    assert sim.collect().state() == "connected"
+    other = load_bindings(FAKE_BINDINGS)
+    handle = other.pydcgm.DcgmHandle(ipAddress=sim.engine.address)
+    for group_id in other.agent.dcgmGroupGetAllIds(handle.handle):
+        if other.agent.dcgmGroupGetInfo(handle.handle, group_id).groupName.endswith("_prof0"):
+            other.agent.dcgmGroupDestroy(handle.handle, group_id)  # and so our watch
+    error = sim.down()  # every value NOT_WATCHED: our watch is gone
+    assert state_of(error) == "error" and "DCGM_ST_NOT_WATCHED" in str(error)
+    sim.advance(5)
+    m = sim.collect()
+    assert m.state() == "connected" and m.value("gpu_sm_active_ratio", 0) == 0.7
+    handle.Shutdown()
+
+
 def test_two_runs_give_the_same_samples(make):
     runs = []
     for _ in range(2):

@@ -404,6 +404,52 @@ def test_entities_get_latest_values_reads_live(node: Node):
     assert not_live[0].status == node.structs.DCGM_ST_NOT_WATCHED
 
 
+def test_entities_get_latest_values_fills_dcgm_field_value_v2_as_libdcgm_does(node: Node):
+    handle = node.connect()
+    node.engine.set_value(202, "n/a", gpu=1)  # a text where a number was expected
+    node.engine.set_value(1002, simdcgm.FP64_BLANK + simdcgm.NOT_SUPPORTED, gpu=0)
+    group, fg = watch(node, handle, [155, 202, 1002, 156])
+    pairs = [node.structs.c_dcgmGroupEntityPair_t(1, gpu) for gpu in (1, 0)]
+    ids = [155, 202, 1002, 156, 150]  # 150: nobody watches it
+    values = node.agent.dcgmEntitiesGetLatestValues(handle.handle, pairs, ids, 0)
+    assert type(values).__name__ == "c_dcgmFieldValue_v2_Array_10"
+    assert {v.version for v in values} == {node.structs.dcgmFieldValue_version2}
+    # entity by entity, field by field, as the host engine's one request answers
+    assert [(v.entityGroupId, v.entityId, v.fieldId) for v in values] == [
+        (1, gpu, fid) for gpu in (1, 0) for fid in ids
+    ]
+    by = {(v.entityId, v.fieldId): v for v in values}
+    assert by[(1, 202)].fieldType == ord("s") and by[(1, 202)].value.str == "n/a"
+    assert by[(0, 1002)].value.dbl == simdcgm.FP64_BLANK + simdcgm.NOT_SUPPORTED
+    assert by[(0, 150)].status == node.structs.DCGM_ST_NOT_WATCHED
+    # the values and times the callback API delivers for the same watch
+    for gpu, fields in latest(group, fg).items():
+        for fid, value in fields.items():
+            raw = by[(gpu, fid)]
+            assert (raw.ts, raw.status) == (value.ts, 0)
+            if not value.isBlank:
+                member = {"d": "dbl", "i": "i64", "s": "str"}[chr(raw.fieldType)]
+                assert value.value == getattr(raw.value, member)
+    with pytest.raises(node.error("DCGMError_Badparam")):  # as libdcgm checks its arguments
+        node.agent.dcgmEntitiesGetLatestValues(handle.handle, [], [155], 0)
+    with pytest.raises(node.error("DCGMError_Badparam")):
+        node.agent.dcgmEntitiesGetLatestValues(handle.handle, pairs, [], 0)
+
+
+def test_an_older_libdcgm_lacks_symbols():
+    with simdcgm.library_without("dcgmEntitiesGetLatestValues"):
+        n = Node()
+        try:
+            handle = n.connect()
+            pair = n.structs.c_dcgmGroupEntityPair_t(1, 0)
+            with pytest.raises(n.error("DCGMError_FunctionNotFound")):
+                n.agent.dcgmEntitiesGetLatestValues(handle.handle, [pair], [155], 1)
+            group, fg = watch(n, handle, [155])
+            assert latest(group, fg)[0][155].value == 300.0
+        finally:
+            n.close()
+
+
 def test_device_fields_a_model_lacks_are_not_supported_blanks():
     n = Node(scenario(gpu_model="rtx-4090"))
     try:

@@ -44,7 +44,8 @@ Test hooks on `SimHostengine`: `stop()`/`start()`/`restart()`, `hold_profiling()
 (another profiler holds the counters), `set_value()` (override one field, blanks
 included), `inject_xid()`, `set_gpu_ids()`, `unsupported_profiling` ("error" or
 "empty"), and `calls`. GPUs in `set_value`/`inject_xid` are NVML indices (the
-scenario's); in DCGM calls, DCGM's ids.
+scenario's); in DCGM calls, DCGM's ids. `library_missing()` makes libdcgm absent, and
+`library_without(*symbols)` loads it without some C symbols (an older libdcgm).
 
 Modules: `fields` (DCGM's constants and field table), `hostengine`, `values` (what is
 integrated over the timeline), `library` (the client library).
@@ -74,7 +75,12 @@ from gpuwatchd.sim.dcgm.hostengine import (
     unregister,
     use_for_embedded,
 )
-from gpuwatchd.sim.dcgm.library import FakeDcgmLib, library_missing, load_library
+from gpuwatchd.sim.dcgm.library import (
+    FakeDcgmLib,
+    library_missing,
+    library_without,
+    load_library,
+)
 from gpuwatchd.sim.scenario import Timeline
 
 FAKE_BINDINGS = Path(__file__).resolve().parent.parent / "fake_dcgm"
@@ -130,6 +136,7 @@ __all__ = [
     "SimHostengine",
     "blank",
     "library_missing",
+    "library_without",
     "load_library",
     "lookup",
     "profiling_defaults",

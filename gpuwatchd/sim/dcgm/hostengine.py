@@ -151,6 +151,18 @@ class HostengineDown(Exception):
     pass
 
 
+@dataclass
+class _Plan:
+    """SimHostengine.values() for one (entities, fields, live): per value, either its
+    answer (an unknown GPU or field, an unwatched field) or what to read."""
+
+    watched: dict[tuple[int, int], Watch]  # valid while these are the watches
+    index: dict[int, int]  # and these the GPU ids
+    watches: list[Watch | None]  # the watches sampled (None: a live read, now)
+    entries: list[tuple[Any, Any]]  # (row, None), or (None, (kind, gpu, nvml index, info,
+    # the index of its watch in `watches`))
+
+
 class SimHostengine:
     """nv-hostengine on a simulated node: groups, watches, and values from the timeline."""
 
@@ -176,6 +188,15 @@ class SimHostengine:
         self._manual_restarts = 0
         self._lock = threading.RLock()
         self._up_changes = self._hostengine_changes()
+        self._up_starts = [start for start, _ in self._up_changes]
+        self._restarts_in = [  # phase starts where it comes back up, in one pass
+            start
+            for (start, up), (_, before) in zip(
+                self._up_changes[1:], self._up_changes, strict=False
+            )
+            if up and not before
+        ]
+        self._plans: dict[tuple[Any, ...], _Plan] = {}  # values(): what each read needs
         self._state = State(self._generation(0.0))
         self._add_internal_field_groups()
         self._integrals = Integrals(timeline)
@@ -276,8 +297,7 @@ class SimHostengine:
 
     def _timeline_up(self, t: float) -> bool:
         local = self.timeline._local(t)
-        starts = [s for s, _ in self._up_changes]
-        i = bisect.bisect_right(starts, local) - 1
+        i = bisect.bisect_right(self._up_starts, local) - 1
         return self._up_changes[max(i, 0)][1] if self._up_changes else True
 
     def up(self, t: float) -> bool:
@@ -286,11 +306,7 @@ class SimHostengine:
     def _generation(self, t: float) -> int:
         """How many times the host engine has (re)started by time t."""
         changes = self._up_changes
-        restarts_in = [
-            start
-            for (start, up), (_, before) in zip(changes[1:], changes, strict=False)
-            if up and not before
-        ]
+        restarts_in = self._restarts_in
         count = 0
         local = t
         if self.timeline.loop and self.timeline.duration > 0:
@@ -434,42 +450,83 @@ class SimHostengine:
 
         Watched fields answer their latest sample (taken on the watch's interval);
         unwatched ones answer DCGM_ST_NOT_WATCHED, unless `live` (read now).
+
+        What does not depend on the time (which GPU, field and watch each value is, and
+        the answers for unknown GPUs and fields or unwatched ones) is planned once per
+        (entities, fields) and kept until the watches or the GPU ids change.
         """
         t = self.now()
-        watched = self._watched()
-        out = []
+        plan = self._plan(tuple(entities), tuple(field_ids), live)
+        start_wall = self.clock.start_wall
+        quiet = self._state.profiling_paused or self.profiling_held
+        ats = [t if w is None else sample_time(t, w.since, w.interval) for w in plan.watches]
+        samples = [(at, round((start_wall + at) * 1e6), self.timeline.state(at)[0]) for at in ats]
+        out: list[tuple[int, int, int, str, Any, int, int]] = []
+        append = out.append
+        value_in = self._value_in
+        for row, read in plan.entries:
+            if read is None:
+                append(row)
+                continue
+            kind, gpu, index, info, slot = read
+            at, ts, gpus = samples[slot]
+            value, status = value_in(index, info, at, gpus, quiet)
+            ft = "s" if isinstance(value, str) else info.type  # set_value may give a text
+            append((kind, gpu, info.id, ft, value, status, ts))
+        return out
+
+    def _plan(self, entities: tuple[Any, ...], field_ids: tuple[int, ...], live: bool) -> _Plan:
+        watched, index = self._watched(), self._index
+        key = (entities, field_ids, live)
+        plan = self._plans.get(key)
+        if plan is not None and plan.watched is watched and plan.index is index:
+            return plan
+        entries: list[tuple[Any, Any]] = []
+        slots: dict[int, int] = {}  # id(watch) -> its index in `watches`
+        watches: list[Watch | None] = []
         for kind, gpu in entities:
-            index = self.nvml_index(gpu) if kind == FE_GPU else None
+            nvml = self.nvml_index(gpu) if kind == FE_GPU else None
             for fid in field_ids:
                 info = FIELDS.get(fid)
                 ft = info.type if info is not None else "i"
-                if index is None or info is None:
-                    out.append((kind, gpu, fid, ft, blank(ft, NOT_FOUND), ST_OK, 0))
+                if nvml is None or info is None:
+                    entries.append(((kind, gpu, fid, ft, blank(ft, NOT_FOUND), ST_OK, 0), None))
                     continue
                 watch = watched.get((gpu, fid))
                 if watch is None and not live:
-                    out.append((kind, gpu, fid, ft, blank(ft), ST_NOT_WATCHED, 0))
+                    entries.append(((kind, gpu, fid, ft, blank(ft), ST_NOT_WATCHED, 0), None))
                     continue
-                at = t if watch is None else sample_time(t, watch.since, watch.interval)
-                value, status = self._value(index, info, at)
-                ft = "s" if isinstance(value, str) else ft  # set_value may give a text
-                ts = round((self.clock.start_wall + at) * 1e6)
-                out.append((kind, gpu, fid, ft, value, status, ts))
-        return out
+                slot = slots.get(id(watch))
+                if slot is None:
+                    slot = slots[id(watch)] = len(watches)
+                    watches.append(watch)
+                entries.append((None, (kind, gpu, nvml, info, slot)))
+        if len(self._plans) >= 64:
+            self._plans.clear()
+        plan = self._plans[key] = _Plan(watched, index, watches, entries)
+        return plan
 
     # -- values -----------------------------------------------------------------------------
 
     def _value(self, gpu: int, info: FieldInfo, t: float) -> tuple[Any, int]:
         """Field `info` of the scenario's GPU `gpu` (its NVML index) at t."""
+        quiet = self._state.profiling_paused or self.profiling_held
+        return self._value_in(gpu, info, t, self.timeline.state(t)[0], quiet)
+
+    def _value_in(
+        self, gpu: int, info: FieldInfo, t: float, gpus: list[dict[str, Any]], quiet: bool
+    ) -> tuple[Any, int]:
+        """`_value`, given the scenario's GPU values at t and whether profiling is paused
+        or held (`quiet`)."""
         if self._overrides:
             override = self._overrides.get((gpu, info.id), self._overrides.get((None, info.id)))
             if override is not None:
                 return override, ST_OK
-        values = self.timeline.state(t)[0][gpu]
+        values = gpus[gpu]
         if values.get("lost"):
             return blank(info.type), ST_GPU_IS_LOST
         if info.profiling:
-            if self._state.profiling_paused or self.profiling_held:
+            if quiet:
                 return blank(info.type), ST_OK
             if info.id not in self._profiling_supported:
                 return blank(info.type, NOT_SUPPORTED), ST_OK

@@ -10,6 +10,7 @@ reach the `SimHostengine` it was opened to.
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,7 +51,10 @@ from gpuwatchd.sim.dcgm.hostengine import (
 )
 from gpuwatchd.sim.fakelib import install_symbols, symbol
 
+Row = tuple[int, int, int, str, Any, int, int]  # SimHostengine.values(): one value
+
 _LIBRARY: dict[str, bool] = {"missing": False}
+_WITHOUT: set[str] = set()  # symbols the libraries loaded now lack
 
 
 @contextmanager
@@ -63,11 +67,22 @@ def library_missing() -> Iterator[None]:
         _LIBRARY["missing"] = False
 
 
+@contextmanager
+def library_without(*symbols: str) -> Iterator[None]:
+    """While active, libdcgm loads without these C symbols (as an older libdcgm would):
+    the bindings' `_dcgmGetFunctionPointer` raises DCGM_ST_FUNCTION_NOT_FOUND for them."""
+    _WITHOUT.update(symbols)
+    try:
+        yield
+    finally:
+        _WITHOUT.difference_update(symbols)
+
+
 def load_library(lib_path: str | None = None) -> FakeDcgmLib | None:
     """What `CDLL("libdcgm.so.4")` gives the fake bindings; None: not found."""
     if _LIBRARY["missing"]:
         return None
-    return FakeDcgmLib()
+    return FakeDcgmLib(missing=frozenset(_WITHOUT))
 
 
 # -- the client library ---------------------------------------------------------------------
@@ -87,6 +102,15 @@ def _int(arg: Any) -> int:
     return int(value or 0)
 
 
+def _pairs(entities: Any, count: int) -> list[tuple[int, int]]:
+    """(entityGroupId, entityId) of the first `count` dcgmGroupEntityPair_t of an array."""
+    if ctypes.sizeof(getattr(entities, "_type_", ctypes.c_char)) == 8:  # two uint32
+        view = memoryview(entities).cast("B")[: 8 * count]
+        return list(struct.iter_unpack("=II", view))
+    get = ctypes.Structure.__getattribute__
+    return [(get(p, "entityGroupId"), get(p, "entityId")) for p in entities[:count]]
+
+
 def _text(arg: Any) -> str:
     value = getattr(arg, "value", arg)
     if isinstance(value, bytes):
@@ -94,17 +118,92 @@ def _text(arg: Any) -> str:
     return str(value or "")
 
 
+_CODES = {1: "b", 2: "h", 4: "i", 8: "q"}  # struct codes by size; upper case: unsigned
+_HEADER = ("version", "entityGroupId", "entityId", "fieldId", "fieldType", "status", "unused", "ts")
+GROUP_MAX_ENTITIES = 1024  # DCGM_GROUP_MAX_ENTITIES_V2
+MAX_FIELD_IDS = 128  # DCGM_MAX_FIELD_IDS_PER_FIELD_GROUP
+
+
+class _ValueWriter:
+    """Writes values into the caller's array of dcgmFieldValue_v1/_v2 as libdcgm does:
+    bytes at the struct's offsets (`struct.pack_into`), no ctypes attribute per member.
+
+    The layout is read off the bindings' ctypes struct (each private copy of the
+    bindings has its own class, so one writer per class)."""
+
+    def __init__(self, struct_type: Any, version: int) -> None:
+        kinds = {name: kind for name, kind, *_ in struct_type._fields_}
+        self.stride = ctypes.sizeof(struct_type)
+        self.version = self.stride | (version << 24)  # make_dcgm_version
+        self.v2 = "entityId" in kinds
+        members = [(getattr(struct_type, m).offset, m) for m in _HEADER if m in kinds]
+        if [m for _, m in sorted(members)] != [m for _, m in members]:
+            raise TypeError(f"{struct_type.__name__}: members out of order")
+        codes = [(offset, self._code(kinds[m])) for offset, m in members]
+        self.value_offset = struct_type.value.offset
+        self.head = self._struct(codes)
+        self.ints = self._struct([*codes, (self.value_offset, "q")])
+        self.doubles = self._struct([*codes, (self.value_offset, "d")])
+
+    @staticmethod
+    def _code(kind: Any) -> str:
+        code = _CODES[ctypes.sizeof(kind)]
+        return code.upper() if str(kind._type_).isupper() else code
+
+    @staticmethod
+    def _struct(members: list[tuple[int, str]]) -> struct.Struct:
+        fmt, at = "=", 0
+        for offset, code in members:
+            fmt += (f"{offset - at}x" if offset > at else "") + code
+            at = offset + struct.calcsize("=" + code)
+        return struct.Struct(fmt)
+
+    def write(self, out: Any, index: int, row: Row) -> None:
+        """Row `row` of SimHostengine.values() into out[index]."""
+        kind, entity, fid, ft, value, status, ts = row
+        if self.v2:
+            head: tuple[Any, ...] = (self.version, kind, entity, fid, ord(ft), status, 0, ts)
+        else:
+            head = (self.version, fid, ord(ft), status, ts)
+        at = index * self.stride
+        if ft == "d":
+            self.doubles.pack_into(out, at, *head, float(value))
+        elif ft == "s":
+            self.head.pack_into(out, at, *head)
+            text = str(value).encode()[: MAX_STR_LENGTH - 1] + b"\0"
+            ctypes.memmove(ctypes.addressof(out) + at + self.value_offset, text, len(text))
+        elif ft == "b":
+            self.head.pack_into(out, at, *head)
+            if isinstance(value, bytes):
+                size = min(len(value), MAX_BLOB_LENGTH)
+                ctypes.memmove(ctypes.addressof(out) + at + self.value_offset, value, size)
+        else:
+            number = int(value)
+            if not -(2**63) <= number < 2**63:  # C truncates to int64, as ctypes does
+                number = ctypes.c_int64(number).value
+            self.ints.pack_into(out, at, *head, number)
+
+
 class FakeDcgmLib:
     """libdcgm.so's symbols as Python callables with the C signatures (a DCGM client)."""
 
-    def __init__(self) -> None:
+    def __init__(self, missing: frozenset[str] = frozenset()) -> None:
         self.calls: Counter[str] = Counter()
         self._initialized = 0
         self._connections: dict[int, _Connection] = {}
         self._next_handle = 0x5000
         self._keep: list[Any] = []  # field metadata handed out by pointer
         self._version = VERSIONS["4"]
-        self._symbols = install_symbols(self)
+        self._writers: dict[tuple[type, int], _ValueWriter] = {}
+        self._symbols = install_symbols(self, missing)
+
+    def _writer(self, array_type: Any, version: int) -> _ValueWriter:
+        """The writer for arrays of `array_type`'s element struct (dcgmFieldValue_v<version>)."""
+        struct_type = getattr(array_type, "_type_", array_type)
+        writer = self._writers.get((struct_type, version))
+        if writer is None:
+            writer = self._writers[(struct_type, version)] = _ValueWriter(struct_type, version)
+        return writer
 
     def symbols(self) -> list[str]:
         return sorted(self._symbols)
@@ -436,48 +535,26 @@ class FakeDcgmLib:
     def _dcgmUpdateAllFields(self, conn: _Connection, state: State, wait: Any) -> int:
         return ST_OK  # samples exist from the moment a watch is set
 
-    def _latest(
-        self, conn: _Connection, state: State, group_id: Any, fg_id: Any
-    ) -> list[tuple[int, int, int, str, Any, int, int]]:
+    def _latest(self, conn: _Connection, state: State, group_id: Any, fg_id: Any) -> list[Row]:
         entities = conn.engine.group_entities(state, _int(group_id))
         fg = state.field_groups.get(_int(fg_id))
         if entities is None or fg is None:
             raise Status(ST_BADPARAM)
         return conn.engine.values(entities, fg.field_ids)
 
-    @staticmethod
-    def _fill_value(fv: Any, row: tuple[int, int, int, str, Any, int, int]) -> None:
-        """Write one value into the caller's struct, as C does: no Python-level setters."""
-        _, _, fid, ft, value, status, ts = row
-        put = ctypes.Structure.__setattr__
-        put(fv, "fieldId", fid)
-        put(fv, "fieldType", ord(ft))
-        put(fv, "status", status)
-        put(fv, "ts", ts)
-        union = ctypes.Structure.__getattribute__(fv, "value")
-        if ft == "d":
-            ctypes.Union.__setattr__(union, "dbl", float(value))
-        elif ft == "s":
-            ctypes.Union.__setattr__(union, "str", str(value).encode()[: MAX_STR_LENGTH - 1])
-        elif ft == "b":
-            if isinstance(value, bytes):
-                ctypes.memmove(ctypes.addressof(union), value, min(len(value), MAX_BLOB_LENGTH))
-        else:
-            ctypes.Union.__setattr__(union, "i64", int(value))
-
-    def _enumerate(self, callback: Any, user_data: Any, rows: list[Any], per_entity: bool) -> int:
-        """Call the enumeration callback once per entity, as libdcgm does."""
-        struct_type = callback.argtypes[2 if per_entity else 1]._type_
-        version = ctypes.sizeof(struct_type) | (1 << 24)  # dcgmFieldValue_version1
+    def _enumerate(self, callback: Any, user_data: Any, rows: list[Row], per_entity: bool) -> int:
+        """Call the enumeration callback once per entity, as libdcgm does, with an array
+        of dcgmFieldValue_v1 (version 1) holding that entity's values."""
+        array_type = callback.argtypes[2 if per_entity else 1]
+        writer = self._writer(array_type, 1)
         address = id(getattr(user_data, "value", user_data))
-        by_entity: dict[tuple[int, int], list[Any]] = {}
+        by_entity: dict[tuple[int, int], list[Row]] = {}
         for row in rows:
             by_entity.setdefault((row[0], row[1]), []).append(row)
         for (kind, entity), entity_rows in by_entity.items():
-            array = (struct_type * len(entity_rows))()
-            for fv, row in zip(array, entity_rows, strict=True):
-                ctypes.Structure.__setattr__(fv, "version", version)
-                self._fill_value(fv, row)
+            array = (array_type._type_ * len(entity_rows))()
+            for i, row in enumerate(entity_rows):
+                writer.write(array, i, row)
             if per_entity:
                 callback(kind, entity, array, len(entity_rows), address)
             else:
@@ -525,8 +602,9 @@ class FakeDcgmLib:
     ) -> int:
         field_ids = [int(ids[i]) for i in range(_int(count))]
         rows = conn.engine.values([(_int(kind), _int(entity))], field_ids)
+        writer = self._writer(type(out), 1)
         for i, row in enumerate(rows):
-            self._fill_value(out[i], row)
+            writer.write(out, i, row)
         return ST_OK
 
     @symbol("handle")
@@ -541,16 +619,20 @@ class FakeDcgmLib:
         flags: Any,
         out: Any,
     ) -> int:
-        pairs = [
-            (int(entities[i].entityGroupId), int(entities[i].entityId))
-            for i in range(_int(entity_count))
-        ]
-        field_ids = [int(ids[i]) for i in range(_int(id_count))]
+        """dcgmEntitiesGetLatestValues: entityCount x fieldCount values, entity by entity and
+        field by field, into `out` (dcgmFieldValue_v2), as libdcgm's one request for the
+        latest values (cached; live with DCGM_FV_FLAG_LIVE_DATA)."""
+        n_entities, n_ids = _int(entity_count), _int(id_count)
+        if entities is None or ids is None or out is None or n_entities < 1 or n_ids < 1:
+            return ST_BADPARAM
+        if n_entities > GROUP_MAX_ENTITIES or n_ids > MAX_FIELD_IDS:
+            return ST_BADPARAM
+        pairs = _pairs(entities, n_entities)
+        field_ids = list(ids[:n_ids])
         rows = conn.engine.values(pairs, field_ids, live=bool(_int(flags) & 1))
+        writer = self._writer(type(out), 2)
         for i, row in enumerate(rows):
-            fv = out[i]
-            fv.entityGroupId, fv.entityId = row[0], row[1]
-            self._fill_value(fv, row)
+            writer.write(out, i, row)
         return ST_OK
 
     # -- profiling ------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ import math
 from gpuwatchd.sim.dcgm.fields import VIOLATIONS
 from gpuwatchd.sim.scenario import Timeline
 
+_VIOLATION_INDEX = {fid: 2 + i for i, fid in enumerate(VIOLATIONS)}  # in Integrals' totals
+
 
 def sample_time(t: float, since: float, interval: float) -> float:
     """A watch's latest sample at t: on its interval grid, not before it was set up."""
@@ -88,4 +90,4 @@ class Integrals:
         return self._total(gpu, 1, t)
 
     def violation_s(self, gpu: int, field_id: int, t: float) -> float:
-        return self._total(gpu, 2 + list(VIOLATIONS).index(field_id), t)
+        return self._total(gpu, _VIOLATION_INDEX[field_id], t)

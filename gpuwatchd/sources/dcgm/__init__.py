@@ -57,9 +57,15 @@ With `exporter_compat`, the source also emits dcgm-exporter's default counters (
 every configured field dcgm-exporter has a name for) under dcgm-exporter's names and
 labels, with DCGM's raw units; see docs/dcgm.md.
 
+Reading. Each watch is read with one `dcgm_agent.dcgmEntitiesGetLatestValues` call (its
+GPUs x its fields, an array of dcgmFieldValue_v2 decoded in bulk), not pydcgm's
+`GetLatest_v2` (a Python callback per GPU and an object per value); a libdcgm without the
+symbol falls back to `GetLatest_v2`.
+
 Modules: `fields` (what each field becomes, which can be read, how they are grouped),
 `bindings` (finding and loading DCGM's bindings; their registries), `session` (one
-connection: groups, watches, reading), `source` (states, back-off, connecting, pausing).
+connection: groups, watches, reading), `latest` (a watch's values in one call), `source`
+(states, back-off, connecting, pausing).
 """
 
 from gpuwatchd.config import DcgmConfig

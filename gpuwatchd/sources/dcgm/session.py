@@ -6,6 +6,8 @@ groups of at most 127 (DCGM's limit), the first also holding DCGM_FI_DEV_NVML_IN
 profiling fields get field groups of their own (DCGM drops the whole watch when the
 profiling module refuses), watched only on GPUs whose supported metric groups have them.
 
+Each watch is read in one dcgmEntitiesGetLatestValues call (latest.py).
+
 The `gpu` label is the GPU's NVML index, as the NVML source's: DCGM keeps a GPU's id
 across re-detection (by UUID) while NVML renumbers, so the two can differ. The index is
 read live when connecting and followed on every poll. dcgm-exporter's labels keep DCGM's
@@ -35,6 +37,7 @@ from gpuwatchd.sources.dcgm.fields import (
     XID_MESSAGES,
     FieldPlan,
 )
+from gpuwatchd.sources.dcgm.latest import LatestValues, Value
 
 log = logging.getLogger(__package__)
 
@@ -77,6 +80,7 @@ class Watch:
     group: Any  # pydcgm.DcgmGroup
     field_group: Any  # pydcgm.DcgmFieldGroup
     gpus: list[int]
+    fields: list[int]  # the field group's ids
     profiling: bool
     indices: bool = False  # holds DCGM_FI_DEV_NVML_INDEX
 
@@ -85,7 +89,13 @@ class Session:
     """Our groups and watches on one connection (a pydcgm.DcgmHandle), and reading them."""
 
     def __init__(
-        self, bindings: Bindings, handle: Any, config: DcgmConfig, hostname: str, prefix: str
+        self,
+        bindings: Bindings,
+        handle: Any,
+        config: DcgmConfig,
+        hostname: str,
+        prefix: str,
+        latest: LatestValues | None = None,
     ) -> None:
         self.bindings = bindings
         self.handle = handle
@@ -102,6 +112,7 @@ class Session:
         self.profiling_retry_at: float | None = None
         self._changes: dict[tuple[str, str, str], list[Gpu]] = {}  # profiling states to log
         self._not_numbers: set[int] = set()  # fields that gave something else, logged
+        self.latest = latest or LatestValues(bindings)  # reads each watch in one call
 
     # -- setting up -----------------------------------------------------------------------
 
@@ -176,7 +187,7 @@ class Session:
                 self._quietly(field_group.Delete)
             self._quietly(group.Delete)
             raise
-        self.watches.append(Watch(group, field_group, gpus, profiling, indices))
+        self.watches.append(Watch(group, field_group, gpus, list(ids), profiling, indices))
 
     def _watch_device(self) -> None:
         gpus = sorted(self.gpus)
@@ -331,40 +342,55 @@ class Session:
         for watch in self.watches:
             if watch.profiling and self.profiling_paused:
                 continue  # blank while paused
-            collection = watch.group.samples.GetLatest_v2(watch.field_group)
-            entities = collection.values.get(FE_GPU, {})
+            values = self._latest(watch)
             if watch.indices:
-                self._follow_indices(entities)
-            for gpu_id, values in entities.items():
-                gpu = self.gpus.get(gpu_id)
-                if gpu is not None:
-                    self._emit(gpu, values, out)
+                self._follow_indices(values)
+            self._emit(values, out)
         return out
 
-    def _emit(self, gpu: Gpu, values: dict[int, Any], out: list[Sample]) -> None:
-        for fid, series in values.items():
-            rows = gpu.emit.get(fid)
-            value = series[-1]
-            if not rows or value.isBlank or value.value is None:
+    def _latest(self, watch: Watch) -> list[Value]:
+        """(DCGM GPU id, field id, number or not) of the watch's non-blank latest values:
+        all in one dcgmEntitiesGetLatestValues call, or through pydcgm's GetLatest_v2
+        (a callback per GPU, an object per value) where the bindings lack it."""
+        latest = self.latest
+        if latest.available:
+            structs = self.bindings.structs
+            try:
+                return latest.read(self.handle.handle, watch.gpus, watch.fields)
+            except structs.DCGMError as e:
+                if e.value != structs.DCGM_ST_FUNCTION_NOT_FOUND:
+                    raise
+                latest.unavailable(self.bindings.describe(e))
+        collection = watch.group.samples.GetLatest_v2(watch.field_group)
+        return [
+            (gpu_id, fid, value if number is None else number)
+            for gpu_id, fields in collection.values.get(FE_GPU, {}).items()
+            for fid, series in fields.items()
+            if not series[-1].isBlank and (value := series[-1].value) is not None
+            for number in (_number(value),)
+        ]
+
+    def _emit(self, values: list[Value], out: list[Sample]) -> None:
+        gpus, append = self.gpus, out.append
+        for gpu_id, fid, number in values:
+            gpu = gpus.get(gpu_id)
+            rows = gpu.emit.get(fid) if gpu is not None else None
+            if not rows:
                 continue
-            number = _number(value.value)
-            if number is None:
-                self._not_a_number(fid, value.value)
+            if type(number) is not float:
+                self._not_a_number(fid, number)
                 continue
             for name, labels, scale in rows:
                 if name == _XID:
                     code = int(number)
                     labels = labels + (str(code), XID_MESSAGES.get(code, UNKNOWN_XID))
-                out.append(Sample(name, labels, number * scale))
+                append(Sample(name, labels, number * scale))
 
-    def _follow_indices(self, entities: dict[int, dict[int, Any]]) -> None:
+    def _follow_indices(self, values: list[Value]) -> None:
         """Relabel a GPU whose NVML index changed while connected."""
-        for gpu_id, values in entities.items():
-            gpu, series = self.gpus.get(gpu_id), values.get(NVML_INDEX)
-            if gpu is None or not series or series[-1].isBlank:
-                continue
-            number = _number(series[-1].value)
-            if number is not None and int(number) != gpu.label:
+        for gpu_id, fid, number in values:
+            gpu = self.gpus.get(gpu_id) if fid == NVML_INDEX else None
+            if gpu is not None and type(number) is float and int(number) != gpu.label:
                 gpu.index = int(number)
                 log.info("dcgm: DCGM GPU %d is NVML GPU %d now", gpu.id, gpu.index)
                 self._prepare(gpu)

@@ -35,6 +35,7 @@ from gpuwatchd.sources.dcgm.fields import (
     compat_specs,
     not_numbers,
 )
+from gpuwatchd.sources.dcgm.latest import LatestValues
 from gpuwatchd.sources.dcgm.session import Session, ranges
 
 log = logging.getLogger(__package__)
@@ -91,6 +92,7 @@ class DcgmSource(Source):
             )
         self._lock = threading.Lock()  # one DCGM conversation at a time
         self._bindings: Bindings | None = None
+        self._latest: LatestValues | None = None  # how sessions read values (the bindings')
         self._session: Session | None = None
         self._state = "not_installed"
         self._reason = "not started"
@@ -244,8 +246,11 @@ class DcgmSource(Source):
         if self._retry_at is not None and now < self._retry_at:
             raise self._unavailable()
         bindings = self._load(now)
+        handle = self._connect(bindings, now)
+        if self._latest is None:  # once the library is loaded: what it lacks stays known
+            self._latest = LatestValues(bindings)
         session = Session(
-            bindings, self._connect(bindings, now), self.config, self._hostname, self._prefix()
+            bindings, handle, self.config, self._hostname, self._prefix(), self._latest
         )
         try:
             self._check_fields(bindings)

@@ -1,0 +1,158 @@
+"""Reading a watch's latest values: one `dcgmEntitiesGetLatestValues` call, decoded in bulk.
+
+pydcgm's `DcgmGroupSamples.GetLatest_v2` calls `dcgmGetLatestValues_v2`, which hands the
+values to a Python callback once per GPU; the callback wraps every value in a
+`DcgmFieldValue` (a dozen attribute reads through the bindings' decoding
+`__getattribute__`) and files it in dicts of time series. That was most of gpuwatchd's
+own CPU in a DCGM poll. `dcgm_agent.dcgmEntitiesGetLatestValues(handle, entities,
+fieldIds, flags)` (DCGM 2.x to 4.6, same signature and struct) returns the same latest
+cached values (libdcgm serves both from the host engine's one "latest values" request,
+entity by entity, field by field) in one array of `dcgmFieldValue_v2`, which carries
+each value's entity: it is decoded here with `struct.iter_unpack` at the offsets of the
+bindings' own ctypes struct, with no per-value ctypes object.
+
+The decoding is DcgmFieldValue's: a non-OK status, or a value at or above
+`DCGM_INT64_BLANK`/`DCGM_FP64_BLANK` (or a "<<<...>>>" text), is blank and left out;
+int64 and timestamp values become floats as the source exports them; a text value is
+returned as is (a binary one as a description), for the source to report as not a number.
+
+Bindings without `dcgmEntitiesGetLatestValues` or `c_dcgmFieldValue_v2` (none known), or
+a libdcgm without the symbol (DCGM_ST_FUNCTION_NOT_FOUND), fall back to `GetLatest_v2`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from gpuwatchd.sources.dcgm.fields import FE_GPU
+
+log = logging.getLogger(__package__)
+
+# dcgm_fields.DCGM_FT_*: chars, stored in dcgmFieldValue_v2.fieldType as their code
+FT_DOUBLE, FT_INT64, FT_TIMESTAMP, FT_STRING = (ord(c) for c in "dits")
+
+Value = tuple[int, int, Any]  # (DCGM GPU id, field id, float | something not a number)
+
+_CODES = {1: "b", 2: "h", 4: "i", 8: "q"}  # by size; upper case when unsigned
+
+
+def _code(ctype: Any) -> str | None:
+    """The struct module's code for a ctypes integer type (None: not an integer)."""
+    kind = getattr(ctype, "_type_", None)
+    if not isinstance(kind, str) or len(kind) != 1 or kind.lower() not in "bhilq":
+        return None
+    code = _CODES.get(ctypes.sizeof(ctype))
+    return code.upper() if code and kind.isupper() else code
+
+
+class Layout:
+    """Where dcgmFieldValue_v2's members are, read off the bindings' own ctypes struct:
+    two `struct.Struct`s, one per record, reading (entityGroupId, entityId, fieldId,
+    fieldType, status, value as int64) and (value as double)."""
+
+    MEMBERS = ("entityGroupId", "entityId", "fieldId", "fieldType", "status")
+
+    def __init__(self, struct_type: Any) -> None:
+        types = {name: kind for name, kind, *_ in struct_type._fields_}
+        self.stride = ctypes.sizeof(struct_type)
+        members = [(getattr(struct_type, m).offset, _code(types[m])) for m in self.MEMBERS]
+        if any(code is None for _, code in members):
+            raise TypeError("dcgmFieldValue_v2 members are not the expected integers")
+        value = struct_type.value
+        text = getattr(types["value"], "str", None)
+        self.text = (value.offset + (text.offset if text else 0), text.size if text else 256)
+        self.ints = self._struct([*members, (value.offset, "q")])
+        self.doubles = self._struct([(value.offset, "d")])
+
+    def _struct(self, members: list[tuple[int, str | None]]) -> struct.Struct:
+        fmt, at = "=", 0
+        for offset, code in sorted(members):
+            assert code is not None
+            if offset < at:
+                raise TypeError("overlapping dcgmFieldValue_v2 members")
+            fmt += f"{offset - at}x" if offset > at else ""
+            fmt += code
+            at = offset + struct.calcsize("=" + code)
+        if at > self.stride:
+            raise TypeError("dcgmFieldValue_v2 is shorter than its members")
+        return struct.Struct(fmt + (f"{self.stride - at}x" if self.stride > at else ""))
+
+
+class LatestValues:
+    """Reads watches' latest values through `dcgmEntitiesGetLatestValues` (see above)."""
+
+    def __init__(self, bindings: Any) -> None:
+        structs, value = bindings.structs, bindings.value
+        self.structs = structs
+        self.fetch: Callable[..., Any] | None = getattr(
+            bindings.agent, "dcgmEntitiesGetLatestValues", None
+        )
+        self.layout: Layout | None = None
+        try:
+            self.layout = Layout(structs.c_dcgmFieldValue_v2)
+        except (AttributeError, KeyError, TypeError) as e:
+            log.info("dcgm: not reading values in bulk (dcgmFieldValue_v2: %s)", e)
+        self.pair: Any = getattr(structs, "c_dcgmGroupEntityPair_t", None)
+        self.ok = structs.DCGM_ST_OK
+        self.not_watched = getattr(structs, "DCGM_ST_NOT_WATCHED", -16)
+        self.int64_blank = value.DCGM_INT64_BLANK
+        self.fp64_blank = value.DCGM_FP64_BLANK
+        self._pairs: dict[tuple[int, ...], list[Any]] = {}
+
+    @property
+    def available(self) -> bool:
+        return self.fetch is not None and self.layout is not None and self.pair is not None
+
+    def unavailable(self, why: str) -> None:
+        log.info("dcgm: reading values with dcgmGetLatestValues_v2 instead (%s)", why)
+        self.fetch = None
+
+    def read(self, handle: Any, gpus: list[int], field_ids: list[int]) -> list[Value]:
+        """The non-blank latest values of `field_ids` on the GPUs `gpus` (DCGM ids), in the
+        order DCGM returns them. Raises DCGMError; DCGM_ST_NOT_WATCHED when every value
+        says so: our watch is gone (another client removed our group or field group)."""
+        assert self.fetch is not None and self.layout is not None
+        key = tuple(gpus)
+        pairs = self._pairs.get(key)
+        if pairs is None:
+            pairs = self._pairs[key] = [self.pair(FE_GPU, gpu) for gpu in gpus]
+        array = self.fetch(handle, pairs, field_ids, 0)
+        layout = self.layout
+        ok, int64_blank, fp64_blank = self.ok, self.int64_blank, self.fp64_blank
+        out: list[Value] = []
+        append = out.append
+        watched = False
+        rows = zip(layout.ints.iter_unpack(array), layout.doubles.iter_unpack(array), strict=True)
+        for k, ((group, entity, fid, kind, status, i64), (dbl,)) in enumerate(rows):
+            if status != ok:
+                watched = watched or status != self.not_watched
+                continue
+            watched = True
+            if group != FE_GPU:
+                continue
+            if kind == FT_DOUBLE:
+                if dbl < fp64_blank:
+                    append((entity, fid, dbl))
+            elif kind in (FT_INT64, FT_TIMESTAMP):
+                if i64 < int64_blank:
+                    append((entity, fid, float(i64)))
+            elif kind == FT_STRING:
+                text = self._text(array, k)
+                if not (text.startswith("<<<") and ">>>" in text):  # DCGM_STR_IS_BLANK
+                    append((entity, fid, text))
+            else:  # a blob (or a type this DCGM added): not a number either
+                append((entity, fid, f"<a value of DCGM type {chr(kind)!r}>"))
+        if not watched and field_ids and gpus:
+            raise self.structs.DCGMError(self.not_watched)
+        return out
+
+    def _text(self, array: Any, k: int) -> str:
+        assert self.layout is not None
+        offset, size = self.layout.text
+        start = k * self.layout.stride + offset
+        raw = bytes(memoryview(array).cast("B")[start : start + size])
+        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
