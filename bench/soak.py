@@ -300,7 +300,7 @@ def main() -> None:
             now = pipeline.now()
             for poller in pipeline.pollers:  # what run's loop does before the rules
                 poller.check_hung(now)
-            pipeline.exporter.render()
+            pipeline.exporter.refresh()  # the loop's share; scrapes render the rest
             t = int(clock.elapsed())
             mid_fault = t % cycle == cycle * 50 // 60 - 30  # 30 s before the fault ends
             if t % SCRAPE_EVERY == 0 or mid_fault:

@@ -312,7 +312,7 @@ class SourcesConfig(Strict):
 
 class Config(Strict):
     listen: Annotated[str, BeforeValidator(_check_listen)] = "0.0.0.0:9766"
-    evaluation_interval: Interval = 1.0  # how often rules run and the exposition is rendered
+    evaluation_interval: Interval = 1.0  # how often the rules run (scrapes render)
     history: Duration = 600.0  # how far back rules can look
     procfs: Path = Path("/proc")
     sysfs: Path = Path("/sys")

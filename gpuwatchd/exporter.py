@@ -96,6 +96,7 @@ class Exporter:
         self._joined: list[tuple[object, bytes, bytes]] = []  # what the current bytes joined
         self._derived_parts: list[tuple[object, bytes, bytes]] = []  # as the loop left them
         self.refreshed_at = float("nan")  # when the evaluation loop last refreshed
+        self.render_error: str | None = None  # why the last render failed; None: it did not
         self._lock = threading.Lock()
         self._render_lock = threading.Lock()  # one render at a time: scrapes and callers
 
@@ -174,37 +175,46 @@ class Exporter:
         """The evaluation loop's share, every cycle: the rules' families, rendered again
         only when their version changed (a transition, a firing cause's seconds)."""
         now = self.now()
-        parts = [
-            self._part(f"derived {i}", version(), self.specs, rows)
-            for i, (version, rows) in enumerate(self.derived)
-        ]
+        with self._render_lock:
+            parts = [
+                self._part(f"derived {i}", version(), self.specs, rows)
+                for i, (version, rows) in enumerate(self.derived)
+            ]
         with self._lock:
             self._derived_parts = parts
             self.refreshed_at = now
 
     def latest(self) -> Exposition:
         """What a scrape serves: the sources' and the daemon's families rendered again as
-        far as they changed since the last render, the rules' as the loop left them."""
+        far as they changed since the last render, the rules' as the loop left them.
+        A render that fails is remembered (`render_error`, /healthz) and raised."""
         with self._render_lock:
-            now = self.now()
-            parts = [self._source_part(poller, now) for poller in self.pollers]
-            parts.append(self._own_part(now))
-            with self._lock:
-                parts += self._derived_parts
-                current = self._current
-            joined = self._joined
-            if len(parts) == len(joined) and all(
-                a is b for a, b in zip(parts, joined, strict=True)
-            ):
-                exposition = Exposition(current.text, current.openmetrics, now)  # nothing new
-            else:
-                self._joined = parts
-                text = b"".join(p[1] for p in parts)
-                openmetrics = b"".join(p[2] for p in parts) + OPENMETRICS_EOF
-                exposition = Exposition(text, openmetrics, now)
-            with self._lock:
-                self._current = exposition
+            try:
+                exposition = self._latest()
+            except Exception as e:
+                self.render_error = f"{type(e).__name__}: {e}"
+                raise
+            self.render_error = None
             return exposition
+
+    def _latest(self) -> Exposition:
+        now = self.now()
+        parts = [self._source_part(poller, now) for poller in self.pollers]
+        parts.append(self._own_part(now))
+        with self._lock:
+            parts += self._derived_parts
+            current = self._current
+        joined = self._joined
+        if len(parts) == len(joined) and all(a is b for a, b in zip(parts, joined, strict=True)):
+            exposition = Exposition(current.text, current.openmetrics, now)  # nothing new
+        else:
+            self._joined = parts
+            text = b"".join(p[1] for p in parts)
+            openmetrics = b"".join(p[2] for p in parts) + OPENMETRICS_EOF
+            exposition = Exposition(text, openmetrics, now)
+        with self._lock:
+            self._current = exposition
+        return exposition
 
     def render(self) -> Exposition:
         """Everything, up to date now (`refresh()` then `latest()`)."""

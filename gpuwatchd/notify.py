@@ -1,7 +1,7 @@
 """systemd's notification protocol (sd_notify(3)): readiness, stopping and the watchdog.
 
 `gpuwatchd.service` is `Type=notify` with `WatchdogSec=`: the daemon says READY=1 once
-it serves, and its evaluation loop says WATCHDOG=1 after each cycle that rendered, so a
+it serves, and its evaluation loop says WATCHDOG=1 after each cycle that completed, so a
 wedged loop stops the pings and systemd restarts the daemon. Outside systemd
 ($NOTIFY_SOCKET unset) every call does nothing.
 """
@@ -55,7 +55,7 @@ class Notifier:
         self._systemd.notify("STOPPING=1")
 
     def alive(self) -> None:
-        """A cycle rendered: ping the watchdog if half its interval has passed."""
+        """A cycle completed: ping the watchdog if half its interval has passed."""
         if self.watchdog is None:
             return
         now = self._clock()

@@ -59,19 +59,32 @@ class Poller:
         self._idle: Callable[[Callable[[], None]], bool] | None = getattr(source, "idle", None)
         self._resting: list[Sample] | None = None
         self._last: list[Sample] = []
+        self._polled_at = 0.0  # when its last successful poll read
         self.retime(source.config.interval, source.config.timeout)
 
     def retime(self, interval: float, timeout: float) -> None:
         """Poll every `interval`, judge hung after `timeout` (at start, and on a reload)."""
         self.interval, self.timeout = interval, timeout
-        self._store.register_source(self.name, stale_after=max(3 * interval, interval + timeout))
+        self._judge_stale(resting=self._resting is not None)
+
+    def _judge_stale(self, resting: bool) -> None:
+        """Series go stale a few intervals after the last poll; while the source rests, once
+        its lane should have polled it again (within REST_AT_MOST) however seldom the
+        evaluation loop refreshes it."""
+        interval, timeout = self.interval, self.timeout
+        after = (
+            REST_AT_MOST + interval + timeout if resting else max(3 * interval, interval + timeout)
+        )
+        self._store.register_source(self.name, stale_after=after)
 
     def poll(self) -> bool:
         """Poll once; False if the poll was given up on while it ran (result dropped)."""
         with self._lock:
             self._current += 1
             mine = self._current
-            self._resting = None
+            if self._resting is not None:
+                self._resting = None
+                self._judge_stale(resting=False)
         started = self._now()
         self._in_flight_since = started
         cpu0 = time.perf_counter()
@@ -96,7 +109,7 @@ class Poller:
         else:
             self._store.update(self.name, read_at, samples)
             if self._idle is not None:
-                self._last = samples
+                self._last, self._polled_at = samples, read_at
             if not self.health.up and self.health.last_error is not None:
                 log.info("source %s: recovered", self.name)
             self.health.up, self.health.last_error = True, None
@@ -111,9 +124,15 @@ class Poller:
         comes (it then calls `wake`), so that its lane may sleep until then instead of
         polling; while it rests, `refresh` keeps its series current."""
         with self._lock:  # a refresh sees it resting once its input may wake it
-            if self._idle is None or not self.health.up or not self._idle(wake):
+            try:
+                idle = self._idle is not None and self.health.up and self._idle(wake)
+            except Exception:  # cannot tell: polled as any source is
+                log.exception("source %s: cannot rest", self.name)
+                idle = False
+            if not idle:
                 return False
             self._resting = self._last
+            self._judge_stale(resting=True)
         return True
 
     def refresh(self) -> None:
@@ -125,6 +144,8 @@ class Poller:
             now, last = self._now(), self.health.last_success
             if self._resting is None or last is None or now - last < self.interval / 2:
                 return
+            if now - self._polled_at > REST_AT_MOST + self.interval:
+                return  # its lane should have polled it by now: let it go stale
             self._store.update(self.name, now, self._resting)
             self.health.last_success = now
 
@@ -244,6 +265,8 @@ class ThreadedScheduler:
                 if next_at[i] < now:  # fell behind (slow or hung poll): skip, don't burst
                     next_at[i] = now + poller.interval
             wake.clear()
+            if self._stop.is_set():
+                break
             if polled and len(pollers) == 1 and pollers[0].rest(wake.set):
                 wake.wait(REST_AT_MOST)  # then polled when due: an interval after the last
             self._stop.wait(max(0.0, min(next_at) - time.monotonic()))

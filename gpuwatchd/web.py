@@ -431,7 +431,11 @@ class MetricsServer:
     # -- endpoints -----------------------------------------------------------------------
 
     async def _metrics(self, request: web.BaseRequest, user: str | None) -> web.Response:
-        current = self.exporter.latest()
+        try:
+            current = self.exporter.latest()
+        except Exception:  # a bug in rendering: the last good bytes; /healthz says so
+            log.exception("rendering the exposition failed; serving the last one")
+            current = self.exporter.current
         if wants_openmetrics(request.headers.get("Accept")):
             return web.Response(
                 body=current.openmetrics, headers={"Content-Type": OPENMETRICS_TYPE}
@@ -439,15 +443,19 @@ class MetricsServer:
         return web.Response(body=current.text, headers={"Content-Type": TEXT_TYPE})
 
     async def _healthz(self, request: web.BaseRequest, user: str | None) -> web.Response:
-        """Healthy while the evaluation loop is alive; sources being down is not unhealthy.
+        """Healthy while the evaluation loop is alive and scrapes render; sources being down
+        is not unhealthy.
 
         With basic auth configured, a caller without credentials (a kubelet probe) gets
         the status and one word; the details (the loop's age, sources) need the password.
         """
         age = self.exporter.now() - self.exporter.refreshed_at
-        healthy = age <= 30
+        failed = self.exporter.render_error
+        healthy = age <= 30 and failed is None
         if self._auth is not None and user is None:
             return _text(200, "ok\n") if healthy else _text(503, "unhealthy\n")
+        if failed is not None:
+            return _text(503, f"the last scrape's exposition failed to render: {failed}\n")
         if not healthy:
             return _text(503, f"rules not evaluated for {age:.0f}s\n")
         lines = [

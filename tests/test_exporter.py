@@ -255,3 +255,27 @@ def test_a_scrape_after_many_polls_shows_the_last_values(setup):
             for s in families(text)["gpuwatchd_gpu_temperature_celsius"].samples
         }
         assert got == want
+
+
+def test_a_render_that_fails_serves_the_last_exposition_and_fails_healthz(setup, monkeypatch):
+    clock, source, poller, exporter = setup
+    source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 61.0)]
+    poller.poll()
+    exporter.render()
+    server = MetricsServer(exporter, "127.0.0.1", 0)
+    server.start()
+    try:
+        base = "http://{}:{}".format(*server.address)
+        good = get(base + "/metrics")[2]
+        broken = RuntimeError("a bug")
+        monkeypatch.setattr(exporter, "_source_part", lambda *a: (_ for _ in ()).throw(broken))
+        source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 62.0)]
+        poller.poll()
+        assert get(base + "/metrics")[:3:2] == (200, good)  # the last good bytes
+        status, _, body = get(base + "/healthz")
+        assert status == 503 and b"failed to render: RuntimeError: a bug" in body
+        monkeypatch.undo()
+        assert b"} 62.0" in get(base + "/metrics")[2]
+        assert get(base + "/healthz")[0] == 200
+    finally:
+        server.stop()

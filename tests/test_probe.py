@@ -540,10 +540,15 @@ def test_an_idle_probe_lane_sleeps_until_a_datagram_comes(tmp_path: Path) -> Non
     try:
         assert sock.resting.acquire(timeout=10)  # polled once, then waits on the socket
         assert sock.reads == 1
-        t[0] = 100.0  # long past its staleness (3 intervals): the evaluation loop
-        scheduler.check_hung(t[0])  # keeps its series current, as polls would
-        assert poller.health.up and poller.health.last_success == 100.0
+        t[0] = 5.0  # past 3 intervals, and no refresh yet (a long evaluation interval):
+        assert not store.is_stale("probe", t[0])  # a resting source's series hold
+        t[0] = 30.0
+        scheduler.check_hung(t[0])  # the evaluation loop keeps them current, as polls would
+        assert poller.health.up and poller.health.last_success == 30.0
         assert not store.is_stale("probe", t[0])
+        t[0] = 200.0  # its lane should have polled it long since (a thread gone wrong):
+        scheduler.check_hung(t[0])  # no more refreshes, and its series go stale
+        assert poller.health.last_success == 30.0 and store.is_stale("probe", t[0])
         sender.sendto(b"{not json", str(sock.path))
         assert sock.resting.acquire(timeout=10)  # woken, polled once, resting again
         assert sock.reads == 2

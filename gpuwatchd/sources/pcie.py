@@ -311,7 +311,8 @@ class PcieSource(Source):
                 other = link_partner(path, i)
                 partner = None if other is None else readings[other.path]
                 self._link_samples(samples, gpu.bdf, fn, readings[fn.path], partner)
-            numa = self._numa_node(gpu.path) if readings[gpu.path].present else None
+            listed = readings[gpu.path].present or os.path.isdir(gpu.path)  # not gone
+            numa = self._numa_node(gpu.path) if listed else None
             if numa is not None:
                 samples.append(Sample("gpuwatchd_pcie_gpu_numa_node", (gpu.bdf,), float(numa)))
         return samples

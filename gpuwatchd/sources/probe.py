@@ -480,7 +480,8 @@ class ProbeSource(Source):
     def idle(self, wake: Callable[[], None]) -> bool:
         """True if the last poll's samples stay as they are until a datagram comes (no pid
         is known, to expire or place, and none waits); the socket then calls `wake`.
-        Never with a receiver that cannot tell (the simulator's, driven by its clock)."""
+        Never with a receiver that cannot tell; the simulator's says so only where the
+        scenario has no probe at all."""
         notify = getattr(self._receiver, "notify", None)
         return self._quiet is not None and notify is not None and bool(notify(wake))
 
