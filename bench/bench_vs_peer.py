@@ -195,6 +195,7 @@ class Run:
     overshoot: float = 0.0  # ms/s the fake NVML's work took beyond a driver's (left out)
     by_thread: dict[str, float] = field(default_factory=dict)  # ms/s per thread name
     checks: dict[str, Any] = field(default_factory=dict)
+    scrape_ms: list[float] = field(default_factory=list)  # each scrape in the window
 
 
 def free_port() -> int:
@@ -227,10 +228,12 @@ def run(who: str, command: list[str], port: int, warmup: float, seconds: float) 
         time.sleep(warmup)
         pids = descendants(process.pid)
         before, calls_before, t0 = threads(pids), calls_so_far(stats), time.monotonic()
-        next_scrape = t0
+        next_scrape, scrapes = t0, []
         while (left := t0 + seconds - time.monotonic()) > 0:
             if time.monotonic() >= next_scrape:
+                asked = time.perf_counter()
                 scrape(port)
+                scrapes.append((time.perf_counter() - asked) * 1e3)
                 next_scrape += SCRAPE_EVERY
             time.sleep(min(left, max(0.0, next_scrape - time.monotonic())))
         after, calls_after, t1 = threads(pids), calls_so_far(stats), time.monotonic()
@@ -255,7 +258,7 @@ def run(who: str, command: list[str], port: int, warmup: float, seconds: float) 
         calls = (calls_after[1] - calls_before[1]) / span
         overshoot = (calls_after[2] - calls_before[2]) * 1e3 / span
     cpu = sum(by_thread.values()) - overshoot
-    return Run(who, cpu, rss, calls, sim, overshoot, by_thread, checks(text))
+    return Run(who, cpu, rss, calls, sim, overshoot, by_thread, checks(text), scrapes)
 
 
 def checks(text: str) -> dict[str, Any]:
@@ -401,6 +404,7 @@ def main() -> int:
             spread(r, "rss", 1),
             f"{simulators[who]:.1f}",
             spread(r, "calls", 0),
+            scrape_times(r),
         ]
         for who, name, r in (
             ("gpuwatchd", "gpuwatchd", ours),
@@ -408,7 +412,8 @@ def main() -> int:
             ("floor", "bare NVML loop (bench/floor_on_sim.py)", bare),
         )
     ]
-    header = ["exporter", "CPU ms/s", "RSS MiB", "of which the simulator, MiB", "NVML calls/s"]
+    header = ["exporter", "CPU ms/s", "RSS MiB", "of which the simulator, MiB", "NVML calls/s",
+              "scrape ms, median (max)"]  # fmt: skip
     print(table(header, rows))
     ratio = mean(theirs, "cpu") / mean(ours, "cpu")
     print(
@@ -452,6 +457,12 @@ def main() -> int:
         f"per GPU**, {at_none:.2f} ms/s with none."
     )
     return 0
+
+
+def scrape_times(runs: list[Run]) -> str:
+    """Scrapes every SCRAPE_EVERY s as Prometheus would: each the client's wall time."""
+    times = [t for r in runs for t in r.scrape_ms]
+    return f"{statistics.median(times):.1f} ({max(times):.1f})" if times else "-"
 
 
 def mean_thread(runs: list[Run], name: str) -> float:

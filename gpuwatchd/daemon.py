@@ -212,7 +212,9 @@ class Daemon:
         now = self.pipeline.now()
         self.scheduler.check_hung(now)  # a stuck poll: down, then a fresh thread
         self.pipeline.evaluate_rules()
-        self.pipeline.exporter.refresh()  # the sources' families: when a scrape asks
+        exporter = self.pipeline.exporter
+        exporter.refresh()  # the rules' families; the sources' when a scrape comes:
+        exporter.render_ahead(now, lead=1.5 * self.config.evaluation_interval)  # or before
 
     def reload(self, config: Config | None = None) -> None:
         """SIGHUP: apply `config` (the file read again; None: unchanged) as far as it can

@@ -1,18 +1,20 @@
 """Renders what the store and the pollers hold into the exposition web.py serves.
 
 The exporter never calls a source, so a slow or hung source can never slow a scrape
-down. The sources' families are rendered when a scrape asks (`latest()`), as far as
-they changed since the last scrape: Prometheus scrapes every 15-60 s, the sources poll
-every 1-10 s, and rendering every poll's values would be work nobody reads. The rules'
-families are the evaluation loop's: it renders them on a transition (`refresh()`), so
-a scrape never reads the engine while it evaluates.
+down. The sources' families are rendered for a scrape (`scrape()`), as far as they
+changed since the last render: Prometheus scrapes every 15-60 s, the sources poll every
+1-10 s, and rendering every poll's values would be work nobody reads. So that a scrape
+does not wait for a whole interval's news, the evaluation loop renders them once just
+before the next scrape is expected (`render_ahead`). The rules' families are the loop's
+alone: it renders them on a transition (`refresh()`), so a scrape never reads the engine
+while it evaluates.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -97,6 +99,8 @@ class Exporter:
         self._derived_parts: list[tuple[object, bytes, bytes]] = []  # as the loop left them
         self.refreshed_at = float("nan")  # when the evaluation loop last refreshed
         self.render_error: str | None = None  # why the last render failed; None: it did not
+        self._scraped: deque[float] = deque(maxlen=2)  # when the last two scrapes came
+        self._ahead_of: float | None = None  # the scrape after which the loop rendered ahead
         self._lock = threading.Lock()
         self._render_lock = threading.Lock()  # one render at a time: scrapes and callers
 
@@ -215,6 +219,26 @@ class Exporter:
         with self._lock:
             self._current = exposition
         return exposition
+
+    def scrape(self) -> Exposition:
+        """`latest()` for a scraper, whose time is noted for `render_ahead`."""
+        exposition = self.latest()
+        with self._lock:
+            self._scraped.append(exposition.rendered_at)
+        return exposition
+
+    def render_ahead(self, now: float, lead: float) -> None:
+        """The evaluation loop's, each cycle: render the sources' families once, `lead`
+        seconds before the next scrape is expected (the last one plus the gap between the
+        last two), so that scrape finds only those seconds' changes to render: once per
+        scrape interval, as rendering at each scrape, but a scrape's latency stays low."""
+        with self._lock:
+            if len(self._scraped) < 2:
+                return
+            before, last = self._scraped
+        if self._ahead_of != last and now >= last + (last - before) - lead:
+            self._ahead_of = last
+            self.latest()
 
     def render(self) -> Exposition:
         """Everything, up to date now (`refresh()` then `latest()`)."""

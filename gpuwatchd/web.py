@@ -432,7 +432,7 @@ class MetricsServer:
 
     async def _metrics(self, request: web.BaseRequest, user: str | None) -> web.Response:
         try:
-            current = self.exporter.latest()
+            current = self.exporter.scrape()
         except Exception:  # a bug in rendering: the last good bytes; /healthz says so
             log.exception("rendering the exposition failed; serving the last one")
             current = self.exporter.current

@@ -279,3 +279,32 @@ def test_a_render_that_fails_serves_the_last_exposition_and_fails_healthz(setup,
         assert get(base + "/healthz")[0] == 200
     finally:
         server.stop()
+
+
+def test_the_loop_renders_ahead_of_the_next_scrape_once(setup, monkeypatch):
+    """Scrapes every 15 s: the evaluation loop renders the sources' families once, 1.5 s
+    before the next scrape is due, so that scrape renders only the last seconds' news."""
+    clock, source, poller, exporter = setup
+    renders: list[float] = []
+    renderer = exporter._renderers["scripted"]
+    real = renderer.render
+    monkeypatch.setattr(renderer, "render", lambda f: renders.append(clock.t) or real(f))
+
+    def second(t: float) -> None:  # a poll with a new value, then the loop's cycle
+        clock.t = t
+        source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), t)]
+        poller.poll()
+        exporter.refresh()
+        exporter.render_ahead(t, lead=1.5)
+
+    for t in range(1000, 1016):
+        second(float(t))
+        if t in (1000, 1015):
+            exporter.scrape()
+    renders.clear()
+    for t in range(1016, 1031):
+        second(float(t))
+    assert renders == [1029.0]  # 1015 + 15 - 1.5 = 1028.5: the first cycle after it
+    assert b"} 1030.0" in exporter.scrape().text and renders == [1029.0, 1030.0]
+    second(1031.0)
+    assert renders == [1029.0, 1030.0]  # ahead of the scrape after 1030 only at 1043.5
