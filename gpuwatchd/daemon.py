@@ -214,7 +214,7 @@ class Daemon:
         self.pipeline.evaluate_rules()
         exporter = self.pipeline.exporter
         exporter.refresh()  # the rules' families; the sources' when a scrape comes:
-        exporter.render_ahead(now, lead=1.5 * self.config.evaluation_interval)  # or before
+        exporter.render_ahead(now, self.config.evaluation_interval)  # or just before one
 
     def reload(self, config: Config | None = None) -> None:
         """SIGHUP: apply `config` (the file read again; None: unchanged) as far as it can

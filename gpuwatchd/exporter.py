@@ -5,9 +5,9 @@ down. The sources' families are rendered for a scrape (`scrape()`), as far as th
 changed since the last render: Prometheus scrapes every 15-60 s, the sources poll every
 1-10 s, and rendering every poll's values would be work nobody reads. So that a scrape
 does not wait for a whole interval's news, the evaluation loop renders them once just
-before the next scrape is expected (`render_ahead`). The rules' families are the loop's
-alone: it renders them on a transition (`refresh()`), so a scrape never reads the engine
-while it evaluates.
+before the next scrape is expected (`render_ahead`), and the scrape serves that. The
+rules' families are the loop's alone: it renders them on a transition (`refresh()`), so
+a scrape never reads the engine while it evaluates.
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class Exporter:
         self.render_error: str | None = None  # why the last render failed; None: it did not
         self._scraped: deque[float] = deque(maxlen=2)  # when the last two scrapes came
         self._ahead_of: float | None = None  # the scrape after which the loop rendered ahead
+        self._cycle = 0.0  # the evaluation loop's interval (0: no loop renders ahead)
         self._lock = threading.Lock()
         self._render_lock = threading.Lock()  # one render at a time: scrapes and callers
 
@@ -221,22 +222,31 @@ class Exporter:
         return exposition
 
     def scrape(self) -> Exposition:
-        """`latest()` for a scraper, whose time is noted for `render_ahead`."""
-        exposition = self.latest()
+        """What a scraper is served: the exposition rendered within the last evaluation
+        cycle if there is one (what the loop renders ahead of a scrape; as fresh as when
+        the loop rendered every cycle), else `latest()`. Its time is noted for
+        `render_ahead`."""
+        now = self.now()
         with self._lock:
-            self._scraped.append(exposition.rendered_at)
-        return exposition
+            current, cycle = self._current, self._cycle
+        if not (cycle > 0 and now - cycle <= current.rendered_at <= now):
+            current = self.latest()
+        with self._lock:
+            self._scraped.append(now)
+        return current
 
-    def render_ahead(self, now: float, lead: float) -> None:
-        """The evaluation loop's, each cycle: render the sources' families once, `lead`
-        seconds before the next scrape is expected (the last one plus the gap between the
-        last two), so that scrape finds only those seconds' changes to render: once per
-        scrape interval, as rendering at each scrape, but a scrape's latency stays low."""
+    def render_ahead(self, now: float, cycle: float) -> None:
+        """The evaluation loop's, each `cycle` seconds: render the sources' families once,
+        in the last cycle before the next scrape is expected (the last one plus the gap
+        between the last two), for that scrape to serve as it is: once per scrape
+        interval, as rendering at each scrape, and a scrape does not wait for it. A
+        scrape that comes earlier, or with no rhythm to expect, renders for itself."""
         with self._lock:
+            self._cycle = cycle
             if len(self._scraped) < 2:
                 return
             before, last = self._scraped
-        if self._ahead_of != last and now >= last + (last - before) - lead:
+        if self._ahead_of != last and now >= last + (last - before) - cycle:
             self._ahead_of = last
             self.latest()
 

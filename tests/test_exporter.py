@@ -282,8 +282,9 @@ def test_a_render_that_fails_serves_the_last_exposition_and_fails_healthz(setup,
 
 
 def test_the_loop_renders_ahead_of_the_next_scrape_once(setup, monkeypatch):
-    """Scrapes every 15 s: the evaluation loop renders the sources' families once, 1.5 s
-    before the next scrape is due, so that scrape renders only the last seconds' news."""
+    """Scrapes every 15 s: the evaluation loop renders the sources' families once, in the
+    last cycle before the next scrape is due, and that scrape serves it as it is (as
+    fresh as a render every cycle was); a scrape that comes early renders for itself."""
     clock, source, poller, exporter = setup
     renders: list[float] = []
     renderer = exporter._renderers["scripted"]
@@ -295,16 +296,18 @@ def test_the_loop_renders_ahead_of_the_next_scrape_once(setup, monkeypatch):
         source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), t)]
         poller.poll()
         exporter.refresh()
-        exporter.render_ahead(t, lead=1.5)
+        exporter.render_ahead(t, cycle=1.0)
 
     for t in range(1000, 1016):
         second(float(t))
         if t in (1000, 1015):
             exporter.scrape()
     renders.clear()
-    for t in range(1016, 1031):
+    for t in range(1016, 1030):
         second(float(t))
-    assert renders == [1029.0]  # 1015 + 15 - 1.5 = 1028.5: the first cycle after it
-    assert b"} 1030.0" in exporter.scrape().text and renders == [1029.0, 1030.0]
-    second(1031.0)
-    assert renders == [1029.0, 1030.0]  # ahead of the scrape after 1030 only at 1043.5
+    assert renders == [1029.0]  # 1015 + 15 - 1: the last cycle before the scrape
+    clock.t = 1030.0  # the scrape, before the cycle of 1030: served as rendered at 1029
+    assert b"} 1029.0" in exporter.scrape().text and renders == [1029.0]
+    second(1030.0)
+    clock.t = 1033.0  # early (expected at 1045), and the last render is 4 s old
+    assert b"} 1030.0" in exporter.scrape().text and renders == [1029.0, 1033.0]
