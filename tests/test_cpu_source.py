@@ -28,7 +28,7 @@ from gpuwatchd.sources.cpu import (
     ParseError,
     Pressure,
     busy_ratio,
-    interrupt_ratio,
+    cpu_ratios,
     parse_meminfo,
     parse_pressure,
     parse_stat,
@@ -521,8 +521,9 @@ def test_collect_on_garbage_never_raises_but_source_error(
 def test_interrupt_ratio_is_irq_plus_softirq_of_the_interval() -> None:
     before = (100, 0, 50, 800, 10, 5, 35, 0)
     after = (150, 0, 60, 820, 10, 25, 135, 0)  # 200 ticks: 20 irq + 100 softirq
-    assert interrupt_ratio(after, before) == pytest.approx(0.6)
-    assert interrupt_ratio(before, before) is None
+    ratios = cpu_ratios(after, before)
+    assert ratios is not None and ratios[3] == pytest.approx(0.6)
+    assert cpu_ratios(before, before) is None
 
 
 def test_core_split_takes_interrupt_time_from_the_task_first() -> None:

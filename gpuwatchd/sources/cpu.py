@@ -162,13 +162,19 @@ def parse_meminfo(text: str) -> dict[str, int]:
     return result
 
 
+def cpu_deltas(now: tuple[int, ...], before: tuple[int, ...]) -> list[int]:
+    """Ticks each column of a cpu line took between two readings; a column that went
+    backwards (a counter reset) counts as 0."""
+    return [a - b if a > b else 0 for a, b in zip(now, before, strict=True)]
+
+
 def cpu_ratios(
     now: tuple[int, ...], before: tuple[int, ...]
 ) -> tuple[float, float, float, float] | None:
     """(busy, iowait, steal, interrupts) ratios between two readings of one cpu line;
-    None if no time passed. A column that went backwards counts as 0. Interrupts: the
-    share in hard (irq) and soft (softirq) handlers, what interrupts cost that CPU."""
-    deltas = [a - b if a > b else 0 for a, b in zip(now, before, strict=True)]
+    None if no time passed. Interrupts: the share in hard (irq) and soft (softirq)
+    handlers, what interrupts cost that CPU."""
+    deltas = cpu_deltas(now, before)
     total = sum(deltas)
     if total <= 0:
         return None
@@ -181,12 +187,6 @@ def busy_ratio(now: tuple[int, ...], before: tuple[int, ...]) -> tuple[float, fl
     """(busy, iowait, steal) of `cpu_ratios`."""
     ratios = cpu_ratios(now, before)
     return None if ratios is None else ratios[:3]
-
-
-def interrupt_ratio(now: tuple[int, ...], before: tuple[int, ...]) -> float | None:
-    """The interrupts share of `cpu_ratios`."""
-    ratios = cpu_ratios(now, before)
-    return None if ratios is None else ratios[3]
 
 
 # -- the source -----------------------------------------------------------------------------
@@ -363,7 +363,8 @@ __all__ = [
     "Pressure",
     "StatReading",
     "busy_ratio",
-    "interrupt_ratio",
+    "cpu_deltas",
+    "cpu_ratios",
     "parse_meminfo",
     "parse_pressure",
     "parse_stat",

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.metrics import GPU_LABELS, MetricSpec, Sample, gauge
 from gpuwatchd.sources.base import read_file
-from gpuwatchd.sources.cpu import IOWAIT, IRQ, SOFTIRQ, StatReading, parse_stat
+from gpuwatchd.sources.cpu import IOWAIT, IRQ, SOFTIRQ, StatReading, cpu_deltas, parse_stat
 from gpuwatchd.sources.disks import (
     DiskStat,
     DiskstatsError,
@@ -182,7 +182,7 @@ def cpu_shares(
         a, b = now.cpus.get(cpu), before.cpus.get(cpu)
         if a is None or b is None:
             continue
-        deltas = [max(0, x - y) for x, y in zip(a, b, strict=True)]
+        deltas = cpu_deltas(a, b)
         spent = sum(deltas)
         if spent <= 0:
             continue
