@@ -226,8 +226,8 @@ class ThreadedScheduler:
         self.pollers = pollers
         self.abandon_after = abandon_after
         self._stop = threading.Event()
-        self._wakes: list[threading.Event] = []  # each lane thread's, set by stop()
-        self._threads: list[threading.Thread] = []
+        # each live lane thread, and the event that wakes it from a rest (stop() sets it)
+        self._threads: dict[threading.Thread, threading.Event] = {}
         self._lanes: dict[str, list[Poller]] = {}
         self._lane_of: dict[str, str] = {}
         for poller in pollers:
@@ -240,16 +240,19 @@ class ThreadedScheduler:
             self._spawn(lane)
 
     def _spawn(self, lane: str) -> None:
+        wake = threading.Event()  # a resting source's input came, or stop()
         thread = threading.Thread(
-            target=self._loop, args=(self._lanes[lane],), name=f"source-{lane}", daemon=True
+            target=self._loop,
+            args=(self._lanes[lane], wake),
+            name=f"source-{lane}",
+            daemon=True,
         )
         thread.start()
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        alive = {t: w for t, w in self._threads.items() if t.is_alive()}
+        self._threads = {**alive, thread: wake}  # a new dict: stop() may be iterating
 
-    def _loop(self, pollers: list[Poller]) -> None:
+    def _loop(self, pollers: list[Poller], wake: threading.Event) -> None:
         name_os_thread(threading.current_thread().name)
-        wake = threading.Event()  # a resting source's input came, or stop()
-        self._wakes.append(wake)
         start = time.monotonic()
         next_at = [start] * len(pollers)
         while not self._stop.is_set():
@@ -282,7 +285,7 @@ class ThreadedScheduler:
 
     def stop(self, join_timeout: float = 1.0) -> None:
         self._stop.set()
-        for wake in self._wakes:
+        for wake in self._threads.values():
             wake.set()
         for thread in self._threads:
             thread.join(join_timeout)  # a thread stuck in a C call is a daemon; let it be
