@@ -1,7 +1,9 @@
 """The exporter and HTTP server, through real HTTP, with a small real Source."""
 
+import contextlib
 import threading
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
@@ -127,7 +129,9 @@ def get(url: str, accept: str | None = None) -> tuple[int, str, bytes]:
         return e.code, e.headers["Content-Type"], e.read()
 
 
-def test_http_endpoints_serve_cached_bytes(setup):
+@contextlib.contextmanager
+def serving(setup) -> Iterator[str]:
+    """The real web front over the setup's exporter, one poll rendered (61.0): its URL."""
     clock, source, poller, exporter = setup
     source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 61.0)]
     poller.poll()
@@ -135,7 +139,14 @@ def test_http_endpoints_serve_cached_bytes(setup):
     server = MetricsServer(exporter, "127.0.0.1", 0)
     server.start()
     try:
-        base = "http://{}:{}".format(*server.address)
+        yield "http://{}:{}".format(*server.address)
+    finally:
+        server.stop()
+
+
+def test_http_endpoints_serve_cached_bytes(setup):
+    clock, source, poller, exporter = setup
+    with serving(setup) as base:
         status, ctype, body = get(base + "/metrics")
         assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
         assert b'gpuwatchd_gpu_temperature_celsius{gpu="0",uuid="GPU-a"} 61.0' in body
@@ -152,8 +163,6 @@ def test_http_endpoints_serve_cached_bytes(setup):
         assert get(base + "/nope")[0] == 404
         clock.t += 3600
         assert get(base + "/healthz")[0] == 503
-    finally:
-        server.stop()
 
 
 def test_hung_source_reported_down_once_and_recovers(setup, caplog):
@@ -259,13 +268,7 @@ def test_a_scrape_after_many_polls_shows_the_last_values(setup):
 
 def test_a_render_that_fails_serves_the_last_exposition_and_fails_healthz(setup, monkeypatch):
     clock, source, poller, exporter = setup
-    source.next = [Sample("gpuwatchd_gpu_temperature_celsius", ("0", "GPU-a"), 61.0)]
-    poller.poll()
-    exporter.render()
-    server = MetricsServer(exporter, "127.0.0.1", 0)
-    server.start()
-    try:
-        base = "http://{}:{}".format(*server.address)
+    with serving(setup) as base:
         good = get(base + "/metrics")[2]
         broken = RuntimeError("a bug")
         monkeypatch.setattr(exporter, "_source_part", lambda *a: (_ for _ in ()).throw(broken))
@@ -277,8 +280,6 @@ def test_a_render_that_fails_serves_the_last_exposition_and_fails_healthz(setup,
         monkeypatch.undo()
         assert b"} 62.0" in get(base + "/metrics")[2]
         assert get(base + "/healthz")[0] == 200
-    finally:
-        server.stop()
 
 
 def test_the_loop_renders_ahead_of_the_next_scrape_once(setup, monkeypatch):
