@@ -10,6 +10,7 @@ Virtual time throughout; nothing sleeps.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -141,6 +142,10 @@ def test_setup_failing_halfway_leaves_nothing_behind(make):
     sim.engine.start()
     sim.advance(3600)
     assert sim.collect().state() == "connected"
+    assert registries(sim.source) == (2, 1)
+    # the half-made field group of the dead connection, collected whenever the collector
+    # runs, must not take the new connection's group (same id, new host engine) with it
+    gc.collect()
     assert registries(sim.source) == (2, 1)
 
 
