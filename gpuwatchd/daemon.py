@@ -187,7 +187,9 @@ class Daemon:
         host, port = config.listen_address()
         pipeline = self.pipeline
         hostname = context.extras.get("hostname")  # a simulated node's; else this machine's
-        status = StatusPage(pipeline.store, pipeline.pollers, now, pipeline.engine, hostname)
+        status = StatusPage(
+            pipeline.store, pipeline.pollers, now, pipeline.engine, hostname, to_wall
+        )
         self.server = MetricsServer(
             pipeline.exporter, host, port, status, web_config_file=config.web_config_file
         )

@@ -88,10 +88,12 @@ class StatusPage:
         now: Callable[[], float],
         engine: RuleEngine | None = None,
         hostname: str | None = None,
+        to_wall: Callable[[float], float] | None = None,
     ) -> None:
         self.store = store
         self.pollers = pollers
-        self.now = now
+        self.now = now  # the pipeline's clock, which steps of the wall clock do not move
+        self.to_wall = to_wall  # its times as the wall clock reads now (None: they are)
         self.engine = engine
         self.hostname = hostname or socket.gethostname()
         self._models: dict[str, str] = {}  # by uuid: a lost GPU, or NVML down, keeps its model
@@ -101,8 +103,11 @@ class StatusPage:
 
     def status(self) -> NodeStatus:
         """What the page shows, read from memory only."""
-        now = self.now()
-        gpus, unevaluable = self._gpus(now)
+        steady = self.now()
+        # every time shown moves onto today's wall clock; the ages between them stay
+        shift = 0.0 if self.to_wall is None else self.to_wall(steady) - steady
+        now = steady + shift
+        gpus, unevaluable = self._gpus(steady, shift)
         engine = self.engine
         rules = "no rule engine"
         if engine is not None:
@@ -112,13 +117,13 @@ class StatusPage:
             version=__version__,
             now=now,
             gpus=gpus,
-            sources=tuple(_source_state(p) for p in self.pollers),
+            sources=tuple(_source_state(p, shift) for p in self.pollers),
             unevaluable=unevaluable,
             rules=rules,
             rules_reload_ok=engine is None or engine.reload_ok,
         )
 
-    def _gpus(self, now: float) -> tuple[tuple[Gpu, ...], tuple[Unevaluable, ...]]:
+    def _gpus(self, now: float, shift: float) -> tuple[tuple[Gpu, ...], tuple[Unevaluable, ...]]:
         indexes, lost = self._identities()
         # the engine's evaluation thread replaces `rules` and `states` on a reload: read
         # each once, and only with .get, so a concurrent cycle never breaks an iteration
@@ -127,7 +132,7 @@ class StatusPage:
         gpus: list[Gpu] = []
         unevaluable: dict[tuple[str, str], list[str]] = {}
         for uuid, index in sorted(indexes.items(), key=lambda item: (_number(item[1]), item[0])):
-            firing, pending, reasons = _causes(rules, states, uuid, now)
+            firing, pending, reasons = _causes(rules, states, uuid, now, shift)
             model = self._models.get(uuid, "")
             gpus.append(Gpu(index, uuid, model, uuid in lost, firing, pending))
             for cause, reason in reasons:
@@ -158,9 +163,14 @@ class StatusPage:
 
 
 def _causes(
-    rules: Sequence[Rule], states: Mapping[tuple[str, str], AlertState], uuid: str, now: float
+    rules: Sequence[Rule],
+    states: Mapping[tuple[str, str], AlertState],
+    uuid: str,
+    now: float,
+    shift: float,
 ) -> tuple[tuple[Cause, ...], tuple[Cause, ...], list[tuple[str, str]]]:
-    """One GPU's firing and pending causes (worst first), and its unevaluable rules."""
+    """One GPU's firing and pending causes (worst first, their times `shift`ed onto the
+    wall clock), and its unevaluable rules."""
     firing: list[Cause] = []
     pending: list[Cause] = []
     unevaluable: list[tuple[str, str]] = []
@@ -170,18 +180,18 @@ def _causes(
             continue
         kind = state.state
         if kind == FIRING:
-            firing.append(_cause(rule, state, now))
+            firing.append(_cause(rule, state, now, shift))
         elif kind == PENDING:
-            pending.append(_cause(rule, state, now))
+            pending.append(_cause(rule, state, now, shift))
         elif kind == NOT_EVALUABLE:
             unevaluable.append((rule.name, state.reason))
     return _worst_first(firing), _worst_first(pending), unevaluable
 
 
-def _cause(rule: Rule, state: AlertState, now: float) -> Cause:
+def _cause(rule: Rule, state: AlertState, now: float, shift: float) -> Cause:
     spec = rule.spec
     active_at = state.active_at  # once: the evaluation thread may be between two writes
-    holds_since = now if active_at is None else active_at
+    holds_since = (now if active_at is None else active_at) + shift
     return Cause(
         name=spec.name,
         dimension=spec.dimension,
@@ -197,9 +207,12 @@ def _worst_first(causes: list[Cause]) -> tuple[Cause, ...]:
     return tuple(sorted(causes, key=lambda c: _SEVERITY_RANK.get(c.severity, 3)))
 
 
-def _source_state(poller: Poller) -> SourceState:
+def _source_state(poller: Poller, shift: float) -> SourceState:
     health = poller.health
-    return SourceState(poller.name, health.up, health.last_error or "", health.last_success)
+    last = health.last_success
+    return SourceState(
+        poller.name, health.up, health.last_error or "", None if last is None else last + shift
+    )
 
 
 def _number(index: str) -> int:

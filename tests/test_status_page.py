@@ -173,6 +173,30 @@ def test_a_pending_cause_shows_since_when(pcie_node):
     assert f"gpu-3-{CAUSE}" not in dom.text  # pending is not firing
 
 
+def test_times_shown_follow_a_step_of_the_wall_clock(pcie_node):
+    # the pipeline's clock ignores a step of the system clock (an NTP jump an hour ahead
+    # since start); the page shows its times as the wall clock reads now, ages unchanged
+    sim, p = pcie_node.sim, pcie_node.sim.pipeline
+    hour = 3600.0
+    stepped = StatusPage(
+        p.store, p.pollers, p.now, p.engine, "node", to_wall=lambda t: t + hour
+    ).status()
+    plain = pcie_node.page.status()
+    assert stepped.now == plain.now + hour
+    (cause,) = next(g for g in stepped.gpus if g.uuid == pcie_node.gpu3).firing
+    (before,) = next(g for g in plain.gpus if g.uuid == pcie_node.gpu3).firing
+    assert (cause.holds_since, cause.fires_at) == (
+        before.holds_since + hour,
+        before.fires_at + hour,
+    )
+    for shown, source in zip(stepped.sources, plain.sources, strict=True):
+        assert source.last_success is not None and shown.last_success == source.last_success + hour
+    since = time.strftime("%H:%M:%S UTC", time.gmtime(before.fires_at + hour))
+    page = Dom(render(stepped))
+    assert f"since {since}" in page[f"gpu-3-{CAUSE}"]
+    assert sim.pipeline.engine.states[(pcie_node.gpu3, CAUSE)].state == FIRING
+
+
 def test_sources_show_up_and_the_rules_in_use(pcie_node):
     dom, p = pcie_node.firing, pcie_node.sim.pipeline
     for poller in p.pollers:
