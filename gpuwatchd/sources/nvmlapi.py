@@ -261,6 +261,23 @@ def sysfs_bus_id(nvml_bus_id: str) -> str:
     return f"{int(domain or '0', 16):04x}:{rest}"
 
 
+@dataclass(frozen=True)
+class Identity:
+    handle: Any
+    uuid: str
+    bus_id: str  # as in sysfs; "" where NVML would not say
+
+
+def identify(nv: ModuleType, index: int) -> Identity:
+    """GPU `index`'s handle, UUID and PCI address; NVMLError if NVML has no handle or UUID
+    for it yet (a GPU still initialising, or lost)."""
+    handle = nv.nvmlDeviceGetHandleByIndex(index)
+    uuid = nv.nvmlDeviceGetUUID(handle)
+    pci_info = getattr(nv, "nvmlDeviceGetPciInfo_v3", None) or nv.nvmlDeviceGetPciInfo
+    pci = quietly(nv, pci_info, handle)
+    return Identity(handle, uuid, sysfs_bus_id(pci.busId) if pci is not None else "")
+
+
 def quietly(nv: ModuleType, function: Callable[..., Any], *args: Any) -> Any:
     """`function(*args)`, or None if NVML answers with an error."""
     try:

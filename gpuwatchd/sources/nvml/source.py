@@ -76,10 +76,10 @@ from gpuwatchd.sources.nvml.reads import (
 from gpuwatchd.sources.nvmlapi import (
     Direct,
     cuda_version_string,
+    identify,
     process_table,
     quietly,
     start_nvml,
-    sysfs_bus_id,
 )
 
 log = logging.getLogger("gpuwatchd.sources.nvml")
@@ -252,17 +252,15 @@ class NvmlSource(Polling, NvLinks, Source):
         """Handle and identity, read once; retried each poll until they can be read."""
         nv = self._nv
         try:
-            handle = nv.nvmlDeviceGetHandleByIndex(gpu.index)
-            uuid = nv.nvmlDeviceGetUUID(handle)
+            identity = identify(nv, gpu.index)
         except nv.NVMLError as e:
             gpu.lost = e.value == nv.NVML_ERROR_GPU_IS_LOST
             log.debug("nvml: GPU %d: no handle yet: %s", gpu.index, self._describe(e))
             return
+        handle = identity.handle
         name = quietly(nv, nv.nvmlDeviceGetName, handle) or ""
-        pci_info = getattr(nv, "nvmlDeviceGetPciInfo_v3", None) or nv.nvmlDeviceGetPciInfo
-        pci = quietly(nv, pci_info, handle)
-        gpu.bus_id = sysfs_bus_id(pci.busId) if pci is not None else ""
-        labels = (str(gpu.index), uuid)
+        gpu.bus_id = identity.bus_id
+        labels = (str(gpu.index), identity.uuid)
         gpu.labels = labels
         gpu.info = Sample(INFO.name, labels + (name, gpu.bus_id, self._driver, self._cuda), 1.0)
         gpu.reason_labels = [(bit, labels + (label,)) for label, bit in self._reasons]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd.sources.base import Context, SourceError
-from gpuwatchd.sources.nvmlapi import ListedGpu, quietly, start_nvml, sysfs_bus_id
+from gpuwatchd.sources.nvmlapi import ListedGpu, identify, start_nvml
 
 log = logging.getLogger("gpuwatchd.sources.processes")
 
@@ -61,16 +61,12 @@ class NvmlLists:
     def _identify(self, gpu: _Gpu) -> None:
         nv = self._nv
         try:
-            handle = nv.nvmlDeviceGetHandleByIndex(gpu.index)
-            uuid = nv.nvmlDeviceGetUUID(handle)
+            identity = identify(nv, gpu.index)
         except nv.NVMLError as e:
             log.debug("processes: GPU %d: no handle yet: %s", gpu.index, e)
             return
-        pci_info = getattr(nv, "nvmlDeviceGetPciInfo_v3", None) or nv.nvmlDeviceGetPciInfo
-        pci = quietly(nv, pci_info, handle)
-        gpu.bus_id = sysfs_bus_id(pci.busId) if pci is not None else ""
-        gpu.labels = (str(gpu.index), uuid)
-        gpu.handle = handle
+        gpu.bus_id, gpu.handle = identity.bus_id, identity.handle
+        gpu.labels = (str(gpu.index), identity.uuid)
 
     def _list(self, gpu: _Gpu) -> dict[str, dict[int, float]] | None:
         """kind -> {pid: GPU memory bytes} for the lists NVML gave; None: the GPU is lost."""
