@@ -9,6 +9,7 @@ connection through pydcgm.DcgmHandle. Time is virtual; nothing sleeps.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -574,6 +575,17 @@ def test_a_libdcgm_without_the_bulk_call_reads_through_callbacks_alike(make, cap
     assert older.engine.calls["dcgmEntitiesGetLatestValues"] == 0
     fallback = [r.getMessage() for r in caplog.records if "instead" in r.getMessage()]
     assert len(fallback) == 1 and "DCGM_ST_FUNCTION_NOT_FOUND" in fallback[0]
+
+
+def test_a_nan_is_a_value_through_either_read(make):
+    # pydcgm's DCGM_FP64_IS_BLANK is `value >= DCGM_FP64_BLANK`: a NaN is a value, not blank
+    for without in ((), ("dcgmEntitiesGetLatestValues",)):
+        with simdcgm.library_without(*without):
+            sim = make()
+            sim.engine.set_value(1002, math.nan, gpu=1)
+            m = sim.collect()
+            assert math.isnan(m.value("gpu_sm_active_ratio", 1))
+            assert m.value("gpu_sm_active_ratio", 0) == 0.7
 
 
 def test_text_blanks_are_absent_without_a_warning(make, caplog):

@@ -135,7 +135,7 @@ class LatestValues:
             if group != FE_GPU:
                 continue
             if kind == FT_DOUBLE:
-                if dbl < fp64_blank:
+                if not dbl >= fp64_blank:  # DCGM_FP64_IS_BLANK: a NaN is not blank
                     append((entity, fid, dbl))
             elif kind in (FT_INT64, FT_TIMESTAMP):
                 if i64 < int64_blank:
