@@ -23,10 +23,10 @@ import click
 from gpuwatchd import __version__
 from gpuwatchd.config import Config, ConfigError, load_config
 from gpuwatchd.rules.ruleset import RulesError
-from gpuwatchd.sim.scenario import Scenario, builtin_scenarios, load_scenario
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the simulator's models stay out of a production daemon's memory
     from gpuwatchd.daemon import Daemon
+    from gpuwatchd.sim.scenario import Scenario
 
 SCENARIO_HELP = "a built-in scenario's name or a path to a scenario file"
 log = logging.getLogger("gpuwatchd")
@@ -46,6 +46,8 @@ def _load(config_file: Path | None, **overrides: Any) -> Config:
 
 
 def _scenario(name: str) -> Scenario:
+    from gpuwatchd.sim.scenario import load_scenario
+
     try:
         return load_scenario(name)
     except ConfigError as e:
@@ -251,6 +253,8 @@ def list_metrics() -> None:
 @main.command("scenarios")
 def list_scenarios() -> None:
     """List the built-in scenarios."""
+    from gpuwatchd.sim.scenario import builtin_scenarios, load_scenario
+
     for name in builtin_scenarios():
         click.echo(f"{name}: {' '.join(load_scenario(name).description.split())}")
 
@@ -360,6 +364,7 @@ def doctor(
          dimension none of whose rules could be evaluated)
     """
     from gpuwatchd.doctor import diagnose_node, diagnose_simulated, format_report
+    from gpuwatchd.sim.scenario import load_scenario
 
     _setup_logging("error")
     try:

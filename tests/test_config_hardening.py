@@ -90,6 +90,18 @@ def test_sighup_is_caught_before_anything_slow_is_imported() -> None:
     assert out.stdout.strip() == "True"
 
 
+def test_a_production_daemon_loads_no_simulator_code() -> None:
+    # the simulator's models and scenarios cost a node's daemon memory for nothing
+    code = (
+        "import sys, gpuwatchd.cli, gpuwatchd.daemon; "
+        "from gpuwatchd.sources import load_builtin_sources; load_builtin_sources(); "
+        "print(sorted(m for m in sys.modules if m.startswith(('gpuwatchd.sim', "
+        "'gpuwatchd.doctor', 'gpuwatchd.rules.check', 'gpuwatchd.rules.detection'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_a_sighup_while_the_daemon_starts_is_remembered_not_fatal() -> None:
     starting = textwrap.dedent(
         """
