@@ -124,7 +124,11 @@ def test_reconnects_leave_no_handles_behind(make):
     assert registries(sim.source) == (0, 0)
 
 
-def test_setup_failing_halfway_leaves_nothing_behind(make):
+@pytest.mark.parametrize(
+    ("failure", "state"),
+    [("hostengine_stops", "hostengine_down"), ("bindings_mismatch", "error")],
+)
+def test_setup_failing_halfway_leaves_nothing_behind(make, failure, state):
     sim = make()
     real = sim.engine.watch
     calls = []
@@ -132,12 +136,14 @@ def test_setup_failing_halfway_leaves_nothing_behind(make):
     def dies_at_the_second_watch(*args: Any) -> None:
         calls.append(args)
         if len(calls) == 2:
+            if failure == "bindings_mismatch":  # not a DCGMError: bindings of another DCGM
+                raise TypeError("unexpected argument")
             sim.engine.stop()
             raise HostengineDown
         real(*args)
 
     sim.engine.watch = dies_at_the_second_watch  # type: ignore[method-assign]
-    assert state_of(sim.down()) == "hostengine_down"
+    assert state_of(sim.down()) == state
     sim.engine.watch = real  # type: ignore[method-assign]
     sim.engine.start()
     sim.advance(3600)

@@ -182,7 +182,7 @@ class Session:
             field_group = self._field_group(name, ids)
             interval = self.config.interval
             group.samples.WatchFields(field_group, int(interval * 1e6), max(30.0, 3 * interval), 2)
-        except self.bindings.structs.DCGMError:
+        except Exception:  # a DCGMError, or bindings of another version: nothing left behind
             if field_group is not None:  # else pydcgm keeps it (and a retry makes another)
                 self._delete(field_group)
             self._quietly(group.Delete)
