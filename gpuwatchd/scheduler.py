@@ -178,10 +178,10 @@ class Poller:
         return True
 
     def _failed(self, reason: str) -> None:
-        self.health.errors_total += 1
         if reason != self.health.last_error:
             log.warning("source %s: down: %s", self.name, reason)
         self.health.up, self.health.last_error = False, reason
+        self.health.errors_total += 1  # last: a reader who sees the count sees why
 
 
 ABANDON_AFTER = 60.0  # seconds a poll may hang before a fresh thread takes over
