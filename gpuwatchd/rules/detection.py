@@ -65,9 +65,17 @@ def play_ahead(names: list[str]) -> None:
         return  # played in this process, when asked
     context = multiprocessing.get_context("spawn")  # no threads of ours come along
     quiet = logging.root.manager.disable  # the workers log as this process would
-    pool = ProcessPoolExecutor(workers, context, logging.disable, (quiet,))
+    pool = ProcessPoolExecutor(workers, context, _background, (quiet,))
     _playing.update((name, pool.submit(_play, name)) for name in todo)
     pool.shutdown(wait=False)  # its workers end once the last scenario is played
+
+
+def _background(quiet: int) -> None:
+    """A worker's start: the lowest CPU priority, so that replays in virtual time take only
+    CPU nobody else wants (the suite's real-time tests run beside them: servers, daemons,
+    deadlines), and the log level of the process that started it."""
+    os.nice(19)
+    logging.disable(quiet)
 
 
 def _play(name: str) -> Replay:
