@@ -568,11 +568,12 @@ def test_gpus_not_reached_behind_a_hung_one_keep_their_last_values_marked_stale(
 
 def test_the_poll_waits_for_a_blocked_call_half_its_timeout_in_real_time():
     sim = Sim(scenario([{"name": "p", "duration": 100}]))
-    sim.source = NvmlSource(NvmlConfig(timeout=0.2), sim.context)
+    # 1 s of real time for the reader to read GPU 0 (a few ms) even on a loaded machine
+    sim.source = NvmlSource(NvmlConfig(timeout=2.0), sim.context)
     sim.collect()
     sim.fake.hang(1)
     try:
-        got = sim.collect()  # about 0.1 s: the reader blocks on GPU 1, the poll goes on
+        got = sim.collect()  # about 1 s: the reader blocks on GPU 1, the poll goes on
         assert got.gpus_with("gpu_utilization_ratio") == {0}
         assert got.series_of(1) == {P + "gpu_info", P + "gpu_nvml_hung_seconds"}
         assert sim.fake.blocked.is_set()

@@ -508,23 +508,31 @@ def test_a_quiet_poll_hands_back_the_last_samples(nodes: Any) -> None:
 
 
 class WatchedSocket(ProbeSocket):
-    """The daemon's socket, counting the polls that read it and telling when a lane rests
-    on it (waits for its next datagram)."""
+    """The daemon's socket, counting the polls that read it."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, 8192)
         self.reads = 0
-        self.resting = threading.Semaphore(0)
 
     def receive(self, limit: int) -> list[tuple[int, bytes]]:
         self.reads += 1
         return super().receive(limit)
 
-    def notify(self, wake: Any) -> bool:
-        waits = super().notify(wake)
-        if waits:
-            self.resting.release()
-        return waits
+
+def telling_when_it_rests(poller: Poller) -> threading.Semaphore:
+    """Released each time the poller has settled into resting (its lane waits on the
+    socket's next datagram): after `rest` returns, not when the socket is first told."""
+    resting = threading.Semaphore(0)
+    rest = poller.rest
+
+    def rest_and_tell(wake: Any) -> bool:
+        idle = rest(wake)
+        if idle:
+            resting.release()
+        return idle
+
+    poller.rest = rest_and_tell  # type: ignore[method-assign]
+    return resting
 
 
 def test_an_idle_probe_lane_sleeps_until_a_datagram_comes(tmp_path: Path) -> None:
@@ -534,11 +542,12 @@ def test_an_idle_probe_lane_sleeps_until_a_datagram_comes(tmp_path: Path) -> Non
     t = [0.0]
     store = Store()
     poller = Poller(source, store, lambda: t[0])
+    resting = telling_when_it_rests(poller)
     scheduler = ThreadedScheduler([poller], lanes=LANES)
     sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     scheduler.start()
     try:
-        assert sock.resting.acquire(timeout=10)  # polled once, then waits on the socket
+        assert resting.acquire(timeout=10)  # polled once, then waits on the socket
         assert sock.reads == 1
         t[0] = 5.0  # past 3 intervals, and no refresh yet (a long evaluation interval):
         assert not store.is_stale("probe", t[0])  # a resting source's series hold
@@ -550,7 +559,7 @@ def test_an_idle_probe_lane_sleeps_until_a_datagram_comes(tmp_path: Path) -> Non
         scheduler.check_hung(t[0])  # no more refreshes, and its series go stale
         assert poller.health.last_success == 30.0 and store.is_stale("probe", t[0])
         sender.sendto(b"{not json", str(sock.path))
-        assert sock.resting.acquire(timeout=10)  # woken, polled once, resting again
+        assert resting.acquire(timeout=10)  # woken, polled once, resting again
         assert sock.reads == 2
         latest = dict(store.source_latest("probe"))
         assert latest[(REPORTS.name, ("malformed",))] == 1
