@@ -81,6 +81,20 @@ class Bindings:
             if handle in handles:
                 handles.remove(handle)
 
+    def delete(self, field_group: Any) -> None:
+        """Delete a pydcgm.DcgmFieldGroup of ours in DCGM where it can, and untrack it
+        whatever happens: pydcgm's Delete() raises before letting go of a dead connection,
+        and the object's finaliser would then, whenever it runs, untrack a later
+        connection's field group that got the same id from a restarted host engine."""
+        try:
+            field_group.Delete()
+        except Exception as e:  # a dead connection, or bindings of another version
+            log.debug(
+                "dcgm: deleting field group %s failed: %s", getattr(field_group, "name", "?"), e
+            )
+        finally:
+            self.forget(field_group)
+
     def forget(self, field_group: Any) -> None:
         """Untrack a pydcgm.DcgmFieldGroup without asking DCGM (its connection is gone)."""
         registry = self.pydcgm.DcgmFieldGroup

@@ -184,7 +184,7 @@ class Session:
             group.samples.WatchFields(field_group, int(interval * 1e6), max(30.0, 3 * interval), 2)
         except Exception:  # a DCGMError, or bindings of another version: nothing left behind
             if field_group is not None:  # else pydcgm keeps it (and a retry makes another)
-                self._delete(field_group)
+                self.bindings.delete(field_group)
             self._quietly(group.Delete)
             raise
         self.watches.append(Watch(group, field_group, gpus, list(ids), profiling, indices))
@@ -415,20 +415,12 @@ class Session:
         for watch in self.watches:
             if tidy:
                 self._quietly(watch.group.samples.UnwatchFields, watch.field_group)
-                self._delete(watch.field_group)
+                self.bindings.delete(watch.field_group)
                 self._quietly(watch.group.Delete)
             else:
                 self.bindings.forget(watch.field_group)
         self.watches.clear()
         self.bindings.disconnect(self.handle)
-
-    def _delete(self, field_group: Any) -> None:
-        """Delete a field group of ours, and untrack it even where DCGM cannot delete it:
-        pydcgm's Delete() raises before letting go of the connection, and the object's
-        finaliser would then, whenever it runs, untrack a later connection's field group
-        that got the same id from a restarted host engine."""
-        self._quietly(field_group.Delete)
-        self.bindings.forget(field_group)
 
     def _quietly(self, function: Callable[..., Any], *args: Any) -> None:
         try:
