@@ -3,7 +3,8 @@
 test_detection.py and test_scenario_corpus.py read the replays of every built-in scenario
 (`gpuwatchd.rules.detection`), played in worker processes, one per CPU: started at
 collection, they play while the rest of the suite mostly waits on real servers and
-processes, and those tests, run last, take the results.
+processes (at the lowest priority, so as not to hold those up), and those tests, run
+last, take the results.
 """
 
 from __future__ import annotations
@@ -19,5 +20,5 @@ CORPUS_FILES = {"test_detection.py", "test_scenario_corpus.py"}
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     corpus = [item for item in items if item.path.name in CORPUS_FILES]
     if corpus:
-        play_ahead(builtin_scenarios())
+        play_ahead(builtin_scenarios(), nice=19)  # the CPU the real-time tests leave
         items[:] = [item for item in items if item.path.name not in CORPUS_FILES] + corpus

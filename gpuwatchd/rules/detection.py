@@ -11,6 +11,7 @@ every other scenario (firing before `onset`, or on a GPU no expectation lets it 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -51,11 +52,12 @@ def replays(names: list[str] | None = None) -> dict[str, Replay]:
     return {name: replay(name) for name in names}
 
 
-def play_ahead(names: list[str]) -> None:
+def play_ahead(names: list[str], nice: int = 0) -> None:
     """Start playing the scenarios not played or playing yet in worker processes, one
-    per CPU, the longest first; `replay` takes each result when asked. The test suite
-    starts the corpus this way at collection, so it plays while other tests wait on
-    their servers."""
+    per CPU, the longest first, at `nice` more than this process's niceness; `replay`
+    takes each result when asked. The test suite starts the corpus this way at
+    collection, at the lowest priority, so it plays on the CPU its real-time tests
+    (servers, daemons, deadlines) leave."""
     todo = sorted(
         (n for n in set(names) if n not in _played and n not in _playing),
         key=lambda n: -load_scenario(n).duration,
@@ -65,17 +67,18 @@ def play_ahead(names: list[str]) -> None:
         return  # played in this process, when asked
     context = multiprocessing.get_context("spawn")  # no threads of ours come along
     quiet = logging.root.manager.disable  # the workers log as this process would
-    pool = ProcessPoolExecutor(workers, context, _background, (quiet,))
+    pool = ProcessPoolExecutor(workers, context, _start_worker, (quiet, nice))
     _playing.update((name, pool.submit(_play, name)) for name in todo)
     pool.shutdown(wait=False)  # its workers end once the last scenario is played
 
 
-def _background(quiet: int) -> None:
-    """A worker's start: the lowest CPU priority, so that replays in virtual time take only
-    CPU nobody else wants (the suite's real-time tests run beside them: servers, daemons,
-    deadlines), and the log level of the process that started it."""
-    os.nice(19)
+def _start_worker(quiet: int, nice: int) -> None:
+    """A worker logs as the process that started it does, at the priority asked for
+    (where the system lets it lower its own)."""
     logging.disable(quiet)
+    if nice:
+        with contextlib.suppress(OSError, AttributeError):
+            os.nice(nice)
 
 
 def _play(name: str) -> Replay:
