@@ -189,7 +189,9 @@ class MetricsServer:
         limits: Limits = Limits(),
     ) -> None:
         self.exporter = exporter
-        self.status_page = status_page or StatusPage(exporter.store, exporter.pollers, exporter.now)
+        self.status_page = status_page or StatusPage(
+            exporter.store, exporter.pollers, exporter.now, to_wall=exporter.to_wall
+        )
         self.limits = limits
         self.config = load_web_config(web_config_file) if web_config_file else WebConfig()
         tls = self.config.tls

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from daemon_process import running_daemon
 from prometheus_client.parser import text_string_to_metric_families
+from servers import wait_until
 
 from gpuwatchd.sources import BUILTIN
 
@@ -26,13 +27,15 @@ def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     # a 1 s client timeout: the scrape must be served from cache, never wait on NVML
     with urllib.request.urlopen(url, timeout=1) as response:
         families = text_string_to_metric_families(response.read().decode())
-    return {
-        f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples} for f in families
-    }
+    return {f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples} for f in families}
 
 
 def per_gpu(metrics: dict, name: str) -> dict[str, float]:
     return {dict(labels)["gpu"]: v for labels, v in metrics.get(name, {}).items()}
+
+
+def hung_seconds(url: str) -> float:
+    return per_gpu(scrape(url), "gpuwatchd_gpu_nvml_hung_seconds").get("1", 0.0)
 
 
 def test_a_hung_gpu_holds_up_only_itself_and_scrapes_still_answer(tmp_path: Path):
@@ -41,15 +44,9 @@ def test_a_hung_gpu_holds_up_only_itself_and_scrapes_still_answer(tmp_path: Path
     with running_daemon(
         str(tmp_path / "hang.yaml"), "--config", str(tmp_path / "config.yaml")
     ) as url:
-        deadline = time.monotonic() + 30
-        while True:  # GPU 1's call blocks from 2 s on: seen hung for a second
-            got = scrape(url)
-            first = per_gpu(got, "gpuwatchd_gpu_nvml_hung_seconds").get("1", 0)
-            if first >= 1:
-                break
-            assert time.monotonic() < deadline, "GPU 1 never reported hung"
-            time.sleep(0.1)
-        deadline = time.monotonic() + 30
+        first = wait_until(  # GPU 1's call blocks from 2 s on: seen hung for a second
+            "GPU 1 reported hung", lambda: h if (h := hung_seconds(url)) >= 1 else None, 30
+        )
         for _ in range(10):  # while the call stays blocked
             got = scrape(url)
             up = {dict(labels)["source"]: v for labels, v in got["gpuwatchd_source_up"].items()}
@@ -58,8 +55,6 @@ def test_a_hung_gpu_holds_up_only_itself_and_scrapes_still_answer(tmp_path: Path
             assert set(per_gpu(got, "gpuwatchd_gpu_utilization_ratio")) == {"0"}
             assert set(per_gpu(got, "gpuwatchd_gpu_info")) == {"0", "1"}
             time.sleep(0.1)
-        hung = per_gpu(got, "gpuwatchd_gpu_nvml_hung_seconds")["1"]
-        while hung < first + 0.5:  # still counting: the exposition follows each cycle
-            assert time.monotonic() < deadline, f"GPU 1's hung seconds stopped at {hung}"
-            time.sleep(0.1)
-            hung = per_gpu(scrape(url), "gpuwatchd_gpu_nvml_hung_seconds")["1"]
+        wait_until(  # still counting, as the exposition follows each cycle
+            "GPU 1's hung seconds to keep growing", lambda: hung_seconds(url) >= first + 0.5, 30
+        )
