@@ -16,7 +16,9 @@ from gpuwatchd.sim.fake_nvml import gpu_uuid, make_pynvml
 from gpuwatchd.sim.scenario import CLOCK_EVENT_REASONS, Scenario, Timeline, load_scenario
 from gpuwatchd.sources import REGISTRY, load_builtin_sources
 from gpuwatchd.sources.base import Context, SourceError
-from gpuwatchd.sources.nvml import CLOCK_REASONS, SLOW_EVERY, NvmlSource
+from gpuwatchd.sources.nvml import NvmlSource
+from gpuwatchd.sources.nvml.metrics import CLOCK_REASONS
+from gpuwatchd.sources.nvml.reads import SLOW_EVERY
 from gpuwatchd.sources.nvmlapi import (
     Direct,
     FieldValues,

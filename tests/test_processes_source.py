@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from series import Metrics as SampleIndex
 from series import by_key
 
-from gpuwatchd.config import NvmlConfig
+from gpuwatchd.config import NvmlConfig, ProcessesConfig
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml import ERROR_GPU_IS_LOST, ERROR_NOT_SUPPORTED, make_pynvml
 from gpuwatchd.sim.host import HostHardware
@@ -34,17 +34,13 @@ from gpuwatchd.sources import REGISTRY, SourceError, nvmlapi
 from gpuwatchd.sources import processes as processes_module
 from gpuwatchd.sources.base import Context
 from gpuwatchd.sources.nvml import NvmlSource
-from gpuwatchd.sources.processes import (
-    ADOPTERS,
-    ALONE,
-    DESKTOP_PROCESSES,
+from gpuwatchd.sources.processes import ProcessesSource
+from gpuwatchd.sources.processes.desktop import DESKTOP_PROCESSES, desktop_name
+from gpuwatchd.sources.processes.jobs import ADOPTERS, ALONE, group_jobs
+from gpuwatchd.sources.processes.procfs import (
     CgroupLine,
-    ProcessesConfig,
-    ProcessesSource,
     cpu_cgroup,
     cpus_allowed,
-    desktop_name,
-    group_jobs,
     in_container,
     parse_cfs_quota,
     parse_cgroup,

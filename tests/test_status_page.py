@@ -35,7 +35,7 @@ from gpuwatchd.scheduler import Poller
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.simulate import Simulation
 from gpuwatchd.sources.base import Context, Source, SourceError
-from gpuwatchd.sources.nvml import INFO, LOST
+from gpuwatchd.sources.nvml.metrics import INFO, LOST
 from gpuwatchd.status_page import Cause, Gpu, NodeStatus, SourceState, StatusPage, render
 from gpuwatchd.store import Store
 

@@ -120,7 +120,7 @@ class Timer:
 
 def nvml_calls(nv: Any, handle: Any) -> Iterator[tuple[str, str, tuple[Any, ...], int]]:
     """(label, function, args, repetitions) for every per-GPU call the sources make."""
-    from gpuwatchd.sources.nvml import POWER_READ, READS
+    from gpuwatchd.sources.nvml.reads import POWER_READ, READS
 
     calls: list[tuple[str, str, tuple[Any, ...], int]] = []
     for read in (*READS, POWER_READ):  # the nvml source's table (and its power fallback)
@@ -160,7 +160,7 @@ def nvml_calls(nv: Any, handle: Any) -> Iterator[tuple[str, str, tuple[Any, ...]
 def nvml_facts(nv: Any, path: Path) -> dict[str, Any]:
     """Versions and per-call latencies, written to `path` after every GPU (partial runs
     still leave what they measured)."""
-    from gpuwatchd.sources.nvml import cuda_version_string, sysfs_bus_id
+    from gpuwatchd.sources.nvmlapi import cuda_version_string, sysfs_bus_id
 
     facts: dict[str, Any] = {"binding": getattr(nv, "__file__", nv.__name__), "gpus": []}
     try:
@@ -265,7 +265,7 @@ def event_calls(nv: Any, handle: Any, timer: Timer) -> list[dict[str, Any]]:
 def batch(nv: Any, handle: Any) -> list[tuple[int, int]]:
     """The nvml source's field-values request for this GPU: FIELDS, and each NVLink's
     state (as many links as NVML_FI_DEV_NVLINK_LINK_COUNT says)."""
-    from gpuwatchd.sources.nvml import FIELDS, NVLINK_COUNT, NVLINK_STATE
+    from gpuwatchd.sources.nvml.reads import FIELDS, NVLINK_COUNT, NVLINK_STATE
 
     ids = [(getattr(nv, f.constant), 0) for f in FIELDS if hasattr(nv, f.constant)]
     links = 0
@@ -289,7 +289,7 @@ def count_nvlinks(nv: Any, handle: Any) -> int | str:
 def poll_estimate_ms(gpu: dict[str, Any]) -> float:
     """What one nvml-source poll of this GPU costs: the median of each call it makes,
     a slow read's share (1 / its cadence), the field values and the event drain."""
-    from gpuwatchd.sources.nvml import READS
+    from gpuwatchd.sources.nvml.reads import READS
 
     rows = {r["call"]: r for r in gpu["calls"]}
     total = 0.0

@@ -50,7 +50,7 @@ from gpuwatchd.config import ProbeConfig, SourceConfig
 from gpuwatchd.metrics import GPU_LABELS, Sample, counter, gauge
 from gpuwatchd.sources import register
 from gpuwatchd.sources.base import Context, Source, SourceError
-from gpuwatchd.sources.nvml import quietly, start_nvml
+from gpuwatchd.sources.nvmlapi import quietly, start_nvml
 
 log = logging.getLogger(__name__)
 

@@ -62,8 +62,8 @@ virtual time stamps it in scenario time. `gpu_info`'s pci_bus_id is in the sysfs
 
 Layout
 ------
-The source is split by responsibility into the modules of this package; every public
-name the module had before the split is importable from the package itself.
+The source is split by responsibility into the modules of this package; the package
+itself exports the source. Import anything else from the module that defines it.
 
 * `metrics`: the metric specs and the clock event reasons' labels;
 * `reads`: what is read per GPU -- the call table (`READS`, `POWER_READ`), the
@@ -81,133 +81,6 @@ Every module logs as `gpuwatchd.sources.nvml`.
 
 from __future__ import annotations
 
-import logging
-
-from gpuwatchd.sources.nvml.metrics import (
-    CLOCK_REASON,
-    CLOCK_REASONS,
-    CUDA_VERSION,
-    DEVICES,
-    ECC_ERRORS,
-    ECC_MODE,
-    HUNG,
-    INFO,
-    LAST_XID,
-    LOST,
-    MEM_CLOCK,
-    MEM_CLOCK_MAX,
-    MEMORY_TOTAL,
-    MEMORY_USED,
-    MEMORY_UTILIZATION,
-    NVLINK,
-    NVLINK_EXPECTED,
-    PCIE_GEN,
-    PCIE_GEN_MAX,
-    PCIE_REPLAYS,
-    PCIE_RX,
-    PCIE_TX,
-    PCIE_WIDTH,
-    PCIE_WIDTH_MAX,
-    PERSISTENCE,
-    POWER,
-    POWER_LIMIT,
-    PROCESS_MEMORY,
-    PROCESSES,
-    PSTATE,
-    SM_CLOCK,
-    SM_CLOCK_MAX,
-    STALE,
-    TEMPERATURE,
-    UTILIZATION,
-    XID,
-)
-from gpuwatchd.sources.nvml.reads import (
-    EVERY_POLL,
-    FIELDS,
-    FIELDS_KEY,
-    KINDS,
-    NVLINK_COUNT,
-    NVLINK_STATE,
-    ONCE,
-    POWER_READ,
-    READS,
-    SLOW,
-    SLOW_EVERY,
-    Field,
-    Read,
-)
 from gpuwatchd.sources.nvml.source import NvmlSource
-from gpuwatchd.sources.nvmlapi import (
-    Direct,
-    ListedGpu,
-    cuda_version_string,
-    process_table,
-    quietly,
-    start_nvml,
-    sysfs_bus_id,
-)
 
-log = logging.getLogger(__name__)
-
-__all__ = [
-    "NvmlSource",
-    # the tables of what is read
-    "EVERY_POLL",
-    "FIELDS",
-    "FIELDS_KEY",
-    "KINDS",
-    "NVLINK_COUNT",
-    "NVLINK_STATE",
-    "ONCE",
-    "POWER_READ",
-    "READS",
-    "SLOW",
-    "SLOW_EVERY",
-    "Field",
-    "Read",
-    # the metric specs
-    "CLOCK_REASON",
-    "CLOCK_REASONS",
-    "CUDA_VERSION",
-    "DEVICES",
-    "ECC_ERRORS",
-    "ECC_MODE",
-    "HUNG",
-    "INFO",
-    "LAST_XID",
-    "LOST",
-    "MEM_CLOCK",
-    "MEM_CLOCK_MAX",
-    "MEMORY_TOTAL",
-    "MEMORY_USED",
-    "MEMORY_UTILIZATION",
-    "NVLINK",
-    "NVLINK_EXPECTED",
-    "PCIE_GEN",
-    "PCIE_GEN_MAX",
-    "PCIE_REPLAYS",
-    "PCIE_RX",
-    "PCIE_TX",
-    "PCIE_WIDTH",
-    "PCIE_WIDTH_MAX",
-    "PERSISTENCE",
-    "POWER",
-    "POWER_LIMIT",
-    "PROCESS_MEMORY",
-    "PROCESSES",
-    "PSTATE",
-    "SM_CLOCK",
-    "SM_CLOCK_MAX",
-    "STALE",
-    "TEMPERATURE",
-    "UTILIZATION",
-    "XID",
-    # nvmlapi's helpers, imported from here before the split
-    "Direct",
-    "ListedGpu",
-    "cuda_version_string",
-    "process_table",
-    "quietly",
-    "start_nvml",
-    "sysfs_bus_id",
-]
+__all__ = ["NvmlSource"]

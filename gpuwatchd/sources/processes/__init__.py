@@ -121,8 +121,9 @@ container the daemon needs the host's pid namespace (Kubernetes `hostPID: true`)
 
 Layout
 ------
-The source is split by responsibility into the modules of this package; every public
-name is importable from the package itself.
+The source is split by responsibility into the modules of this package; the package
+itself exports the source and the one way to read a file. Import anything else from the
+module that defines it.
 
 * `procfs`: parsers of the /proc, sysfs and cgroup files (pure: bytes in, values out);
 * `gpus`: NVML's per-GPU process lists (the nvml source's table, or asked here);
@@ -139,60 +140,8 @@ modules look it up on the package at each call, so replacing it here reaches all
 
 from __future__ import annotations
 
-from gpuwatchd.config import ProcessesConfig
 from gpuwatchd.sources.base import read_file, read_small
-from gpuwatchd.sources.processes.desktop import DESKTOP_PROCESSES, desktop_name
-from gpuwatchd.sources.processes.facts import Facts
-from gpuwatchd.sources.processes.gpus import KINDS
-from gpuwatchd.sources.processes.jobs import ADOPTERS, ALONE, group_jobs, launch_key
-from gpuwatchd.sources.processes.metrics import (
-    AGE,
-    BUSIEST,
-    CONTAINER,
-    CPU,
-    CPUS_ALLOWED,
-    CUDART,
-    DESKTOP,
-    DESKTOP_COUNT,
-    DESKTOP_CPU,
-    DESKTOP_CPU_BY_NAME,
-    INFO,
-    JOB,
-    NUMA_ALIGNED,
-    OTHERS,
-    OWNER,
-    PID,
-    PROCESSES,
-    QUOTA,
-    THREADS,
-    THROTTLED,
-    THROTTLED_SECONDS,
-    WORKERS,
-    WORKERS_CPU,
-)
-from gpuwatchd.sources.processes.procfs import (
-    CLK_TCK,
-    MAX_CPUS,
-    MAX_MAPS_BYTES,
-    CgroupLine,
-    Stat,
-    _Gone,
-    cpu_cgroup,
-    cpus_allowed,
-    in_container,
-    parse_cfs_quota,
-    parse_cgroup,
-    parse_children,
-    parse_cpu_max,
-    parse_cpulist,
-    parse_cudart,
-    parse_flat_keyed,
-    parse_stat,
-    parse_status,
-    status_value,
-    thread_times,
-    version_number,
-)
+from gpuwatchd.sources.processes.procfs import _Gone
 from gpuwatchd.sources.processes.source import ProcessesSource
 
 # -- reading: the package's one way to read a file ------------------------------------------
@@ -230,59 +179,4 @@ def _text(path: str) -> str | None:
         return None
 
 
-__all__ = [
-    "ADOPTERS",
-    "ALONE",
-    "CLK_TCK",
-    "DESKTOP_PROCESSES",
-    "CgroupLine",
-    "Facts",
-    "ProcessesConfig",
-    "ProcessesSource",
-    "Stat",
-    "cpu_cgroup",
-    "cpus_allowed",
-    "desktop_name",
-    "group_jobs",
-    "launch_key",
-    "in_container",
-    "parse_cfs_quota",
-    "parse_cgroup",
-    "parse_children",
-    "parse_cpu_max",
-    "parse_cpulist",
-    "parse_cudart",
-    "parse_flat_keyed",
-    "parse_stat",
-    "parse_status",
-    "status_value",
-    "thread_times",
-    "version_number",
-    # the other public names of the module before the split: the metric specs and limits
-    "KINDS",
-    "MAX_CPUS",
-    "MAX_MAPS_BYTES",
-    "AGE",
-    "BUSIEST",
-    "CONTAINER",
-    "CPU",
-    "CPUS_ALLOWED",
-    "CUDART",
-    "DESKTOP",
-    "DESKTOP_COUNT",
-    "DESKTOP_CPU",
-    "DESKTOP_CPU_BY_NAME",
-    "INFO",
-    "JOB",
-    "NUMA_ALIGNED",
-    "OTHERS",
-    "OWNER",
-    "PID",
-    "PROCESSES",
-    "QUOTA",
-    "THREADS",
-    "THROTTLED",
-    "THROTTLED_SECONDS",
-    "WORKERS",
-    "WORKERS_CPU",
-]
+__all__ = ["ProcessesSource"]
