@@ -76,6 +76,45 @@ STALE = _gpu_gauge(
 CUDA_VERSION = gauge("cuda_driver_version", "CUDA version the driver supports, e.g. 12.4.")
 DEVICES = gauge("nvml_devices", "GPUs NVML reports on this node.")
 
+# every family the nvml source exports, in the order it documents them
+SPECS = (
+    INFO,
+    LOST,
+    UTILIZATION,
+    MEMORY_UTILIZATION,
+    MEMORY_USED,
+    MEMORY_TOTAL,
+    POWER,
+    POWER_LIMIT,
+    TEMPERATURE,
+    SM_CLOCK,
+    SM_CLOCK_MAX,
+    MEM_CLOCK,
+    MEM_CLOCK_MAX,
+    PSTATE,
+    CLOCK_REASON,
+    PCIE_GEN,
+    PCIE_GEN_MAX,
+    PCIE_WIDTH,
+    PCIE_WIDTH_MAX,
+    PCIE_TX,
+    PCIE_RX,
+    PCIE_REPLAYS,
+    ECC_ERRORS,
+    PERSISTENCE,
+    ECC_MODE,
+    NVLINK,
+    NVLINK_EXPECTED,
+    PROCESSES,
+    PROCESS_MEMORY,
+    XID,
+    LAST_XID,
+    HUNG,
+    STALE,
+    CUDA_VERSION,
+    DEVICES,
+)
+
 # metric label -> suffix of pynvml's nvmlClocksEventReason* (or older ...ThrottleReason*)
 CLOCK_REASONS = {
     "gpu_idle": "GpuIdle",
