@@ -416,6 +416,18 @@ def test_calls_cost_what_the_settings_say(monkeypatch):
     assert slept == [0.02]  # the driver's sampling window, blocking
     assert fake.calls_total == sum(fake.calls.values())
     assert fake.overshoot == 0
+    listed = NvmlCosts(
+        per_call=30e-6,
+        per_field=2e-6,
+        calls={"nvmlDeviceGetMaxClockInfo": 1.4e-3},
+        fields={"NVML_FI_DEV_PCIE_REPLAY_COUNTER": 177e-6},
+    )
+    nv, fake, _, _ = start("healthy-8gpu", costs=listed)
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    spent.clear()
+    nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)  # a function of its own cost
+    nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER, nv.NVML_FI_DEV_ECC_CURRENT])
+    assert spent == [pytest.approx(1.4e-3), pytest.approx(30e-6 + 177e-6 + 2e-6)]
     ticks = iter([0.0, 100e-6])  # a call whose own work takes 100 µs of CPU
     monkeypatch.setattr(fake_nvml.time, "thread_time", lambda: next(ticks))
     spent.clear()
@@ -433,7 +445,7 @@ def test_free_costs_nothing_and_run_simulate_costs_what_a_driver_does(monkeypatc
     nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER])
     nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES)
     assert spent == []
-    assert DRIVER_COSTS.pcie_sample == 0.02 and DRIVER_COSTS.per_call > 0
+    assert DRIVER_COSTS.pcie_sample == 0.021 and DRIVER_COSTS.per_call > 0
 
     from gpuwatchd.sim.node import SimNode
 

@@ -94,15 +94,23 @@ class Timer:
             row["error"] = "not in this pynvml"
             return row
         times: list[float] = []
+        cpu: list[float] = []  # this thread's CPU: a call that blocks spends less than its time
         for i in range(reps):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 value = function(*args)
             except self.nv.NVMLError as e:
                 times.append(time.perf_counter() - start)
+                cpu.append(time.thread_time() - start_cpu)
                 row["error"] = self.codes.get(e.value, f"code {e.value}")
                 break
+            except Exception as e:  # a binding's own bug (wrong arity, ctypes): recorded
+                times.append(time.perf_counter() - start)
+                cpu.append(time.thread_time() - start_cpu)
+                row["error"] = f"{type(e).__name__}: {e}"
+                break
             times.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - start_cpu)
             if i == 0:
                 row["value"] = describe(value)
             if sum(times) > budget:
@@ -114,6 +122,7 @@ class Timer:
             median_us=round(statistics.median(times) * 1e6, 1),
             p90_us=round(times[int(0.9 * (len(times) - 1))] * 1e6, 1),
             max_us=round(times[-1] * 1e6, 1),
+            cpu_median_us=round(statistics.median(cpu) * 1e6, 1),
         )
         return row
 
@@ -150,6 +159,25 @@ def nvml_calls(nv: Any, handle: Any) -> Iterator[tuple[str, str, tuple[Any, ...]
         "nvmlDeviceGetComputeRunningProcesses",
     ):
         calls.append((name, name, (handle,), 30))
+    # MIG (issue 26) and the SM count (issue 22's NCCL bound): how the real driver answers
+    # on a GPU with MIG off; never called by the sources yet
+    for name in (
+        "nvmlDeviceGetMigMode",
+        "nvmlDeviceGetMaxMigDeviceCount",
+        "nvmlDeviceIsMigDeviceHandle",
+        "nvmlDeviceGetAttributes_v2",
+        "nvmlDeviceGetNumGpuCores",
+    ):
+        calls.append((name, name, (handle,), 5))
+    calls.append(
+        ("nvmlDeviceGetMigDeviceHandleByIndex(0)", "nvmlDeviceGetMigDeviceHandleByIndex",
+         (handle, 0), 3)
+    )
+    profile = getattr(nv, "NVML_GPU_INSTANCE_PROFILE_1_SLICE", 0)
+    calls.append(
+        ("nvmlDeviceGetGpuInstanceProfileInfo(1_SLICE)", "nvmlDeviceGetGpuInstanceProfileInfo",
+         (handle, profile), 3)
+    )
     seen: set[str] = set()
     for call in calls:
         if call[0] not in seen:
@@ -214,6 +242,11 @@ def nvml_facts(nv: Any, path: Path) -> dict[str, Any]:
                 gpu["calls"].append(timer.measure(label, name, args, reps))
                 write_json(path, facts)
             gpu["calls"] += event_calls(nv, handle, timer)
+            gpu["fields_alone"] = [  # which fields make the batch cost what it does
+                timer.measure(f"nvmlDeviceGetFieldValues([{fid}, scope {scope}])",
+                              "nvmlDeviceGetFieldValues", (handle, [(fid, scope)]), reps=10)
+                for fid, scope in batch(nv, handle)
+            ]  # fmt: skip
             gpu["nvlinks"] = count_nvlinks(nv, handle)
             gpu["pcie_throughput_blocking_ms"] = [
                 round(r["median_us"] / 1000, 2)
@@ -1075,6 +1108,13 @@ def training_gpu(timeline: list[dict[str, Any]]) -> str:
     return max(counts, key=lambda g: counts[g]) if counts else "0"
 
 
+def running(t: float, train: list[dict[str, Any]]) -> bool:
+    """Whether `t` falls between the training's first phase start and last phase end."""
+    starts = [e["t"] for e in train if e.get("event") == "phase_start"]
+    ends = [e["t"] for e in train if e.get("event") == "phase_end"]
+    return bool(starts and ends) and min(starts) <= t <= max(ends)
+
+
 def probe_checks(
     timeline: list[dict[str, Any]], train: list[dict[str, Any]], gpu: str
 ) -> dict[str, Any]:
@@ -1094,8 +1134,11 @@ def probe_checks(
         "reports_by_result": {
             k: v for k, v in last.items() if k.startswith("probe_reports_total{")
         },
+        # while the loop ran: its last reports outlive it (until they expire) once it
+        # exits and NVML no longer lists it (seen on the H200, 2026-12-04)
         "unplaced_processes_max": max(
-            (r.get("probe_unplaced_processes", 0) for r in timeline), default=None
+            (r.get("probe_unplaced_processes", 0) for r in timeline if running(r["t"], train)),
+            default=None,
         ),
         "train_probe_counts": (final.get("probe") or {}),
         "daemon_cuda_series": cuda_series,

@@ -157,7 +157,7 @@ def cuda_facts(device: torch.device, first_call: float) -> dict[str, Any]:
         bus = getattr(props, "pci_bus_id", None)
         if bus is not None:  # CUDA's index need not be NVML's: go by the PCI address
             address = f"{props.pci_domain_id:08x}:{bus:02x}:{props.pci_device_id:02x}.0"
-            handle = nv.nvmlDeviceGetHandleByPciBusId_v2(address)
+            handle = nv.nvmlDeviceGetHandleByPciBusId(address)  # pynvml: no _v2 name
         else:
             handle = nv.nvmlDeviceGetHandleByIndex(device.index or 0)
         facts["nvml_uuid"] = nv.nvmlDeviceGetUUID(handle)

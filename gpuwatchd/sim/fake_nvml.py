@@ -45,14 +45,15 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml_device import (
     _RECORD,
+    _RECORD_IDS,
     ERROR_DRIVER_NOT_LOADED,
     ERROR_GPU_IS_LOST,
     ERROR_INSUFFICIENT_SIZE,
@@ -96,23 +97,58 @@ STATS_ENV = "GPUWATCHD_SIM_NVML_STATS"
 class NvmlCosts:
     """What the fake spends per call, as a real driver would.
 
-    `per_call`: CPU seconds every call spends (busy, in the calling thread: a real call
-    is an ioctl into the kernel module; unlike it, the fake holds the GIL meanwhile).
-    `per_field`: more CPU per field of nvmlDeviceGetFieldValues. `pcie_sample`: real
-    seconds nvmlDeviceGetPcieThroughput blocks, sampling a byte counter over a window
-    (20 ms on a real driver, per NVML's API reference).
+    `per_call`: CPU seconds a call spends (busy, in the calling thread: a real call is an
+    ioctl, busy in the kernel; unlike it, the fake holds the GIL meanwhile), or what
+    `calls` says for that function. `per_field`: more CPU per field of
+    nvmlDeviceGetFieldValues, or what `fields` says for that NVML_FI_* field.
+    `pcie_sample`: real seconds nvmlDeviceGetPcieThroughput blocks, sampling a byte
+    counter over a window (asleep: its CPU is in `calls`).
     """
 
     per_call: float = 0.0
     per_field: float = 0.0
     pcie_sample: float = 0.0
+    calls: Mapping[str, float] = field(default_factory=dict)
+    fields: Mapping[str, float] = field(default_factory=dict)
 
 
 FREE = NvmlCosts()
-# Tens of microseconds of CPU per call: the cost the issue measured through pynvml on a
-# driver-like fake (~55 µs a call with pynvml's own work). To be replaced by what
-# bench/hardware measures on a real GPU (nvml.json's per-call latencies).
-DRIVER_COSTS = NvmlCosts(per_call=25e-6, per_field=1e-6, pcie_sample=0.020)
+# The CPU a real driver spends, measured on an H200 (driver 580.159.04, a Firecracker VM
+# with the GPU passed through; docs/hardware/2026-12-04-h200, nvml.json): CPU equals the
+# wall time for every call but the PCIe sampler. Most calls cost 1-3 µs; the ones that
+# are GSP firmware round trips cost 100 µs to 1.5 ms, among them three fields of the
+# batch the nvml source reads.
+DRIVER_COSTS = NvmlCosts(
+    per_call=2.5e-6,
+    per_field=1e-6,
+    pcie_sample=0.021,
+    calls={
+        "nvmlDeviceGetMemoryInfo": 8.7e-6,
+        "nvmlDeviceGetMemoryInfo_v2": 8.7e-6,
+        "nvmlDeviceGetComputeRunningProcesses_v3": 10.7e-6,
+        "nvmlDeviceGetComputeRunningProcesses_v2": 10.8e-6,
+        "nvmlDeviceGetComputeRunningProcesses": 7.9e-6,
+        "nvmlDeviceGetGraphicsRunningProcesses_v3": 10.5e-6,
+        "nvmlDeviceGetGraphicsRunningProcesses_v2": 10.5e-6,
+        "nvmlDeviceGetPersistenceMode": 7.3e-6,
+        "nvmlDeviceGetCurrPcieLinkWidth": 35.9e-6,
+        "nvmlDeviceGetUUID": 12.3e-6,
+        "nvmlDeviceGetNvLinkState": 72.6e-6,
+        "nvmlDeviceGetMaxClockInfo": 1.4e-3,
+        "nvmlDeviceRegisterEvents": 0.85e-3,
+        "nvmlEventSetCreate": 17.4e-6,
+        "nvmlDeviceGetMigMode": 165e-6,
+        "nvmlDeviceGetMaxMigDeviceCount": 161e-6,
+        "nvmlDeviceGetNumGpuCores": 166e-6,
+        "nvmlDeviceGetGpuInstanceProfileInfo": 806e-6,
+        "nvmlDeviceGetPcieThroughput": 0.92e-3,
+    },
+    fields={  # each alone costs this plus a call (~2.5 µs)
+        "NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 150e-6,
+        "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 171e-6,
+        "NVML_FI_DEV_PCIE_REPLAY_COUNTER": 177e-6,
+    },
+)
 
 
 def _spend(seconds: float, since: float) -> None:
@@ -240,6 +276,7 @@ class FakeNvmlLib(DeviceReads):
         self.missing = set(missing_functions)
         self.hang_cap = hang_cap
         self.costs = costs
+        self._request_costs: dict[bytes, float] = {}  # a field-values request -> its cost
         self.calls_total = 0
         self.overshoot = 0.0  # CPU seconds the fake's own work spent beyond `costs`
         self._stats_path = stats_path or os.environ.get(STATS_ENV) or None
@@ -303,11 +340,11 @@ class FakeNvmlLib(DeviceReads):
         self.calls_total += 1
         if self._stats_path is not None:
             self._write_stats()
-        cost = self.costs.per_call if kind != "noinit" else 0.0
+        cost = self.costs.calls.get(name, self.costs.per_call) if kind != "noinit" else 0.0
         if not cost:
             return self._call(name, impl, kind, args)
         if name == "nvmlDeviceGetFieldValues":
-            cost += self.costs.per_field * max(0, _value(args[1]))
+            cost += self._fields_cost(args[1], args[2])
         since = time.thread_time()
         try:
             return self._call(name, impl, kind, args)
@@ -317,6 +354,23 @@ class FakeNvmlLib(DeviceReads):
                 self.overshoot += over
             else:
                 _spend(cost, since)
+
+    def _fields_cost(self, count: Any, values: Any) -> float:
+        """What the fields of one nvmlDeviceGetFieldValues request cost (kept per request)."""
+        n = max(0, min(_value(count), len(values._obj)))
+        asked = bytes(memoryview(values._obj).cast("B")[: n * _RECORD.size])
+        cost = self._request_costs.get(asked)
+        if cost is None:
+            by_id = {
+                getattr(self.nv, name): c
+                for name, c in self.costs.fields.items()
+                if hasattr(self.nv, name)
+            }
+            ids = [fid for fid, _ in _RECORD_IDS.iter_unpack(asked)]
+            cost = self._request_costs[asked] = sum(
+                by_id.get(fid, self.costs.per_field) for fid in ids
+            )
+        return cost
 
     def _call(self, name: str, impl: Callable[..., int], kind: str, args: tuple) -> int:
         if kind != "noinit" and self._refcount == 0:

@@ -119,7 +119,12 @@ class DeviceReads:
 
     @symbol("device")
     def _nvmlDeviceGetEnforcedPowerLimit(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = round(self.model.power_limit_w * 1000)
+        out._obj.value = round(self._gpu_values(gpu)["power_limit_w"] * 1000)  # mW
+        return SUCCESS
+
+    @symbol("device")
+    def _nvmlDeviceGetPowerManagementDefaultLimit(self, gpu: int, handle: Any, out: Any) -> int:
+        out._obj.value = round(self.model.power_limit_w * 1000)  # the board's, in mW
         return SUCCESS
 
     @symbol("device")
@@ -489,7 +494,6 @@ class DeviceReads:
         datacenter = int(self.model.datacenter)
         ecc_mode = ("nvmlDeviceGetEccMode", lambda gpu, values, scope: datacenter)
         power = ("nvmlDeviceGetPowerUsage", scenario("power_w", 1000))  # mW
-        limit = round(self.model.power_limit_w * 1000)
         tx, rx = "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES"
         return {
             nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER: (
@@ -506,7 +510,7 @@ class DeviceReads:
             nv.NVML_FI_DEV_POWER_AVERAGE: power,
             nv.NVML_FI_DEV_POWER_CURRENT_LIMIT: (
                 "nvmlDeviceGetEnforcedPowerLimit",
-                lambda gpu, values, scope: limit,
+                scenario("power_limit_w", 1000),  # mW
             ),
             getattr(nv, tx): (tx, lambda gpu, values, scope: self._pcie_bytes(gpu, "tx")),
             getattr(nv, rx): (rx, lambda gpu, values, scope: self._pcie_bytes(gpu, "rx")),

@@ -57,6 +57,21 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
         mig=True,
         unsupported=("nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetFanSpeed"),
     ),
+    # as NVML reported a real one (docs/hardware/2026-12-04-h200): 0x2335, 143771 MiB,
+    # 700 W default limit, SM 1980 / memory 3201 MHz, PCIe Gen5 x16
+    "h200-sxm-141gb": GpuModel(
+        name="NVIDIA H200",
+        pci_device_id=0x2335,
+        memory_total_mib=143771,
+        power_limit_w=700,
+        max_sm_clock_mhz=1980,
+        max_mem_clock_mhz=3201,
+        pcie_max_gen=5,
+        nvlinks=18,
+        sxm=True,
+        mig=True,
+        unsupported=("nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetFanSpeed"),
+    ),
     # PCIe cards with NVLink: all links inactive without a bridge (node `nvlink: bridge`)
     "a100-pcie-80gb": GpuModel(
         name="NVIDIA A100 80GB PCIe",

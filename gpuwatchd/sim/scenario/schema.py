@@ -48,6 +48,7 @@ class GpuValues(Strict):
     utilization_memory: float | None = Field(None, ge=0, le=100)  # percent
     memory_used_mib: float | None = Field(None, ge=0)
     power_w: float | None = Field(None, ge=0)
+    power_limit_w: float | None = Field(None, gt=0)  # enforced (nvidia-smi -pl); default: model
     temperature_c: float | None = None
     sm_clock_mhz: float | None = Field(None, ge=0)
     mem_clock_mhz: float | None = Field(None, ge=0)

@@ -106,6 +106,7 @@ class Timeline:
             "pcie_gen": model.pcie_max_gen,
             "pcie_width": model.pcie_max_width,
             "power_w": model.power_limit_w * 0.15,
+            "power_limit_w": float(model.power_limit_w),
             "sm_clock_mhz": 210.0,
             "mem_clock_mhz": float(model.max_mem_clock_mhz),
             **scenario.node.initial.model_dump(exclude_none=True),

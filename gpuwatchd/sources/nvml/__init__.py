@@ -8,9 +8,10 @@ one-line reason and the next poll tries again.
 What a poll costs is counted in NVML calls, each tens of microseconds of CPU in the
 driver. Per GPU and poll:
 - one nvmlDeviceGetFieldValues for everything the driver can batch (`FIELDS`): power,
-  the PCIe TX/RX byte counters (exported as rates between two polls, from the driver's
-  own timestamps), the PCIe replay counter, ECC totals and mode, and the state of every
-  NVLink (a field per link, scoped by link index);
+  ECC totals and mode, the state of every NVLink (a field per link, scoped by link
+  index) and, every `SLOW_EVERY` polls, the PCIe TX/RX byte counters (exported as rates
+  between two reads, from the driver's own timestamps) and the PCIe replay counter
+  (GSP round trips of 150-180 µs each on an H200, the rest of the batch ~1 µs a field);
 - one call each for what has no field (`READS`): utilization, memory, SM clock,
   P-state, clock event reasons and the running compute processes;
 - slow facts (`SLOW`: temperature, memory clock, PCIe link generation and width,
@@ -19,7 +20,7 @@ driver. Per GPU and poll:
 - static facts (identity, NVLink count, maximum clocks and link) once, and once per
   GPU what its first active NVLink reaches (nvmlDeviceGetNvLinkRemoteDeviceType);
 - one event wait that drains pending Xid events without blocking.
-nvmlDeviceGetPcieThroughput is never called: it blocks ~20 ms per call to sample a
+nvmlDeviceGetPcieThroughput is never called: it blocks ~21 ms per call to sample a
 counter. Where the driver lacks the byte counters (before R555) the PCIe rates are left
 out (logged once). A field the driver answers NOT_SUPPORTED is dropped from the batch;
 where a classic call reads the same value (power) that call is used instead.

@@ -23,6 +23,10 @@ MEMORY_USED = _gpu_gauge("gpu_memory_used_bytes", "Device memory in use.")
 MEMORY_TOTAL = _gpu_gauge("gpu_memory_total_bytes", "Device memory in total.")
 POWER = _gpu_gauge("gpu_power_watts", "Power draw.")
 POWER_LIMIT = _gpu_gauge("gpu_power_limit_watts", "Enforced power limit.")
+POWER_DEFAULT_LIMIT = _gpu_gauge(
+    "gpu_power_default_limit_watts",
+    "The board's default power limit (an enforced limit below it was lowered).",
+)
 TEMPERATURE = _gpu_gauge("gpu_temperature_celsius", "GPU core temperature.")
 SM_CLOCK = _gpu_gauge("gpu_sm_clock_hertz", "Current SM clock.")
 SM_CLOCK_MAX = _gpu_gauge("gpu_sm_clock_max_hertz", "Maximum SM clock.")
@@ -86,6 +90,7 @@ SPECS = (
     MEMORY_TOTAL,
     POWER,
     POWER_LIMIT,
+    POWER_DEFAULT_LIMIT,
     TEMPERATURE,
     SM_CLOCK,
     SM_CLOCK_MAX,

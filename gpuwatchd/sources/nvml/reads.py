@@ -35,6 +35,7 @@ from gpuwatchd.sources.nvml.metrics import (
     PCIE_WIDTH_MAX,
     PERSISTENCE,
     POWER,
+    POWER_DEFAULT_LIMIT,
     POWER_LIMIT,
     PROCESS_MEMORY,
     PROCESSES,
@@ -72,6 +73,8 @@ class _Gpu:
         self.reason_labels: list[tuple[int, tuple[str, ...]]] = []
         self.batch: list[_Entry] = []  # what this GPU's nvmlDeviceGetFieldValues asks for
         self.request: Any = None  # ... as the nvmlFieldValue_t array it is asked with
+        self.fast: list[_Entry] = []  # the batch's fields read every poll (the others: SLOW)
+        self.fast_request: Any = None
         # byte counter field -> (value, driver's µs timestamp, rate since the one before)
         self.counters: dict[int, tuple[int, int | None, float | None]] = {}
         self.lists: dict[str, dict[int, float]] = {}  # process lists, by kind
@@ -201,6 +204,13 @@ READS: tuple[Read, ...] = (
         1e6,
         every=ONCE,
     ),
+    Read(  # a cap below it was set (nvidia-smi -pl, a facility's power policy)
+        "power_default_limit",
+        ("nvmlDeviceGetPowerManagementDefaultLimit",),
+        metric=POWER_DEFAULT_LIMIT.name,
+        scale=1e-3,  # mW
+        every=ONCE,
+    ),
     Read(
         "pcie_gen_max",
         ("nvmlDeviceGetMaxPcieLinkGeneration",),
@@ -226,15 +236,20 @@ class Field:
     metric: str
     scale: float = 1.0
     extra: tuple[str, ...] = ()  # label values after gpu and uuid
-    rate: bool = False  # a byte counter: exported as bytes per second between two polls
+    rate: bool = False  # a byte counter: exported as bytes per second between two reads
     fallback: Read | None = None  # reads the value where the driver lacks the field
+    every: int = EVERY_POLL  # or SLOW: the rest of the batch asks without it in between
 
 
+# The PCIe counters are GSP firmware round trips, 150-180 µs of CPU each on an H200 (the
+# other fields ~1 µs; docs/hardware/2026-12-04-h200): read every SLOW polls, so a rate
+# covers SLOW seconds at the default 1 s interval, and the replays' 5-minute rule is
+# unchanged.
 FIELDS: tuple[Field, ...] = (
     Field("NVML_FI_DEV_POWER_INSTANT", POWER.name, 1e-3, fallback=POWER_READ),  # mW
-    Field("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", PCIE_TX.name, rate=True),  # R555+
-    Field("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", PCIE_RX.name, rate=True),
-    Field("NVML_FI_DEV_PCIE_REPLAY_COUNTER", PCIE_REPLAYS.name),
+    Field("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", PCIE_TX.name, rate=True, every=SLOW),  # R555+
+    Field("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", PCIE_RX.name, rate=True, every=SLOW),
+    Field("NVML_FI_DEV_PCIE_REPLAY_COUNTER", PCIE_REPLAYS.name, every=SLOW),
     Field("NVML_FI_DEV_ECC_SBE_AGG_TOTAL", ECC_ERRORS.name, extra=("corrected",)),
     Field("NVML_FI_DEV_ECC_DBE_AGG_TOTAL", ECC_ERRORS.name, extra=("uncorrected",)),
     Field("NVML_FI_DEV_ECC_CURRENT", ECC_MODE.name),
@@ -243,6 +258,7 @@ FIELDS: tuple[Field, ...] = (
 NVLINK_STATE = Field("NVML_FI_DEV_NVLINK_GET_STATE", NVLINK.name)
 NVLINK_COUNT = "NVML_FI_DEV_NVLINK_LINK_COUNT"
 FIELDS_KEY = "field_values"
+SLOW_FIELDS_KEY = "field_values_slow"  # gpu.kept: the SLOW fields' samples
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ from gpuwatchd.sources.nvml.reads import (
     ONCE,
     POWER_READ,
     READS,
+    SLOW,
+    SLOW_FIELDS_KEY,
     Field,
     Read,
     _Entry,
@@ -270,6 +272,7 @@ class NvmlSource(Polling, NvLinks, Source):
                 log.warning("nvml: GPU %d (%s): lost (GPU_IS_LOST)", gpu.index, gpu.labels[1])
             gpu.lost = True
             gpu.counters.clear()
+            gpu.kept.pop(SLOW_FIELDS_KEY, None)
             # identity and Xids stay: the Xid (79) raised as it fell off explains the loss
             self._identity(gpu, 1.0, out)
             return
@@ -335,49 +338,66 @@ class NvmlSource(Polling, NvLinks, Source):
         return value
 
     def _field_values(self, gpu: _Gpu, out: list[Sample]) -> None:
-        """FIELDS and the NVLink states in one call; each field has its own nvmlReturn."""
-        if not gpu.batch:
+        """FIELDS and the NVLink states in one call; each field has its own nvmlReturn.
+        The SLOW fields are asked every SLOW polls, their samples kept in between."""
+        full = gpu.polls % SLOW == 0 or SLOW_FIELDS_KEY not in gpu.kept
+        entries, request = (gpu.batch, gpu.request) if full else (gpu.fast, gpu.fast_request)
+        if not full:
+            out.extend(gpu.kept[SLOW_FIELDS_KEY])
+        if not entries:
             return
         nv, direct = self._nv, self._direct
         assert direct is not None
         try:
-            values = direct.field_values(gpu.handle, gpu.request)
+            values = direct.field_values(gpu.handle, request)
         except nv.NVMLError as e:
             self._failed(gpu, FIELDS_KEY, "nvmlDeviceGetFieldValues", e)
             if FIELDS_KEY in gpu.disabled:
-                self._unsupported(gpu, set(range(len(gpu.batch))))
+                self._unsupported(gpu, set(gpu.batch))
             return
         success = nv.NVML_SUCCESS
-        unsupported: set[int] = set()
-        for i, ((code, stamp, number), entry) in enumerate(zip(values, gpu.batch, strict=True)):
+        unsupported: set[_Entry] = set()
+        slow: list[Sample] | None = []  # None: a SLOW field failed, asked again next poll
+        for (code, stamp, number), entry in zip(values, entries, strict=True):
+            if code != success and entry.field.every != EVERY_POLL:
+                slow = None
             if code == success and number is not None:
+                mine = out if entry.field.every == EVERY_POLL or slow is None else slow
                 if entry.field.rate:
-                    self._rate(gpu, entry, int(number), stamp, out)
+                    self._rate(gpu, entry, int(number), stamp, mine)
                 else:
-                    out.append(Sample(entry.field.metric, entry.labels, number * entry.field.scale))
+                    value = number * entry.field.scale
+                    mine.append(Sample(entry.field.metric, entry.labels, value))
                     if entry.field is NVLINK_STATE:
-                        self._nvlink_expected(gpu, entry, bool(number), out)
+                        self._nvlink_expected(gpu, entry, bool(number), mine)
             elif code == nv.NVML_ERROR_GPU_IS_LOST:
                 raise _GpuLost
             elif code in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
-                unsupported.add(i)
+                unsupported.add(entry)
                 why = self._describe(nv.NVMLError(code))
                 self._log_once(entry.what, f"field {entry.what} ({entry.field.metric})", gpu, why)
+        if slow is None:
+            gpu.kept.pop(SLOW_FIELDS_KEY, None)
+        elif full:
+            gpu.kept[SLOW_FIELDS_KEY] = slow
+            out.extend(slow)
         if unsupported:
             self._unsupported(gpu, unsupported)
 
-    def _unsupported(self, gpu: _Gpu, indices: set[int]) -> None:
+    def _unsupported(self, gpu: _Gpu, entries: set[_Entry]) -> None:
         """Drop these entries from the GPU's batch; their fallbacks are read from now on."""
-        for i in sorted(indices):
-            fallback = gpu.batch[i].field.fallback
+        for entry in entries:
+            fallback = entry.field.fallback
             if fallback is not None and fallback not in gpu.reads:
                 gpu.reads.append(fallback)
-        self._ask(gpu, [e for i, e in enumerate(gpu.batch) if i not in indices])
+        self._ask(gpu, [e for e in gpu.batch if e not in entries])
 
     def _ask(self, gpu: _Gpu, entries: list[_Entry]) -> None:
         assert self._direct is not None
         gpu.batch = entries
         gpu.request = self._direct.request([(e.field_id, e.scope) for e in entries])
+        gpu.fast = [e for e in entries if e.field.every == EVERY_POLL]
+        gpu.fast_request = self._direct.request([(e.field_id, e.scope) for e in gpu.fast])
 
     def _rate(self, gpu: _Gpu, entry: _Entry, total: int, stamp_us: int, out: list[Sample]) -> None:
         """A byte counter's rate since the last reading, by the driver's own timestamps
