@@ -424,10 +424,31 @@ def test_other_errors_drop_the_series_for_one_poll_only():
     assert got.gpus_with("gpu_temperature_celsius") == {0, 1, 3, 4, 5, 6, 7}
     assert got.gpus_with("gpu_pcie_replay_errors_total") == {0, 1, 3, 4, 5, 6, 7}
     assert got.gpu("gpu_ecc_errors_total", 2) == {("corrected",): 0, ("uncorrected",): 0}
+    assert got.gpus_with("gpu_pcie_tx_bytes_per_second") == set()  # no rate at a first read
     sim.fake.clear_failures()
     got = sim.collect()
     assert got.gpus_with("gpu_temperature_celsius") == set(range(8))
+    # a SLOW field failing is asked again at its next read, SLOW_EVERY polls on; the
+    # other SLOW fields of that read are kept meanwhile
+    assert got.gpus_with("gpu_pcie_replay_errors_total") == {0, 1, 3, 4, 5, 6, 7}
+    got = sim.slow_read_after(SLOW_EVERY - 1)
     assert got.gpus_with("gpu_pcie_replay_errors_total") == set(range(8))
+    assert got.gpus_with("gpu_pcie_tx_bytes_per_second") == set(range(8))
+
+
+def test_a_failed_field_values_call_keeps_no_stale_slow_samples():
+    sim = Sim("healthy-8gpu", at=60.0)
+    nv = sim.nv
+    sim.collect()
+    sim.slow_read_after(SLOW_EVERY)  # rates on every GPU
+    sim.fake.fail("nvmlDeviceGetFieldValues", nv.NVML_ERROR_UNKNOWN, gpu=2, times=1)
+    sim.clock.advance(1)
+    got = sim.collect()  # GPU 2's batch failed: its fields are absent for this poll
+    assert got.gpus_with("gpu_pcie_tx_bytes_per_second") == {0, 1, 3, 4, 5, 6, 7}
+    sim.clock.advance(1)
+    got = sim.collect()  # and read again at once, all of them
+    assert got.gpus_with("gpu_pcie_replay_errors_total") == set(range(8))
+    assert sim.fake.field_calls[(nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER, 2)] == 3
 
 
 def lost_scenario() -> Scenario:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -520,15 +521,19 @@ def _dataloader_states(
     born: float | None = -3600.0,
     probe_workers: float | None = None,
     until: float = 240.0,
+    job: float = 4000.0,
+    rule: str = "dataloader_single_process",
 ) -> dict[float, str]:
-    """dataloader_single_process on one GPU fed every 5 s, its state every 10 s. `born`:
-    when the process started (None: no age known); probe_workers: the probe's setting
-    (None: no probe, its source down, as where the daemon runs without the socket)."""
+    """`rule` (dataloader_single_process or cpu_bound_main_thread) on one GPU whose main
+    process is pid 4242, fed every 5 s, its state every 10 s. `born`: when the process
+    started (None: no age known); probe_workers: the probe's setting (None: no probe,
+    its source down, as where the daemon runs without the socket); `job`: the process's
+    job (4000: ranks of a launch under pid 4000; 4242: the process alone)."""
     up = {"nvml", "processes"} | ({"probe"} if probe_workers is not None else set())
     store = Store(history_seconds=600)
     engine = RuleEngine(
         store,
-        parse_rules(_default_rule("dataloader_single_process"), "test.yaml", CATALOG),
+        parse_rules(_default_rule(rule), "test.yaml", CATALOG),
         up.__contains__,
         CATALOG,
     )
@@ -542,6 +547,7 @@ def _dataloader_states(
         ])  # fmt: skip
         processes = [
             Sample("gpuwatchd_gpu_process_pid", labels, 4242.0),
+            Sample("gpuwatchd_gpu_process_job", labels, job),
             Sample("gpuwatchd_gpu_process_busiest_thread_cpu_ratio", labels, thread),
             Sample("gpuwatchd_gpu_process_workers", labels, workers),
         ]
@@ -553,7 +559,7 @@ def _dataloader_states(
                 Sample("gpuwatchd_probe_loader_workers", labels, probe_workers)])  # fmt: skip
         engine.evaluate(now)
         if step % 2 == 0:
-            states[now] = engine.states[("GPU-0", "dataloader_single_process")].state
+            states[now] = engine.states[("GPU-0", rule)].state
     return states
 
 
@@ -570,6 +576,22 @@ def test_dataloader_single_process_needs_a_loop_feeding_the_gpu():
     # the probe's num_workers beats the process tree's children
     assert _dataloader_states(0.3, workers=3, probe_workers=0)[240.0] == FIRING
     assert set(_dataloader_states(0.3, probe_workers=8).values()) == {INACTIVE}
+
+
+def test_a_busy_thread_without_a_training_loop_is_cpu_bound_main_thread():
+    """Issue 22, class 5: the name sends the on-call to num_workers, so it needs a
+    DataLoader (the probe) or ranks of a launch; without either the same physics is
+    cpu_bound_main_thread, and only one of the two fires."""
+    alone = 4242.0
+    assert set(_dataloader_states(0.3, job=alone).values()) == {INACTIVE}
+    assert _dataloader_states(0.3, job=alone, probe_workers=0)[240.0] == FIRING
+    cpu_bound = functools.partial(_dataloader_states, rule="cpu_bound_main_thread")
+    assert cpu_bound(0.3, job=alone)[240.0] == FIRING
+    assert set(cpu_bound(0.3).values()) == {INACTIVE}  # ranks of a launch
+    assert set(cpu_bound(0.3, job=alone, probe_workers=0).values()) == {INACTIVE}
+    assert set(cpu_bound(0.75, job=alone).values()) == {INACTIVE}  # the GPU is fed
+    assert set(cpu_bound(0.003, job=alone).values()) == {INACTIVE}  # idle: a server waits
+    assert set(cpu_bound(0.3, job=alone, workers=4).values()) == {INACTIVE}
 
 
 def test_dataloader_single_process_leaves_a_process_start_alone():

@@ -55,6 +55,7 @@ def test_the_default_rules_load_and_cover_the_first_causes():
         "ecc_uncorrectable",
         "gpu_lost",
         "dataloader_single_process",
+        "cpu_bound_main_thread",
         "cgroup_cpu_throttled",
         "desktop_on_gpu",
         "interrupt_storm",

@@ -21,8 +21,9 @@ raise Xid events (`inject_xid`) and count calls (`calls`, `gpu_calls`, `calls_to
 `field_calls`).
 
 What a call costs is a setting, `NvmlCosts`: `DRIVER_COSTS` spends what a real driver
-spends (CPU in every call, as its ioctl does; `nvmlDeviceGetPcieThroughput` blocking for
-its 20 ms sample), so benchmarks and `run --simulate` see what a node would;
+spends, as measured on an H200 (CPU in every call, as its ioctl does, per function and
+per field; `nvmlDeviceGetPcieThroughput` blocking for its 21 ms sample), so benchmarks
+and `run --simulate` see what a node would;
 `FREE` (the default, and virtual-time `simulate`) spends nothing. The fake's own Python
 work counts towards a call's cost; where it takes longer, the excess is counted in
 `overshoot` (CPU seconds), what the simulator costs beyond a real driver. `stats_path` (or
@@ -276,7 +277,10 @@ class FakeNvmlLib(DeviceReads):
         self.missing = set(missing_functions)
         self.hang_cap = hang_cap
         self.costs = costs
-        self._request_costs: dict[bytes, float] = {}  # a field-values request -> its cost
+        self._request_costs: dict[tuple, float] = {}  # a field-values request -> its cost
+        self._field_costs = {  # field id -> its cost, where DRIVER_COSTS names the field
+            getattr(pynvml, name): c for name, c in costs.fields.items() if hasattr(pynvml, name)
+        }
         self.calls_total = 0
         self.overshoot = 0.0  # CPU seconds the fake's own work spent beyond `costs`
         self._stats_path = stats_path or os.environ.get(STATS_ENV) or None
@@ -358,17 +362,13 @@ class FakeNvmlLib(DeviceReads):
     def _fields_cost(self, count: Any, values: Any) -> float:
         """What the fields of one nvmlDeviceGetFieldValues request cost (kept per request)."""
         n = max(0, min(_value(count), len(values._obj)))
-        asked = bytes(memoryview(values._obj).cast("B")[: n * _RECORD.size])
+        memory = memoryview(values._obj).cast("B")[: n * _RECORD.size]
+        asked = tuple(_RECORD_IDS.iter_unpack(memory))  # (field id, scope): the request
         cost = self._request_costs.get(asked)
         if cost is None:
-            by_id = {
-                getattr(self.nv, name): c
-                for name, c in self.costs.fields.items()
-                if hasattr(self.nv, name)
-            }
-            ids = [fid for fid, _ in _RECORD_IDS.iter_unpack(asked)]
+            by_id = self._field_costs
             cost = self._request_costs[asked] = sum(
-                by_id.get(fid, self.costs.per_field) for fid in ids
+                by_id.get(fid, self.costs.per_field) for fid, _ in asked
             )
         return cost
 

@@ -342,9 +342,10 @@ class NvmlSource(Polling, NvLinks, Source):
         The SLOW fields are asked every SLOW polls, their samples kept in between."""
         full = gpu.polls % SLOW == 0 or SLOW_FIELDS_KEY not in gpu.kept
         entries, request = (gpu.batch, gpu.request) if full else (gpu.fast, gpu.fast_request)
-        if not full:
-            out.extend(gpu.kept[SLOW_FIELDS_KEY])
         if not entries:
+            if full:
+                gpu.kept[SLOW_FIELDS_KEY] = []
+            out.extend(gpu.kept[SLOW_FIELDS_KEY])
             return
         nv, direct = self._nv, self._direct
         assert direct is not None
@@ -352,17 +353,16 @@ class NvmlSource(Polling, NvLinks, Source):
             values = direct.field_values(gpu.handle, request)
         except nv.NVMLError as e:
             self._failed(gpu, FIELDS_KEY, "nvmlDeviceGetFieldValues", e)
+            gpu.kept.pop(SLOW_FIELDS_KEY, None)  # nothing stale: all asked again next poll
             if FIELDS_KEY in gpu.disabled:
                 self._unsupported(gpu, set(gpu.batch))
             return
         success = nv.NVML_SUCCESS
         unsupported: set[_Entry] = set()
-        slow: list[Sample] | None = []  # None: a SLOW field failed, asked again next poll
+        slow: list[Sample] = []  # a SLOW field that failed is asked again at its next read
         for (code, stamp, number), entry in zip(values, entries, strict=True):
-            if code != success and entry.field.every != EVERY_POLL:
-                slow = None
             if code == success and number is not None:
-                mine = out if entry.field.every == EVERY_POLL or slow is None else slow
+                mine = out if entry.field.every == EVERY_POLL else slow
                 if entry.field.rate:
                     self._rate(gpu, entry, int(number), stamp, mine)
                 else:
@@ -376,11 +376,9 @@ class NvmlSource(Polling, NvLinks, Source):
                 unsupported.add(entry)
                 why = self._describe(nv.NVMLError(code))
                 self._log_once(entry.what, f"field {entry.what} ({entry.field.metric})", gpu, why)
-        if slow is None:
-            gpu.kept.pop(SLOW_FIELDS_KEY, None)
-        elif full:
+        if full:
             gpu.kept[SLOW_FIELDS_KEY] = slow
-            out.extend(slow)
+        out.extend(gpu.kept[SLOW_FIELDS_KEY])
         if unsupported:
             self._unsupported(gpu, unsupported)
 
