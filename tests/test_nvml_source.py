@@ -111,7 +111,7 @@ PER_GPU_FAMILIES = {
     "gpu_pcie_rx_bytes_per_second", "gpu_pcie_replay_errors_total", "gpu_ecc_errors_total",
     "gpu_persistence_mode", "gpu_ecc_mode", "gpu_nvlink_active", "gpu_nvlink_expected",
     "gpu_compute_processes", "gpu_process_memory_used_bytes", "gpu_nvml_hung_seconds",
-    "gpu_power_default_limit_watts",
+    "gpu_power_default_limit_watts", "gpu_multiprocessors",
     "gpu_nvml_stale",
 }
 
@@ -467,7 +467,8 @@ def test_lost_gpu_reports_only_its_identity_and_gpu_lost():
         got = sim.collect()
         uuid = gpu_uuid("sim-node", 1)
         assert got.series_of(1) == {P + f for f in (
-            "gpu_info", "gpu_lost", "gpu_nvml_hung_seconds", "gpu_nvml_stale")}
+            "gpu_info", "gpu_multiprocessors", "gpu_lost", "gpu_nvml_hung_seconds",
+            "gpu_nvml_stale")}
         assert {labels[1] for _, labels in got.samples_of(1)} == {uuid}
         assert got.value("gpu_lost", 1) == 1
         for other in (0, 2):
@@ -884,3 +885,14 @@ def test_pcie_counters_are_read_every_slow_polls_and_kept_between():
         assert sim.fake.field_calls[(getattr(nv, "NVML_FI_DEV_" + field), 0)] == 2, field
     assert sim.fake.field_calls[(nv.NVML_FI_DEV_POWER_INSTANT, 0)] == 2 * SLOW_EVERY
     assert got.gpus_with("gpu_pcie_tx_bytes_per_second") == set(range(8))
+
+
+def test_sm_count_from_the_cores_and_the_compute_capability():
+    """nvmlDeviceGetNumGpuCores / the capability's cores per SM: a real H200 answered
+    16896 cores at 9.0, 132 SMs (docs/hardware/2026-12-04-h200); an A100 (8.0) has 64
+    cores per SM. A driver without the call: no series."""
+    got = Sim("healthy-at-power-cap-h200", at=10.0).collect()
+    assert got.value("gpu_multiprocessors", 0) == 132
+    assert Sim("healthy-8gpu", at=10.0).collect().value("gpu_multiprocessors", 7) == 108
+    old = Sim("healthy-8gpu", at=10.0, missing_functions=["nvmlDeviceGetNumGpuCores"])
+    assert old.collect().gpus_with("gpu_multiprocessors") == set()

@@ -451,13 +451,16 @@ def _default_rule(name: str) -> str:
     return yaml.safe_dump({"rules": [spec]})
 
 
-SPIN = dict(util=1.0, sm=0.01, power=90.0)  # a rank spinning in a hung collective
-IDLE = dict(util=0.0, sm=0.0, power=60.0)  # a rank outside it
-BUSY = dict(util=0.97, sm=0.85, power=330.0)  # a rank computing
+SPIN = dict(util=1.0, engine=1.0, sm=0.01, power=90.0)  # a rank spinning in a hung collective
+IDLE = dict(util=0.0, engine=0.0, sm=0.0, power=60.0)  # a rank outside it
+BUSY = dict(util=0.97, engine=0.95, sm=0.85, power=330.0)  # a rank computing
 
 
-def _nccl_states(ranks: list[dict[str, float]], job: list[int] | None = None) -> list[str]:
-    """nccl_stall on a node whose GPUs are `ranks` of one job, held 2 minutes."""
+def _nccl_states(
+    ranks: list[dict[str, float]], job: list[int] | None = None, sms: float | None = None
+) -> list[str]:
+    """nccl_stall on a node whose GPUs are `ranks` of one job, held 2 minutes; `sms`:
+    each GPU's SM count (None: the driver cannot say)."""
     store = Store(history_seconds=600)
     engine = RuleEngine(
         store,
@@ -480,7 +483,10 @@ def _nccl_states(ranks: list[dict[str, float]], job: list[int] | None = None) ->
                 Sample("gpuwatchd_gpu_pcie_tx_bytes_per_second", labels, 1e6),
                 Sample("gpuwatchd_gpu_pcie_rx_bytes_per_second", labels, 1e6),
             ]
+            if sms is not None:
+                nvml.append(Sample("gpuwatchd_gpu_multiprocessors", labels, sms))
             dcgm += [
+                Sample("gpuwatchd_gpu_gr_engine_active_ratio", labels, rank["engine"]),
                 Sample("gpuwatchd_gpu_sm_active_ratio", labels, rank["sm"]),
                 Sample("gpuwatchd_gpu_tensor_active_ratio", labels, 0.0),
             ]
@@ -512,6 +518,19 @@ def test_nccl_stall_does_not_fire_while_the_job_progresses_or_mostly_idles():
     assert _nccl_states([SPIN, IDLE, IDLE, IDLE]) == [INACTIVE] * 4
     # the idle GPU belongs to another job: the spinning ones are a job of their own
     assert _nccl_states([SPIN, SPIN, IDLE], job=[1, 1, 2]) == [FIRING, FIRING, INACTIVE]
+
+
+def test_nccl_stall_bound_on_sm_activity_follows_the_sm_count():
+    """Issue 22, class 2: a hung kernel keeps one block per NCCL channel (up to 32)
+    resident, so a spinning A100 (108 SMs) reads SM active ~0.22 with 24 channels; the
+    bound is 1.25 x 32 / SMs (0.37 there), 0.15 where the SM count is unknown."""
+    spin22 = dict(SPIN, sm=0.22)
+    assert _nccl_states([spin22] * 4, sms=108) == [FIRING] * 4
+    assert _nccl_states([spin22] * 4, sms=132) == [FIRING] * 4  # H100/H200: bound 0.30
+    assert _nccl_states([spin22] * 4) == [INACTIVE] * 4  # SM count unknown: bound 0.15
+    assert _nccl_states([dict(SPIN, sm=0.4)] * 4, sms=108) == [INACTIVE] * 4  # above 0.37
+    # launch-bound small kernels: few SMs busy, but the engine idles between launches
+    assert _nccl_states([dict(spin22, engine=0.7)] * 4, sms=108) == [INACTIVE] * 4
 
 
 def _dataloader_states(

@@ -70,6 +70,7 @@ from gpuwatchd.sim.fake_nvml_device import (
 )
 from gpuwatchd.sim.fakelib import Symbol, install_symbols, symbol
 from gpuwatchd.sim.scenario import Timeline
+from gpuwatchd.sources.nvmlapi import cores_per_sm
 
 # scenario clock_event_reasons name -> pynvml constant (bit in the reasons mask)
 CLOCK_EVENT_REASON_CONSTANTS = {
@@ -633,6 +634,20 @@ class FakeNvmlLib(DeviceReads):
     @symbol("device")
     def _nvmlDeviceGetName(self, gpu: int, handle: Any, buf: Any, size: Any) -> int:
         return _copy_string(buf, size, self.model.name)
+
+    @symbol("device")
+    def _nvmlDeviceGetNumGpuCores(self, gpu: int, handle: Any, out: Any) -> int:
+        if not self.model.sm_count:
+            return ERROR_NOT_SUPPORTED
+        out._obj.value = self.model.sm_count * cores_per_sm(self.model.compute_capability)
+        return SUCCESS
+
+    @symbol("device")
+    def _nvmlDeviceGetCudaComputeCapability(
+        self, gpu: int, handle: Any, major: Any, minor: Any
+    ) -> int:
+        major._obj.value, minor._obj.value = self.model.compute_capability
+        return SUCCESS
 
     @symbol("device")
     def _nvmlDeviceGetPciInfo_v3(self, gpu: int, handle: Any, out: Any) -> int:

@@ -25,6 +25,10 @@ class GpuModel(BaseModel):
     datacenter: bool = True
     dcgm_profiling: bool = True  # DCGM profiling metrics (1001-1012); not on GeForce or pre-Volta
     mig: bool = False  # supports MIG (nvmlDeviceGetMigMode answers; MIG itself is off)
+    # streaming multiprocessors and CUDA compute capability: nvmlDeviceGetNumGpuCores
+    # answers sm_count x the capability's cores per SM (0: NOT_SUPPORTED, an older driver)
+    sm_count: int = 0
+    compute_capability: tuple[int, int] = (8, 0)
     # NVML functions this product answers with NVML_ERROR_NOT_SUPPORTED
     unsupported: tuple[str, ...] = ()
 
@@ -32,6 +36,8 @@ class GpuModel(BaseModel):
 BUILTIN_MODELS: dict[str, GpuModel] = {
     "a100-sxm4-80gb": GpuModel(
         name="NVIDIA A100-SXM4-80GB",
+        sm_count=108,
+        compute_capability=(8, 0),
         pci_device_id=0x20B2,
         memory_total_mib=81920,
         power_limit_w=400,
@@ -46,6 +52,8 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
     ),
     "h100-sxm5-80gb": GpuModel(
         name="NVIDIA H100 80GB HBM3",
+        sm_count=132,
+        compute_capability=(9, 0),
         pci_device_id=0x2330,
         memory_total_mib=81559,
         power_limit_w=700,
@@ -61,6 +69,8 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
     # 700 W default limit, SM 1980 / memory 3201 MHz, PCIe Gen5 x16
     "h200-sxm-141gb": GpuModel(
         name="NVIDIA H200",
+        sm_count=132,
+        compute_capability=(9, 0),
         pci_device_id=0x2335,
         memory_total_mib=143771,
         power_limit_w=700,
@@ -75,6 +85,8 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
     # PCIe cards with NVLink: all links inactive without a bridge (node `nvlink: bridge`)
     "a100-pcie-80gb": GpuModel(
         name="NVIDIA A100 80GB PCIe",
+        sm_count=108,
+        compute_capability=(8, 0),
         pci_device_id=0x20B5,
         memory_total_mib=81920,
         power_limit_w=300,
@@ -87,6 +99,8 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
     ),
     "h100-pcie": GpuModel(
         name="NVIDIA H100 PCIe",
+        sm_count=114,
+        compute_capability=(9, 0),
         pci_device_id=0x2331,
         memory_total_mib=81559,
         power_limit_w=350,
@@ -102,6 +116,8 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
     # a PCIe Gen4 x8 card: at its best at x8 in any x16 slot
     "a2": GpuModel(
         name="NVIDIA A2",
+        sm_count=10,
+        compute_capability=(8, 6),
         pci_device_id=0x25B6,
         memory_total_mib=15356,
         power_limit_w=60,
@@ -114,6 +130,8 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
     ),
     "l40s": GpuModel(
         name="NVIDIA L40S",
+        sm_count=142,
+        compute_capability=(8, 9),
         pci_device_id=0x26B9,
         memory_total_mib=46068,
         power_limit_w=350,
@@ -125,6 +143,8 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
     ),
     "rtx-4090": GpuModel(
         name="NVIDIA GeForce RTX 4090",
+        sm_count=128,
+        compute_capability=(8, 9),
         pci_device_id=0x2684,
         pci_class=0x030000,
         memory_total_mib=24564,

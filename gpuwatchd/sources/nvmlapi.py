@@ -285,3 +285,26 @@ def quietly(nv: ModuleType, function: Callable[..., Any], *args: Any) -> Any:
     except nv.NVMLError as e:
         log.debug("nvml: %s failed: %s", getattr(function, "__name__", function), e)
         return None
+
+
+# FP32 cores per SM by CUDA compute capability (CUDA C++ Programming Guide, "Arithmetic
+# Instructions"): what turns nvmlDeviceGetNumGpuCores into a count of SMs
+CORES_PER_SM = {(7, 0): 64, (7, 2): 64, (7, 5): 64, (8, 0): 64}
+CORES_PER_SM_LATER = 128  # 8.6, 8.7, 8.9, 9.0, 10.x, 12.x
+
+
+def cores_per_sm(capability: tuple[int, int]) -> int:
+    return CORES_PER_SM.get(capability, CORES_PER_SM_LATER)
+
+
+def sm_count(nv: ModuleType, handle: Any) -> int | None:
+    """The GPU's streaming multiprocessors, or None where the driver cannot say (before
+    R520, or a MIG device). Two calls, once per GPU (~170 µs on an H200)."""
+    cores_of = getattr(nv, "nvmlDeviceGetNumGpuCores", None)
+    if cores_of is None:
+        return None
+    cores = quietly(nv, cores_of, handle)
+    capability = quietly(nv, nv.nvmlDeviceGetCudaComputeCapability, handle)
+    if not cores or capability is None:
+        return None
+    return int(cores) // cores_per_sm(tuple(capability))

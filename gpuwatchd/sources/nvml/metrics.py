@@ -28,6 +28,10 @@ POWER_DEFAULT_LIMIT = _gpu_gauge(
     "The board's default power limit (an enforced limit below it was lowered).",
 )
 TEMPERATURE = _gpu_gauge("gpu_temperature_celsius", "GPU core temperature.")
+SM_COUNT = _gpu_gauge(
+    "gpu_multiprocessors",
+    "Streaming multiprocessors (CUDA cores / cores per SM of its capability).",
+)
 SM_CLOCK = _gpu_gauge("gpu_sm_clock_hertz", "Current SM clock.")
 SM_CLOCK_MAX = _gpu_gauge("gpu_sm_clock_max_hertz", "Maximum SM clock.")
 MEM_CLOCK = _gpu_gauge("gpu_memory_clock_hertz", "Current memory clock.")
@@ -92,6 +96,7 @@ SPECS = (
     POWER_LIMIT,
     POWER_DEFAULT_LIMIT,
     TEMPERATURE,
+    SM_COUNT,
     SM_CLOCK,
     SM_CLOCK_MAX,
     MEM_CLOCK,

@@ -64,6 +64,7 @@ class _Gpu:
         self.labels: tuple[str, ...] = (str(index), "")
         self.bus_id = ""
         self.info: Sample | None = None
+        self.sm_count: Sample | None = None  # static, read with the identity
         self.lost = False
         self.polls = 0  # polls that read this GPU, for the reads' cadence
         self.reads: list[Read] = []  # READS, plus the fallbacks of unsupported fields

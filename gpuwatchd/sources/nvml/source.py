@@ -25,6 +25,7 @@ from gpuwatchd.sources.nvml.metrics import (
     INFO,
     LAST_XID,
     LOST,
+    SM_COUNT,
     SPECS,
     XID,
 )
@@ -53,6 +54,7 @@ from gpuwatchd.sources.nvmlapi import (
     identify,
     process_table,
     quietly,
+    sm_count,
     start_nvml,
 )
 
@@ -201,6 +203,8 @@ class NvmlSource(Polling, NvLinks, Source):
         labels = (str(gpu.index), identity.uuid)
         gpu.labels = labels
         gpu.info = Sample(INFO.name, labels + (name, gpu.bus_id, self._driver, self._cuda), 1.0)
+        sms = sm_count(nv, handle)
+        gpu.sm_count = None if sms is None else Sample(SM_COUNT.name, labels, float(sms))
         gpu.reason_labels = [(bit, labels + (label,)) for label, bit in self._reasons]
         gpu.reads = list(READS)
         gpu.handle = handle
@@ -284,9 +288,12 @@ class NvmlSource(Polling, NvLinks, Source):
         out.extend(mine)
 
     def _identity(self, gpu: _Gpu, lost: float, out: list[Sample]) -> None:
-        """gpu_info, gpu_lost and the Xids drained for it: what a lost GPU still shows."""
+        """gpu_info, its SM count, gpu_lost and the Xids drained for it: what a lost GPU
+        still shows."""
         assert gpu.info is not None
         out.append(gpu.info)
+        if gpu.sm_count is not None:
+            out.append(gpu.sm_count)
         out.append(Sample(LOST.name, gpu.labels, lost))
         for xid, count in gpu.xids.items():
             out.append(Sample(XID.name, gpu.labels + (str(xid),), float(count)))
