@@ -457,10 +457,13 @@ BUSY = dict(util=0.97, engine=0.95, sm=0.85, power=330.0)  # a rank computing
 
 
 def _nccl_states(
-    ranks: list[dict[str, float]], job: list[int] | None = None, sms: float | None = None
+    ranks: list[dict[str, float]],
+    job: list[int] | None = None,
+    sms: float | None = None,
+    pcie: float = 1e6,
 ) -> list[str]:
     """nccl_stall on a node whose GPUs are `ranks` of one job, held 2 minutes; `sms`:
-    each GPU's SM count (None: the driver cannot say)."""
+    each GPU's SM count (None: the driver cannot say); `pcie`: bytes/s each way."""
     store = Store(history_seconds=600)
     engine = RuleEngine(
         store,
@@ -480,8 +483,8 @@ def _nccl_states(
                 Sample("gpuwatchd_gpu_utilization_ratio", labels, rank["util"]),
                 Sample("gpuwatchd_gpu_power_watts", labels, rank["power"]),
                 Sample("gpuwatchd_gpu_power_limit_watts", labels, 400.0),
-                Sample("gpuwatchd_gpu_pcie_tx_bytes_per_second", labels, 1e6),
-                Sample("gpuwatchd_gpu_pcie_rx_bytes_per_second", labels, 1e6),
+                Sample("gpuwatchd_gpu_pcie_tx_bytes_per_second", labels, pcie),
+                Sample("gpuwatchd_gpu_pcie_rx_bytes_per_second", labels, pcie),
             ]
             if sms is not None:
                 nvml.append(Sample("gpuwatchd_gpu_multiprocessors", labels, sms))
@@ -511,11 +514,21 @@ def test_nccl_stall_fires_on_the_ranks_spinning_around_one_that_is_not_in_the_co
     assert _nccl_states([SPIN] * 4) == [FIRING] * 4  # every rank hung alike
 
 
+def test_nccl_stall_fires_around_a_rank_busy_outside_the_collective():
+    """Issue 22, class 1: a rank computing in an endless loop leaves the others spinning
+    with no idle peer; a minute of spin with no byte over PCIe or NVLink is a hang."""
+    assert _nccl_states([SPIN, BUSY], pcie=0.0) == [FIRING, INACTIVE]
+    assert _nccl_states([SPIN] * 3 + [BUSY], pcie=0.0) == [FIRING] * 3 + [INACTIVE]
+
+
 def test_nccl_stall_does_not_fire_while_the_job_progresses_or_mostly_idles():
-    # a slow rank computes while the others wait for it: uneven, not hung
-    assert _nccl_states([SPIN] * 3 + [BUSY]) == [INACTIVE] * 4
+    # a slow rank computes while the others wait for it, every all-reduce completing
+    # and moving the gradients (here 30 MB/s each way): uneven, not hung
+    assert _nccl_states([SPIN] * 3 + [BUSY], pcie=3e7) == [INACTIVE] * 4
     # one rank spins while most of the job sits idle (between steps): not most peers
-    assert _nccl_states([SPIN, IDLE, IDLE, IDLE]) == [INACTIVE] * 4
+    assert _nccl_states([SPIN, IDLE, IDLE, IDLE], pcie=3e7) == [INACTIVE] * 4
+    # ... but two minutes of it with not a byte moved is that rank hung (session 7)
+    assert _nccl_states([SPIN, IDLE, IDLE, IDLE], pcie=0.0)[0] == FIRING
     # the idle GPU belongs to another job: the spinning ones are a job of their own
     assert _nccl_states([SPIN, SPIN, IDLE], job=[1, 1, 2]) == [FIRING, FIRING, INACTIVE]
 
