@@ -632,6 +632,9 @@ def test_job_of_ddp_ranks_is_their_launcher(node_factory) -> None:
     assert [m.gpu("gpu_process_job", g) for g in range(4)] == [6000] * 4
     assert m.gpu("gpu_process_job", 4) is None  # no process: no job
     assert m.gpu("gpu_process_job", 5) == 9001  # alone: its own job
+    # a launcher's variables: a rank of a launch; a readable environment without: not
+    assert [m.gpu("gpu_process_launched", g) for g in range(4)] == [1] * 4
+    assert m.gpu("gpu_process_launched", 5) == 0
     # the launcher has no GPU: it is read only for its name
     assert m.gpu("gpu_process_workers", 0) == 0
     assert (node.proc / "6000" / "task" / "6000" / "children").read_text() == (
@@ -655,6 +658,7 @@ def test_jobs_are_not_made_by_adopters_or_a_lone_child(node_factory) -> None:
     # are no job
     m = node_factory(ddp({"name": "systemd"}), owner_environ=False).poll(10.0)
     assert [m.gpu("gpu_process_job", g) for g in range(4)] == [6001, 6002, 6003, 6004]
+    assert m.gpu("gpu_process_launched", 0) is None  # not read: not known
     # their launcher's variables still make them one job, named by the lowest rank's pid
     m = node_factory(ddp({"name": "systemd"})).poll(10.0)
     assert [m.gpu("gpu_process_job", g) for g in range(4)] == [6001] * 4
@@ -662,6 +666,7 @@ def test_jobs_are_not_made_by_adopters_or_a_lone_child(node_factory) -> None:
     # one rank only: a child with no GPU-using sibling is its own job
     m = node_factory(ddp({"name": "torchrun"}, ranks=1)).poll(10.0)
     assert m.gpu("gpu_process_job", 0) == 6001
+    assert m.gpu("gpu_process_launched", 0) == 1  # ... but still a rank of a launch
     # independent jobs from shells of one tmux server: different parents, different jobs
     facts = [{"pid": 3000, "name": "tmux"}]
     facts += [{"pid": 3001 + g, "name": "bash", "ppid": 3000} for g in range(3)]

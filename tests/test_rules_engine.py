@@ -534,14 +534,15 @@ def test_nccl_stall_does_not_fire_while_the_job_progresses_or_mostly_idles():
 
 
 def test_nccl_stall_bound_on_sm_activity_follows_the_sm_count():
-    """Issue 22, class 2: a hung kernel keeps one block per NCCL channel (up to 32)
+    """Issue 22, class 2: a hung kernel keeps one block per NCCL channel (up to 64)
     resident, so a spinning A100 (108 SMs) reads SM active ~0.22 with 24 channels; the
-    bound is 1.25 x 32 / SMs (0.37 there), 0.15 where the SM count is unknown."""
+    bound is 1.25 x 64 / SMs, at most 0.5, and 0.15 where the SM count is unknown."""
     spin22 = dict(SPIN, sm=0.22)
     assert _nccl_states([spin22] * 4, sms=108) == [FIRING] * 4
-    assert _nccl_states([spin22] * 4, sms=132) == [FIRING] * 4  # H100/H200: bound 0.30
+    assert _nccl_states([spin22] * 4, sms=132) == [FIRING] * 4  # H100/H200
     assert _nccl_states([spin22] * 4) == [INACTIVE] * 4  # SM count unknown: bound 0.15
-    assert _nccl_states([dict(SPIN, sm=0.4)] * 4, sms=108) == [INACTIVE] * 4  # above 0.37
+    assert _nccl_states([dict(SPIN, sm=0.55)] * 4, sms=108) == [INACTIVE] * 4  # above 0.5
+    assert _nccl_states([dict(SPIN, sm=0.2)] * 4, sms=400) == [INACTIVE] * 4  # 0.2 of 400
     # launch-bound small kernels: few SMs busy, but the engine idles between launches
     assert _nccl_states([dict(spin22, engine=0.7)] * 4, sms=108) == [INACTIVE] * 4
 
@@ -553,14 +554,14 @@ def _dataloader_states(
     born: float | None = -3600.0,
     probe_workers: float | None = None,
     until: float = 240.0,
-    job: float = 4000.0,
+    launched: float | None = 1.0,
     rule: str = "dataloader_single_process",
 ) -> dict[float, str]:
     """`rule` (dataloader_single_process or cpu_bound_main_thread) on one GPU whose main
     process is pid 4242, fed every 5 s, its state every 10 s. `born`: when the process
     started (None: no age known); probe_workers: the probe's setting (None: no probe,
-    its source down, as where the daemon runs without the socket); `job`: the process's
-    job (4000: ranks of a launch under pid 4000; 4242: the process alone)."""
+    its source down, as where the daemon runs without the socket); `launched`: whether a
+    launcher's variables are in its environment (None: unreadable)."""
     up = {"nvml", "processes"} | ({"probe"} if probe_workers is not None else set())
     store = Store(history_seconds=600)
     engine = RuleEngine(
@@ -579,12 +580,13 @@ def _dataloader_states(
         ])  # fmt: skip
         processes = [
             Sample("gpuwatchd_gpu_process_pid", labels, 4242.0),
-            Sample("gpuwatchd_gpu_process_job", labels, job),
             Sample("gpuwatchd_gpu_process_busiest_thread_cpu_ratio", labels, thread),
             Sample("gpuwatchd_gpu_process_workers", labels, workers),
         ]
         if born is not None:
             processes.append(Sample("gpuwatchd_gpu_process_age_seconds", labels, now - born))
+        if launched is not None:
+            processes.append(Sample("gpuwatchd_gpu_process_launched", labels, launched))
         store.update("processes", now, processes)
         if probe_workers is not None:
             store.update("probe", now, [
@@ -612,18 +614,20 @@ def test_dataloader_single_process_needs_a_loop_feeding_the_gpu():
 
 def test_a_busy_thread_without_a_training_loop_is_cpu_bound_main_thread():
     """Issue 22, class 5: the name sends the on-call to num_workers, so it needs a
-    DataLoader (the probe) or ranks of a launch; without either the same physics is
+    DataLoader (the probe) or a launcher's variables (one rank of torchrun too); without
+    either, or with an environment it cannot read, the same physics is
     cpu_bound_main_thread, and only one of the two fires."""
-    alone = 4242.0
-    assert set(_dataloader_states(0.3, job=alone).values()) == {INACTIVE}
-    assert _dataloader_states(0.3, job=alone, probe_workers=0)[240.0] == FIRING
+    for alone in (0.0, None):  # no launcher's variables; an unreadable environment
+        assert set(_dataloader_states(0.3, launched=alone).values()) == {INACTIVE}
+        assert _dataloader_states(0.3, launched=alone, probe_workers=0)[240.0] == FIRING
     cpu_bound = functools.partial(_dataloader_states, rule="cpu_bound_main_thread")
-    assert cpu_bound(0.3, job=alone)[240.0] == FIRING
-    assert set(cpu_bound(0.3).values()) == {INACTIVE}  # ranks of a launch
-    assert set(cpu_bound(0.3, job=alone, probe_workers=0).values()) == {INACTIVE}
-    assert set(cpu_bound(0.75, job=alone).values()) == {INACTIVE}  # the GPU is fed
-    assert set(cpu_bound(0.003, job=alone).values()) == {INACTIVE}  # idle: a server waits
-    assert set(cpu_bound(0.3, job=alone, workers=4).values()) == {INACTIVE}
+    assert cpu_bound(0.3, launched=0.0)[240.0] == FIRING
+    assert cpu_bound(0.3, launched=None)[240.0] == FIRING
+    assert set(cpu_bound(0.3).values()) == {INACTIVE}  # a rank of a launch
+    assert set(cpu_bound(0.3, launched=0.0, probe_workers=0).values()) == {INACTIVE}
+    assert set(cpu_bound(0.75, launched=0.0).values()) == {INACTIVE}  # the GPU is fed
+    assert set(cpu_bound(0.003, launched=0.0).values()) == {INACTIVE}  # idle: a server waits
+    assert set(cpu_bound(0.3, launched=0.0, workers=4).values()) == {INACTIVE}
 
 
 def test_dataloader_single_process_leaves_a_process_start_alone():

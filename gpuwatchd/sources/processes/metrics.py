@@ -38,6 +38,12 @@ JOB = _gpu(
     "lowest rank's pid; a process without them: its own pid; environment unreadable: the "
     "parent it shares with other GPUs' main processes.",
 )
+LAUNCHED = _gpu(
+    "gpu_process_launched",
+    "1 if the GPU's main process is a rank of a launch (torchrun, srun, mpirun, ... "
+    "variables in its environment), 0 if its environment names none; absent where the "
+    "environment cannot be read.",
+)
 OWNER = _gpu(
     "gpu_owner_info",
     "Who owns the GPU: the Slurm job, Kubernetes pod, container or user of its main "

@@ -31,7 +31,7 @@ from gpuwatchd.sources.owner import (
 from gpuwatchd.sources.processes.desktop import DesktopWatch, _Desktop, desktop_name
 from gpuwatchd.sources.processes.facts import Facts, MainProcessReader, _CgroupReading, _Known
 from gpuwatchd.sources.processes.gpus import KINDS, NvmlLists, _Gpu
-from gpuwatchd.sources.processes.jobs import ADOPTERS, _Memo, group_jobs, launch_key
+from gpuwatchd.sources.processes.jobs import ADOPTERS, ALONE, _Memo, group_jobs, launch_key
 from gpuwatchd.sources.processes.metrics import (
     AGE,
     BUSIEST,
@@ -45,6 +45,7 @@ from gpuwatchd.sources.processes.metrics import (
     DESKTOP_CPU_BY_NAME,
     INFO,
     JOB,
+    LAUNCHED,
     NUMA_ALIGNED,
     OTHERS,
     OWNER,
@@ -81,7 +82,7 @@ def _candidates(
 class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
     name = "processes"
     metrics = (
-        PROCESSES, DESKTOP, OTHERS, INFO, PID, JOB, OWNER, CPU, BUSIEST, THREADS, WORKERS,
+        PROCESSES, DESKTOP, OTHERS, INFO, PID, JOB, LAUNCHED, OWNER, CPU, BUSIEST, THREADS, WORKERS,
         WORKERS_CPU, CPUS_ALLOWED, NUMA_ALIGNED, QUOTA, THROTTLED, THROTTLED_SECONDS, CONTAINER,
         CUDART, AGE, DESKTOP_CPU, DESKTOP_COUNT, DESKTOP_CPU_BY_NAME, *PROCIO_METRICS,
     )  # fmt: skip
@@ -191,10 +192,13 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
 
         launches = _Memo(self._owners.processes.read)
         owners = self._owned(on_gpu, names, launches)
-        jobs = self._jobs(facts, launches)
+        jobs, launched = self._jobs(facts, launches)
         samples: list[Sample] = []
         for gpu, lists in on_gpu:
-            self._gpu_samples(gpu, lists, names, mains[gpu.index], facts, jobs, scanning, samples)
+            main = mains[gpu.index]
+            self._gpu_samples(gpu, lists, names, main, facts, jobs, scanning, samples)
+            if main in launched:
+                samples.append(Sample(LAUNCHED.name, gpu.labels, float(launched[main])))
             owner = owners.get(gpu.labels[1])
             if owner is not None:
                 samples.append(Sample(OWNER.name, gpu.labels + owner.values(), 1.0))
@@ -244,13 +248,15 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
 
     def _jobs(
         self, facts: dict[int, Facts | None], read: Callable[[int], ProcessFacts | None]
-    ) -> dict[int, int]:
-        """The job of each main process read this poll ("The job" in the package's docstring)."""
+    ) -> tuple[dict[int, int], dict[int, bool]]:
+        """The job of each main process read this poll ("The job" in the package's
+        docstring), and whether its environment names a launcher (where it was read)."""
         parents = {pid: found.ppid for pid, found in facts.items() if found is not None}
         keys = {pid: launch_key(read(pid)) for pid in parents}
         if not self.settings.owner:
             self._owners.processes.keep(set(parents))  # owners() keeps them otherwise
-        return group_jobs(parents, self._adopter, keys)
+        launched = {pid: key != ALONE for pid, key in keys.items() if key is not None}
+        return group_jobs(parents, self._adopter, keys), launched
 
     def _read_uptime(self) -> float | None:
         """Seconds since boot (/proc/uptime's first field), the clock of starttime."""
