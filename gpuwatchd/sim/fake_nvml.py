@@ -54,7 +54,6 @@ from typing import Any
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml_device import (
     _RECORD,
-    _RECORD_IDS,
     ERROR_DRIVER_NOT_LOADED,
     ERROR_GPU_IS_LOST,
     ERROR_INSUFFICIENT_SIZE,
@@ -66,6 +65,7 @@ from gpuwatchd.sim.fake_nvml_device import (
     SUCCESS,
     DeviceReads,
     _FieldPlan,
+    _requested,
     _value,
 )
 from gpuwatchd.sim.fakelib import Symbol, install_symbols, symbol
@@ -362,9 +362,7 @@ class FakeNvmlLib(DeviceReads):
 
     def _fields_cost(self, count: Any, values: Any) -> float:
         """What the fields of one nvmlDeviceGetFieldValues request cost (kept per request)."""
-        n = max(0, min(_value(count), len(values._obj)))
-        memory = memoryview(values._obj).cast("B")[: n * _RECORD.size]
-        asked = tuple(_RECORD_IDS.iter_unpack(memory))  # (field id, scope): the request
+        asked = _requested(count, values) or ()  # a bad count: the call only
         cost = self._request_costs.get(asked)
         if cost is None:
             by_id = self._field_costs

@@ -59,6 +59,16 @@ def _value(arg: Any) -> int:
     return int(arg.value) if hasattr(arg, "value") else int(arg)
 
 
+def _requested(count: Any, values: Any) -> tuple[tuple[int, int], ...] | None:
+    """The (field id, scope id) pairs an nvmlDeviceGetFieldValues call asks for, read
+    from the caller's array's memory; None for a count the array cannot hold."""
+    array = values._obj
+    n = _value(count)
+    if n < 0 or n > len(array):
+        return None
+    return tuple(_RECORD_IDS.iter_unpack(memoryview(array).cast("B")[: n * _RECORD.size]))
+
+
 class DeviceReads:
     """The symbols that read one GPU; a part of FakeNvmlLib."""
 
@@ -538,12 +548,9 @@ class DeviceReads:
         """Fills the caller's nvmlFieldValue_t array as the C library does: its memory
         (pynvml's structures are slow to read and write member by member from Python).
         What each requested field needs is worked out once per request and kept."""
-        array = values._obj
-        n = _value(count)
-        if n < 0 or n > len(array):
+        asked = _requested(count, values)
+        if asked is None:
             return ERROR_INVALID_ARGUMENT
-        memory = memoryview(array).cast("B")[: n * _RECORD.size]
-        asked = tuple(_RECORD_IDS.iter_unpack(memory))
         plan = self._field_plans.get((gpu, asked))
         if plan is None:
             plan = self._field_plans[(gpu, asked)] = self._plan(gpu, asked)
@@ -558,7 +565,7 @@ class DeviceReads:
                 got = read(gpu, state, scope)
                 code, value = (ERROR_INVALID_ARGUMENT, 0) if got is None else (SUCCESS, got)
             out.append(pack(field_id, scope, stamp, 0, ull, code, value))
-        memory[:] = b"".join(out)
+        memoryview(values._obj).cast("B")[: len(asked) * _RECORD.size] = b"".join(out)
         return SUCCESS
 
     def _plan(self, gpu: int, asked: tuple[tuple[int, int], ...]) -> _FieldPlan:
