@@ -295,8 +295,10 @@ def test_field_values():
     fields = nv.nvmlDeviceGetFieldValues(h, ids)
     assert [f.fieldId for f in fields] == ids
     assert [f.nvmlReturn for f in fields] == [0, 0, 0, 0, nv.NVML_ERROR_NOT_SUPPORTED]
-    assert all(f.valueType == nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG for f in fields[:4])
-    assert [f.value.ullVal for f in fields[:4]] == [17, 5, 2, 12]
+    # as a real H200 answers (docs/hardware/2026-12-04-h200): the replay counter in 32 bits
+    uint, ull = nv.NVML_VALUE_TYPE_UNSIGNED_INT, nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+    assert [f.valueType for f in fields[:4]] == [uint, ull, ull, ull]
+    assert [fields[0].value.uiVal] + [f.value.ullVal for f in fields[1:4]] == [17, 5, 2, 12]
     assert fields[0].timestamp == int((1_700_000_000.0 + 30.0) * 1e6)  # microseconds
 
     fake.fail_field(nv.NVML_FI_DEV_ECC_DBE_AGG_TOTAL, nv.NVML_ERROR_UNKNOWN, gpu=1)
@@ -333,13 +335,16 @@ def test_pcie_byte_counters_integrate_the_scenarios_rates_exactly():
     tx, rx = nv.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, nv.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
 
     def counters() -> list[int]:
-        return [f.value.ullVal for f in nv.nvmlDeviceGetFieldValues(h, [tx, rx])]
+        fields = nv.nvmlDeviceGetFieldValues(h, [tx, rx])
+        assert {f.valueType for f in fields} == {nv.NVML_VALUE_TYPE_UNSIGNED_INT}
+        return [f.value.uiVal for f in fields]
 
     assert counters() == [0, 0]
     clock.advance(14)  # 10 s at 100 MB/s, then 4 s of a ramp from 0 to 400 MB/s
     assert counters() == [int(100e6 * 10 + 200e6 * 4), 0]
     clock.advance(16)  # the ramp's last 6 s (400 -> 1000 MB/s), then 10 s at its end
-    assert counters() == [int(1e9 + 8e8 + 700e6 * 6 + 1000e6 * 10), 0]
+    # 32 bits, as on a real H200: 16 GB counted reads as 16e9 mod 2**32
+    assert counters() == [int(1e9 + 8e8 + 700e6 * 6 + 1000e6 * 10) % 2**32, 0]
 
 
 def test_timeline_integral_over_loops():

@@ -11,6 +11,7 @@ from series import Metrics as SampleIndex
 
 from gpuwatchd.config import NvmlConfig
 from gpuwatchd.scheduler import Poller
+from gpuwatchd.sim import fake_nvml_device
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.fake_nvml import gpu_uuid, make_pynvml
 from gpuwatchd.sim.scenario import CLOCK_EVENT_REASONS, Scenario, Timeline, load_scenario
@@ -172,9 +173,10 @@ def test_healthy_node_every_family_with_its_units():
         assert got.value("gpu_pcie_link_generation_max", i) == 4
         assert got.value("gpu_pcie_link_width", i) == 16
         assert got.value("gpu_pcie_link_width_max", i) == 16
-        # the byte counters' increase over the second between the two polls
-        assert got.value("gpu_pcie_tx_bytes_per_second", i) == pytest.approx(1800e6, abs=1)
-        assert got.value("gpu_pcie_rx_bytes_per_second", i) == pytest.approx(9500e6, abs=1)
+        # the byte counters' increase between the last two polls (0.1 s apart: 32-bit
+        # counters, so 950 MB between reads of an RX at 9.5 GB/s stays exact)
+        assert got.value("gpu_pcie_tx_bytes_per_second", i) == pytest.approx(1800e6, rel=1e-5)
+        assert got.value("gpu_pcie_rx_bytes_per_second", i) == pytest.approx(9500e6, rel=1e-5)
         assert got.value("gpu_pcie_replay_errors_total", i) == 0
         assert got.gpu("gpu_ecc_errors_total", i) == {("corrected",): 0, ("uncorrected",): 0}
         assert got.value("gpu_persistence_mode", i) == 1
@@ -208,7 +210,7 @@ def test_pcie_gen3_under_load_at_400s():
     assert got.value("gpu_pcie_link_generation_max", 3) == 4
     assert got.value("gpu_utilization_ratio", 3) == pytest.approx(0.48)
     assert got.value("gpu_power_watts", 3) == 210
-    assert got.value("gpu_pcie_rx_bytes_per_second", 3) == pytest.approx(7600e6, abs=1024)
+    assert got.value("gpu_pcie_rx_bytes_per_second", 3) == pytest.approx(7600e6, rel=1e-5)
     for i in (0, 1, 2, 4, 5, 6, 7):
         assert got.value("gpu_pcie_link_generation", i) == 4
         assert got.value("gpu_utilization_ratio", i) == pytest.approx(0.95)
@@ -324,6 +326,8 @@ def test_calls_per_gpu_per_poll():
 
 
 def test_pcie_rates_from_the_byte_counters():
+    """Each poll's rate is the counters' increase since the last poll, over the driver's
+    own timestamps."""
     scn = scenario([
         {"name": "a", "duration": 10, "set": {"pcie_tx_mb_s": 100, "pcie_rx_mb_s": 2000}},
         {"name": "b", "duration": 10, "set": {"pcie_tx_mb_s": 300, "pcie_rx_mb_s": 50}},
@@ -331,27 +335,48 @@ def test_pcie_rates_from_the_byte_counters():
     sim = Sim(scn, at=5.0)
     first = sim.collect()
     assert first.gpu("gpu_pcie_tx_bytes_per_second", 0) == {}  # a rate needs two readings
-    got = sim.slow_read_after(2)  # t=7
+    got = sim.polls(3)  # t=7
     assert got.value("gpu_pcie_tx_bytes_per_second", 0) == pytest.approx(100e6, rel=1e-6)
     assert got.value("gpu_pcie_rx_bytes_per_second", 1) == pytest.approx(2000e6, rel=1e-6)
-    got = sim.slow_read_after(4)  # t=11: the counters saw 3 s of phase a, then 1 s of phase b
-    assert got.value("gpu_pcie_tx_bytes_per_second", 0) == pytest.approx(150e6, rel=1e-6)
-    got = sim.slow_read_after(1)
-    assert got.value("gpu_pcie_rx_bytes_per_second", 0) == pytest.approx(50e6, rel=1e-6)
-    again = sim.collect()  # not read again: the same rate, kept
-    assert again.value("gpu_pcie_rx_bytes_per_second", 0) == pytest.approx(50e6, rel=1e-6)
-
-
-def test_pcie_counter_reset_skips_one_rate():
-    sim = Sim(scenario([{"name": "p", "duration": 100, "set": {"pcie_tx_mb_s": 10}}]), at=50)
+    sim.clock.advance(2.5)
     sim.collect()
-    sim.slow_read_after(1)
+    sim.clock.advance(1)  # t=10.5: half a second of each phase since t=9.5
+    got = sim.collect()
+    assert got.value("gpu_pcie_tx_bytes_per_second", 0) == pytest.approx(200e6, rel=1e-6)
+    sim.clock.advance(1)
+    got = sim.collect()
+    assert got.value("gpu_pcie_rx_bytes_per_second", 0) == pytest.approx(50e6, rel=1e-6)
+
+
+def test_pcie_rates_survive_the_32_bit_counters_wrapping():
+    """A real H200 answers the byte counters as 32-bit ints that wrap every 2**32 bytes
+    (every ~1.3 s at 3.2 GB/s): the increase is taken modulo 2**32, exact while fewer
+    than 2**32 bytes pass between two polls; more alias (the driver's own limit)."""
+    scn = scenario([{"name": "p", "duration": 100, "set": {"pcie_tx_mb_s": 3200}}])
+    sim = Sim(scn, at=10.0)
+    sim.collect()
+    for _ in range(20):  # 14 wraps
+        sim.clock.advance(1)
+        got = sim.collect()
+        assert got.value("gpu_pcie_tx_bytes_per_second", 0) == pytest.approx(3.2e9, rel=1e-6)
+    sim.clock.advance(2)  # 6.4 GB between two reads: 6.4e9 - 2**32 seen
+    got = sim.collect()
+    assert got.value("gpu_pcie_tx_bytes_per_second", 0) == pytest.approx(
+        (6.4e9 - 2**32) / 2, rel=1e-6)
+
+
+def test_a_64_bit_pcie_counter_that_falls_was_reset(monkeypatch):
+    """A driver answering the counters in 64 bits (no wrap in practice): a value below the
+    last one means a reload, so that reading gives no rate."""
+    monkeypatch.setattr(fake_nvml_device, "UINT_FIELDS", ())
+    sim = Sim(scenario([{"name": "p", "duration": 100, "set": {"pcie_tx_mb_s": 10}}]), at=50)
+    sim.polls(2)
     sim.fake._pcie[(0, "tx")] = (0.0, sim.clock.elapsed())  # the driver reloaded: from 0
-    got = sim.slow_read_after(1)
+    got = sim.polls(2)
     assert got.gpu("gpu_pcie_tx_bytes_per_second", 0) == {}
-    assert got.value("gpu_pcie_tx_bytes_per_second", 1) == pytest.approx(10e6, abs=1)
-    got = sim.slow_read_after(1)
-    assert got.value("gpu_pcie_tx_bytes_per_second", 0) == pytest.approx(10e6, abs=1)
+    assert got.value("gpu_pcie_tx_bytes_per_second", 1) == pytest.approx(10e6, rel=1e-6)
+    got = sim.polls(2)
+    assert got.value("gpu_pcie_tx_bytes_per_second", 0) == pytest.approx(10e6, rel=1e-6)
 
 
 def test_without_the_byte_counters_pcie_rates_are_left_out():
@@ -750,7 +775,12 @@ def test_field_values_are_read_as_pynvml_reads_them():
         array[i].valueType, array[i].nvmlReturn = i, i % 2
         setattr(array[i].value, member, number)
     got = FieldValues(pynvml).read(array)
-    assert got == [(i % 2, 1_700_000_000_000_000 + i, n) for i, n in enumerate(numbers)]
+    # an unsigned integer comes with the modulus it wraps at (its width, the driver's choice)
+    moduli = (None, 2**32, 2**64, 2**64, None, None, 2**16)
+    assert got == [
+        (i % 2, 1_700_000_000_000_000 + i, n, m)
+        for i, (n, m) in enumerate(zip(numbers, moduli, strict=True))
+    ]
 
 
 # --- which NVLinks should be up -------------------------------------------------------
@@ -872,18 +902,19 @@ def test_expected_nvlinks_config_errors_name_the_field():
         NvmlConfig(expected_nvlinks="some")
 
 
-def test_pcie_counters_are_read_every_slow_polls_and_kept_between():
+def test_pcie_byte_counters_every_poll_the_replay_counter_every_slow_polls():
     """The PCIe counters cost a GSP round trip each (150-180 µs of CPU on an H200, the
-    other fields ~1 µs): asked every SLOW_EVERY polls, their samples exported every poll."""
+    other fields ~1 µs). The byte counters are 32 bits and wrap: asked every poll. The
+    replay counter is asked every SLOW_EVERY polls, its sample exported every poll."""
     sim = Sim("healthy-8gpu", at=100.0)
     nv = sim.nv
     for poll in range(2 * SLOW_EVERY):
         got = sim.collect()
         assert got.gpus_with("gpu_pcie_replay_errors_total") == set(range(8)), poll
         sim.clock.advance(1)
-    for field in ("PCIE_COUNT_TX_BYTES", "PCIE_COUNT_RX_BYTES", "PCIE_REPLAY_COUNTER"):
-        assert sim.fake.field_calls[(getattr(nv, "NVML_FI_DEV_" + field), 0)] == 2, field
-    assert sim.fake.field_calls[(nv.NVML_FI_DEV_POWER_INSTANT, 0)] == 2 * SLOW_EVERY
+    assert sim.fake.field_calls[(nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER, 0)] == 2
+    for field in ("PCIE_COUNT_TX_BYTES", "PCIE_COUNT_RX_BYTES", "POWER_INSTANT"):
+        assert sim.fake.field_calls[(getattr(nv, "NVML_FI_DEV_" + field), 0)] == 2 * SLOW_EVERY
     assert got.gpus_with("gpu_pcie_tx_bytes_per_second") == set(range(8))
 
 

@@ -47,11 +47,23 @@ _RECORD = struct.Struct("<IIqqIIQ")
 _RECORD_IDS = struct.Struct("<II32x")
 
 
+# The fields a real H200 (R580) answers as NVML_VALUE_TYPE_UNSIGNED_INT, 32 bits: the PCIe
+# byte counters wrap at 2**32 ("Value can be wrapped", nvml.h), seen on the hardware every
+# ~19 s at 220 MB/s (docs/hardware/2026-12-04-h200-session8). The others are unsigned
+# long long.
+UINT_FIELDS = (
+    "NVML_FI_DEV_POWER_INSTANT",
+    "NVML_FI_DEV_PCIE_COUNT_TX_BYTES",
+    "NVML_FI_DEV_PCIE_COUNT_RX_BYTES",
+    "NVML_FI_DEV_PCIE_REPLAY_COUNTER",
+)
+
+
 @dataclass
 class _FieldPlan:
-    fields: list[tuple[int, int, int, Any]]  # (field id, scope, code, reader or None)
+    # (field id, scope, code, reader or None, NVML_VALUE_TYPE_*, the value's modulus)
+    fields: list[tuple[int, int, int, Any, int, int]]
     counted: list[tuple[int, int]]  # (field id, gpu) of each, for field_calls
-    value_type: int
 
 
 def _value(arg: Any) -> int:
@@ -557,21 +569,23 @@ class DeviceReads:
         self.field_calls.update(plan.counted)
         stamp = int((self.clock.start_wall + self.clock.elapsed()) * 1e6)  # µs since the epoch
         self._field_t = stamp / 1e6 - self.clock.start_wall  # the time the values are of
-        ull, pack, state = plan.value_type, _RECORD.pack, self._gpu_values(gpu)
+        pack, state = _RECORD.pack, self._gpu_values(gpu)
         out = []
-        for field_id, scope, code, read in plan.fields:
+        for field_id, scope, code, read, kind, modulus in plan.fields:
             value = 0
             if read is not None:
                 got = read(gpu, state, scope)
                 code, value = (ERROR_INVALID_ARGUMENT, 0) if got is None else (SUCCESS, got)
-            out.append(pack(field_id, scope, stamp, 0, ull, code, value))
+            out.append(pack(field_id, scope, stamp, 0, kind, code, value % modulus))
         memoryview(values._obj).cast("B")[: len(asked) * _RECORD.size] = b"".join(out)
         return SUCCESS
 
     def _plan(self, gpu: int, asked: tuple[tuple[int, int], ...]) -> _FieldPlan:
         """Per field asked: its injected failure or NOT_SUPPORTED, else its reader."""
         failures, handlers = self._field_failures, self._field_handlers
-        fields: list[tuple[int, int, int, FieldReader | None]] = []
+        nv = self.nv
+        uint = {getattr(nv, name) for name in UINT_FIELDS if hasattr(nv, name)}
+        fields: list[tuple[int, int, int, FieldReader | None, int, int]] = []
         for field_id, scope in asked:
             code = failures.get((gpu, field_id))
             if code is None:
@@ -580,9 +594,14 @@ class DeviceReads:
             if code is None and (handler is None or self._is_unsupported(handler[0])):
                 code = ERROR_NOT_SUPPORTED
             read = handler[1] if code is None and handler is not None else None
-            fields.append((field_id, scope, code or 0, read))
+            kind, bits = (
+                (nv.NVML_VALUE_TYPE_UNSIGNED_INT, 32)
+                if field_id in uint
+                else (nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, 64)
+            )
+            fields.append((field_id, scope, code or 0, read, int(kind), 1 << bits))
         counted = [(field_id, gpu) for field_id, _ in asked]
-        return _FieldPlan(fields, counted, int(self.nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG))
+        return _FieldPlan(fields, counted)
 
 
 def _field(process: Any, key: str) -> Any:

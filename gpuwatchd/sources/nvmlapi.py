@@ -67,7 +67,9 @@ def process_table(context: Context) -> ProcessTable:
 
 class FieldValues:
     """Reads an array of pynvml's c_nvmlFieldValue_t in one pass: (nvmlReturn, the
-    driver's timestamp in µs, the value as a number) per field.
+    driver's timestamp in µs, the value as a number, and for an unsigned integer the
+    modulus it wraps at, else None) per field. The value's width is the driver's choice
+    per field: a real H200 answers the PCIe byte counters as 32-bit unsigned ints.
 
     pynvml's structures read every member through a Python-level __getattribute__
     (about a microsecond each, several per field); the layout comes from the binding's
@@ -88,15 +90,21 @@ class FieldValues:
         self._at = [names.index(n) for n in ("nvmlReturn", "valueType", "timestamp", "value")]
         # NVML_VALUE_TYPE_* is the index of the union's member (dVal, uiVal, ulVal, ...)
         self._values = [struct.Struct("<" + (_standard(kind) or "x")) for _, kind in union._fields_]
+        self._moduli = [
+            1 << (8 * v.size) if v.format[-1] in "BHIQ" else None for v in self._values
+        ]
 
-    def read(self, array: Any) -> list[tuple[int, int, float | None]]:
+    def read(self, array: Any) -> list[tuple[int, int, float | None, int | None]]:
         out = []
         code, kind, stamp, raw = self._at
-        values = self._values
+        values, moduli = self._values, self._moduli
         for record in self._record.iter_unpack(memoryview(array).cast("B")):
             index = record[kind]
-            number = values[index].unpack_from(record[raw])[0] if index < len(values) else None
-            out.append((record[code], record[stamp], number))
+            if index < len(values):
+                number, modulus = values[index].unpack_from(record[raw])[0], moduli[index]
+            else:
+                number = modulus = None
+            out.append((record[code], record[stamp], number, modulus))
         return out
 
 
@@ -138,7 +146,9 @@ class Direct:
             value.fieldId, value.scopeId = field_id, scope
         return array
 
-    def field_values(self, handle: Any, request: Any) -> list[tuple[int, int, float | None]]:
+    def field_values(
+        self, handle: Any, request: Any
+    ) -> list[tuple[int, int, float | None, int | None]]:
         nv = self.nv
         if self._pointer is None:
             ids = [(v.fieldId, v.scopeId) for v in request]

@@ -9,8 +9,9 @@ What a poll costs is counted in NVML calls, each tens of microseconds of CPU in 
 driver. Per GPU and poll:
 - one nvmlDeviceGetFieldValues for everything the driver can batch (`FIELDS`): power,
   ECC totals and mode, the state of every NVLink (a field per link, scoped by link
-  index) and, every `SLOW_EVERY` polls, the PCIe TX/RX byte counters (exported as rates
-  between two reads, from the driver's own timestamps) and the PCIe replay counter
+  index), the PCIe TX/RX byte counters (exported as rates between two reads, from the
+  driver's own timestamps; 32-bit counters on an H200, taken modulo 2**32, so exact up
+  to 2**32 bytes per interval) and, every `SLOW_EVERY` polls, the PCIe replay counter
   (GSP round trips of 150-180 µs each on an H200, the rest of the batch ~1 µs a field);
 - one call each for what has no field (`READS`): utilization, memory, SM clock,
   P-state, clock event reasons and the running compute processes;

@@ -46,8 +46,15 @@ PCIE_GEN_MAX = _gpu_gauge(
 )
 PCIE_WIDTH = _gpu_gauge("gpu_pcie_link_width", "Current PCIe link width (lanes).")
 PCIE_WIDTH_MAX = _gpu_gauge("gpu_pcie_link_width_max", "Maximum PCIe link width (lanes).")
-PCIE_TX = _gpu_gauge("gpu_pcie_tx_bytes_per_second", "PCIe transmit throughput (GPU to host).")
-PCIE_RX = _gpu_gauge("gpu_pcie_rx_bytes_per_second", "PCIe receive throughput (host to GPU).")
+# the driver's byte counters are 32 bits on an H200: exact while under 2**32 bytes a poll
+PCIE_TX = _gpu_gauge(
+    "gpu_pcie_tx_bytes_per_second",
+    "PCIe transmit throughput (GPU to host) since the last poll; aliases past 2^32 bytes a poll.",
+)
+PCIE_RX = _gpu_gauge(
+    "gpu_pcie_rx_bytes_per_second",
+    "PCIe receive throughput (host to GPU) since the last poll; aliases past 2^32 bytes a poll.",
+)
 PCIE_REPLAYS = counter(
     "gpu_pcie_replay_errors_total", "PCIe replays (link-level retransmissions).", GPU_LABELS
 )

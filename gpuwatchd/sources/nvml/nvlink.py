@@ -35,7 +35,7 @@ class NvLinks:
         nv, direct = self._nv, self._direct
         assert direct is not None
         try:
-            ((code, _, count),) = direct.field_values(
+            ((code, _, count, _),) = direct.field_values(
                 gpu.handle, direct.request([(count_field, 0)])
             )
         except nv.NVMLError as e:

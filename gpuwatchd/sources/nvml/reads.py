@@ -243,13 +243,14 @@ class Field:
 
 
 # The PCIe counters are GSP firmware round trips, 150-180 µs of CPU each on an H200 (the
-# other fields ~1 µs; docs/hardware/2026-12-04-h200): read every SLOW polls, so a rate
-# covers SLOW seconds at the default 1 s interval, and the replays' 5-minute rule is
-# unchanged.
+# other fields ~1 µs; docs/hardware/2026-12-04-h200). The byte counters are 32 bits there
+# and wrap at 2**32 bytes: read every poll, a rate is exact up to 4.29 GB/s at the default
+# 1 s interval (read every 10 s, it aliased above 429 MB/s). The replay counter is read
+# every SLOW polls: its rule looks at 5 minutes.
 FIELDS: tuple[Field, ...] = (
     Field("NVML_FI_DEV_POWER_INSTANT", POWER.name, 1e-3, fallback=POWER_READ),  # mW
-    Field("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", PCIE_TX.name, rate=True, every=SLOW),  # R555+
-    Field("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", PCIE_RX.name, rate=True, every=SLOW),
+    Field("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", PCIE_TX.name, rate=True),  # R555+
+    Field("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", PCIE_RX.name, rate=True),
     Field("NVML_FI_DEV_PCIE_REPLAY_COUNTER", PCIE_REPLAYS.name, every=SLOW),
     Field("NVML_FI_DEV_ECC_SBE_AGG_TOTAL", ECC_ERRORS.name, extra=("corrected",)),
     Field("NVML_FI_DEV_ECC_DBE_AGG_TOTAL", ECC_ERRORS.name, extra=("uncorrected",)),

@@ -367,11 +367,11 @@ class NvmlSource(Polling, NvLinks, Source):
         success = nv.NVML_SUCCESS
         unsupported: set[_Entry] = set()
         slow: list[Sample] = []  # a SLOW field that failed is asked again at its next read
-        for (code, stamp, number), entry in zip(values, entries, strict=True):
+        for (code, stamp, number, modulus), entry in zip(values, entries, strict=True):
             if code == success and number is not None:
                 mine = out if entry.field.every == EVERY_POLL else slow
                 if entry.field.rate:
-                    self._rate(gpu, entry, int(number), stamp, mine)
+                    self._rate(gpu, entry, int(number), modulus, stamp, mine)
                 else:
                     value = number * entry.field.scale
                     mine.append(Sample(entry.field.metric, entry.labels, value))
@@ -404,14 +404,28 @@ class NvmlSource(Polling, NvLinks, Source):
         gpu.fast = [e for e in entries if e.field.every == EVERY_POLL]
         gpu.fast_request = self._direct.request([(e.field_id, e.scope) for e in gpu.fast])
 
-    def _rate(self, gpu: _Gpu, entry: _Entry, total: int, stamp_us: int, out: list[Sample]) -> None:
+    def _rate(
+        self,
+        gpu: _Gpu,
+        entry: _Entry,
+        total: int,
+        modulus: int | None,
+        stamp_us: int,
+        out: list[Sample],
+    ) -> None:
         """A byte counter's rate since the last reading, by the driver's own timestamps
-        (a value the driver has not sampled again since keeps the last rate)."""
+        (a value the driver has not sampled again since keeps the last rate). A 32-bit
+        counter (the driver's choice of width) wraps: its increase is taken modulo 2**32,
+        exact while fewer than 2**32 bytes pass between two readings. A wider one that
+        falls was reset (the driver reloaded): no rate from that reading."""
         before, before_us, rate = gpu.counters.get(entry.field_id, (0, None, None))
         if stamp_us != before_us:
-            rate = None  # the first reading, or a counter that wrapped or reset: no rate yet
-            if before_us is not None and stamp_us > before_us and total >= before:
-                rate = (total - before) * 1e6 / (stamp_us - before_us)
+            rate = None
+            if before_us is not None and stamp_us > before_us:
+                added = total - before
+                if modulus is not None and modulus <= 1 << 32:
+                    added %= modulus
+                rate = added * 1e6 / (stamp_us - before_us) if added >= 0 else None
             gpu.counters[entry.field_id] = (total, stamp_us, rate)
         if rate is not None:
             out.append(Sample(entry.field.metric, entry.labels, rate))
