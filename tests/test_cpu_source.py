@@ -39,6 +39,9 @@ NODE_EXPORTER = FIXTURES / "node_exporter"
 DYNOLOG_STAT = FIXTURES / "dynolog" / "stat"
 
 
+RECLAIM = Path(__file__).parent / "fixtures" / "reclaim"
+
+
 def tree(root: Path, stat: Path = NODE_EXPORTER / "stat", pressure: bool = True) -> Path:
     """A procfs with the node_exporter fixtures' stat, meminfo and (optionally) PSI."""
     root.mkdir(parents=True, exist_ok=True)
@@ -285,8 +288,13 @@ def test_missing_files_are_source_errors(tmp_path: Path) -> None:
 def test_samples_match_the_declared_specs(tmp_path: Path) -> None:
     root = tree(tmp_path)
     (root / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable: 50 kB\n")
-    source = source_for(root)
+    shutil.copy(RECLAIM / "vmstat", root / "vmstat")  # swap-ins and kswapd: reclaim.py
+    (root / "47").mkdir()
+    shutil.copy(RECLAIM / "kswapd0.stat", root / "47" / "stat")
+    now = [10.0]
+    source = CpuSource(CpuConfig(), Context(procfs=root, extras={"clock": lambda: now[0]}))
     source.collect()
+    now[0] += 1
     (root / "stat").write_text(advance((root / "stat").read_text(), {"cpu0": [1, 0, 0, 1]}))
     samples = source.collect()
     specs = {spec.name: spec for spec in CpuSource.metrics}
@@ -448,9 +456,11 @@ def test_simulated_files_have_the_kernels_formats(tmp_path: Path) -> None:
 
 def test_writes_only_changed_files(tmp_path: Path) -> None:
     writer = CpuWriter(tmp_path, Timeline(scenario({})))
-    assert writer.write(0.0) == 5  # stat, 3 PSI files, meminfo
+    # stat, 3 PSI files, meminfo, vmstat, one kswapd per NUMA node (2)
+    assert writer.write(0.0) == 8
     assert writer.write(0.0) == 0
-    assert writer.write(5.0) == 1  # only stat: no pressure, memory unchanged
+    # stat and vmstat (page faults always rise): no pressure, memory and kswapd unchanged
+    assert writer.write(5.0) == 2
     assert not list(tmp_path.rglob(".*.tmp"))
 
 

@@ -76,9 +76,10 @@ def test_fdinfo_mount_on_the_real_files() -> None:
 
 
 def test_stat_state_on_the_real_file() -> None:
-    assert stat_state(STAT_26231.read_bytes()) == ("R", 0)
-    line = stat_line(77, "pt_data_worker", "D", 7, 10, 2, 1, 500, 13).encode()
-    assert stat_state(line) == ("D", 13)
+    # state, majflt, starttime, processor (fields 3, 12, 22, 39)
+    assert stat_state(STAT_26231.read_bytes()) == ("R", 26, 82375, 0)
+    line = stat_line(77, "pt_data_worker", "D", 7, 10, 2, 1, 500, 13, majflt=4321).encode()
+    assert stat_state(line) == ("D", 4321, 500, 13)
     with pytest.raises(ValueError):
         stat_state(b"1 (x) S 1 2 3")
 

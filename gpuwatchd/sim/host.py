@@ -181,6 +181,13 @@ class ProcessValues(Strict):
     worker_read_mb_s: float | None = Field(None, ge=0)
     reads_from: str | None = None
     io_blocked_workers: int | None = Field(None, ge=0)  # workers in D state (waiting for I/O)
+    # page faults that waited for a read (/proc/PID/stat majflt): from swap, or of a file
+    # mapping whose page was not cached; of the process, and of each worker
+    major_faults_per_second: float | None = Field(None, ge=0)
+    worker_major_faults_per_second: float | None = Field(None, ge=0)
+    # PSI of the process's own cgroup (v2 memory.pressure `some`, percent of time): its
+    # tasks stalled on memory, e.g. reclaiming at the cgroup's memory.max
+    memory_pressure_percent: float | None = Field(None, ge=0, le=100)
 
 
 class ProbeValues(Strict):
@@ -218,6 +225,11 @@ class HostValues(Strict):
     psi_memory_some: float | None = Field(None, ge=0, le=100)
     psi_memory_full: float | None = Field(None, ge=0, le=100)
     mem_available_mib: float | None = Field(None, ge=0)
+    # swapping (/proc/vmstat pswpin/pswpout, pages; 10^6 bytes/s here) and the kswapd
+    # threads' CPU together (percent of one core), reclaiming memory in the background
+    swap_in_mb_s: float | None = Field(None, ge=0)
+    swap_out_mb_s: float | None = Field(None, ge=0)
+    kswapd_cpu_percent: float | None = Field(None, ge=0)
     interrupts: dict[str, InterruptValues] | None = None  # IRQ action name -> rate
     disks: dict[str, DiskValues] | None = None
     ib_ports: dict[str, IbPortValues] | None = None  # "mlx5_0/1"
@@ -238,6 +250,9 @@ HOST_DEFAULTS: dict[str, Any] = dict(
     psi_memory_some=0.0,
     psi_memory_full=0.0,
     mem_available_mib=None,
+    swap_in_mb_s=0.0,
+    swap_out_mb_s=0.0,
+    kswapd_cpu_percent=0.0,
     interrupts={},
     disks={},
     ib_ports={},

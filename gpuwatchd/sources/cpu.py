@@ -28,6 +28,8 @@ pressure series, and is not an error; it is logged once.
 
 /proc/meminfo: `MemAvailable` (kernel >= 3.14) and `MemTotal`, in bytes.
 
+/proc/vmstat's swap-ins and the kswapd threads' CPU: `reclaim.py`.
+
 Parsers skip lines they cannot read; a file with nothing usable (no `cpu` line, no
 `MemTotal`, no PSI line) raises ParseError, which fails the poll with a SourceError
 naming the file.
@@ -39,11 +41,12 @@ import errno
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 
 from gpuwatchd.config import CpuConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
-from gpuwatchd.sources import register
+from gpuwatchd.sources import reclaim, register
 from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file, read_text
 
 log = logging.getLogger(__name__)
@@ -235,6 +238,7 @@ class CpuSource(Source):
         ),
         gauge("memory_available_bytes", "MemAvailable: memory available for new work."),
         gauge("memory_total_bytes", "MemTotal: usable physical memory."),
+        *reclaim.METRICS,
     )
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
@@ -247,6 +251,7 @@ class CpuSource(Source):
         self._prev: StatReading | None = None
         self._labels: dict[int, tuple[str]] = {}  # a core's label values, made once
         self._psi_missing_logged = False
+        self._reclaim = reclaim.Reclaim(procfs, context.extras.get("clock", time.monotonic))
 
     def _read_required(self, path: str) -> str:
         return read_kernel_file(path, "procfs", self.context.procfs)
@@ -271,6 +276,7 @@ class CpuSource(Source):
             )
         if self.cfg.pressure:
             samples += self._pressure_samples()
+        samples += self._reclaim.samples()
         return samples
 
     def _stat_samples(self, stat: StatReading) -> list[Sample]:

@@ -20,7 +20,9 @@ NIC whose interrupts land on CPUs the job never runs on does not starve it. The
 * those disks' `%util` and await (iostat's, from `/proc/diskstats` read once per poll
   for every job, only when some job has a disk);
 * the share of the job's processes in uninterruptible sleep (`D`: waiting for I/O) at
-  the poll, from `/proc/PID/stat`, which also gives the CPU each last ran on;
+  the poll, from `/proc/PID/stat`, which also gives the CPU each last ran on and the
+  major page faults (`majflt`: a fault that waited for a read, from swap or of a
+  mapped file's page not in the page cache), as a rate between two polls;
 * on those CPUs (`/proc/stat` per-CPU lines, read once per poll): the iowait share,
   and the largest share of one CPU's time spent in hard and soft interrupt handlers.
 
@@ -84,12 +86,17 @@ CPU_IOWAIT = _gpu(
     "gpu_process_cpu_iowait_ratio",
     "iowait share of the CPUs the main process and its children last ran on.",
 )
+MAJOR_FAULTS = _gpu(
+    "gpu_process_major_faults_per_second",
+    "Major page faults of the main process and its children (/proc/PID/stat majflt: "
+    "faults that waited for a read, from swap or of an uncached mapped file).",
+)
 CPU_IRQ = _gpu(
     "gpu_process_cpu_interrupt_ratio",
     "Largest share of one CPU's time in hard and soft interrupt handlers, over the CPUs "
     "the main process and its children last ran on.",
 )
-METRICS = (READ_BYTES, BLOCKED, DISKS, DISK_UTIL, DISK_AWAIT, CPU_IOWAIT, CPU_IRQ)
+METRICS = (READ_BYTES, BLOCKED, MAJOR_FAULTS, DISKS, DISK_UTIL, DISK_AWAIT, CPU_IOWAIT, CPU_IRQ)
 
 
 # -- parsers (pure; ValueError on garbage) -----------------------------------------------
@@ -161,12 +168,13 @@ def is_file_target(target: str) -> bool:
     )
 
 
-def stat_state(data: bytes) -> tuple[str, int]:
-    """(state, processor) from a /proc/PID/stat: fields 3 and 39."""
+def stat_state(data: bytes) -> tuple[str, int, int, int]:
+    """(state, major faults, start time, processor) from a /proc/PID/stat: fields 3,
+    12, 22 and 39."""
     rest = data[data.rindex(b")") + 2 :].split()
-    if len(rest) < 37 or not rest[36].isdigit():
-        raise ValueError("no processor field")
-    return rest[0][:1].decode("ascii", "replace"), int(rest[36])
+    if len(rest) < 37 or not (rest[9].isdigit() and rest[19].isdigit() and rest[36].isdigit()):
+        raise ValueError("no majflt, starttime or processor field")
+    return rest[0][:1].decode("ascii", "replace"), int(rest[9]), int(rest[19]), int(rest[36])
 
 
 def cpu_shares(
@@ -202,6 +210,7 @@ class JobIoFacts:
 
     read_bytes_per_second: float | None = None
     blocked_ratio: float | None = None
+    major_faults_per_second: float | None = None
     disks: tuple[str, ...] | None = None  # None: not resolved (unreadable)
     disk: IostatRates | None = None  # the busiest of `disks`
     cpus: frozenset[int] = frozenset()
@@ -214,6 +223,8 @@ class _Proc:
     start: int  # the stat line's starttime text, to tell a reused pid
     at: float = 0.0
     read_bytes: int | None = None
+    faults_at: float = 0.0
+    major_faults: int | None = None
     disks: tuple[str, ...] | None = None
 
 
@@ -253,8 +264,8 @@ class JobIo:
 
     def read(self, main: int, children: Sequence[int], rescan: bool) -> JobIoFacts:
         facts = JobIoFacts()
-        rate = 0.0
-        rated = False
+        rate = faults = 0.0
+        rated = faults_rated = False
         blocked = counted = 0
         disks: set[str] = set()
         resolved = False
@@ -262,19 +273,20 @@ class JobIo:
         for pid in [main, *children]:
             base = f"{self._proc}/{pid}"
             try:
-                stat = read_file(f"{base}/stat", 4096)
-                state, cpu = stat_state(stat)
+                state, majflt, start, cpu = stat_state(read_file(f"{base}/stat", 4096))
             except (OSError, ValueError):
                 continue  # exited, or not a process
-            start = stat[stat.rindex(b")") + 2 :].split(b" ", 21)[19:20]
-            key = int(start[0]) if start and start[0].isdigit() else -1
             proc = self._procs.get(pid)
-            if proc is None or proc.start != key:
-                proc = self._procs[pid] = _Proc(key)
+            if proc is None or proc.start != start:
+                proc = self._procs[pid] = _Proc(start)
             self._seen.add(pid)
             counted += 1
             blocked += state == "D"
             cpus.add(cpu)
+            if proc.major_faults is not None and self._now > proc.faults_at:
+                faults += max(0, majflt - proc.major_faults) / (self._now - proc.faults_at)
+                faults_rated = True
+            proc.major_faults, proc.faults_at = majflt, self._now
             try:
                 value = read_bytes_of(read_file(f"{base}/io", 4096))
             except (OSError, ValueError) as e:
@@ -293,6 +305,8 @@ class JobIo:
                 disks.update(proc.disks)
         if rated:
             facts.read_bytes_per_second = rate
+        if faults_rated:
+            facts.major_faults_per_second = faults
         if counted:
             facts.blocked_ratio = blocked / counted
             facts.cpus = frozenset(cpus)
@@ -315,6 +329,7 @@ class JobIo:
         values = (
             (READ_BYTES, facts.read_bytes_per_second),
             (BLOCKED, facts.blocked_ratio),
+            (MAJOR_FAULTS, facts.major_faults_per_second),
             (DISKS, None if facts.disks is None else len(facts.disks)),
             (DISK_UTIL, None if facts.disk is None else facts.disk.utilization_ratio),
             (DISK_AWAIT, None if facts.disk is None else facts.disk.await_seconds),

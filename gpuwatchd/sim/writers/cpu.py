@@ -1,4 +1,4 @@
-"""The simulator's /proc/stat, /proc/pressure/{cpu,io,memory} and /proc/meminfo.
+"""The simulator's /proc/stat, /proc/pressure/*, /proc/meminfo, /proc/vmstat and kswapd.
 
 `CpuWriter(root, timeline).write(t)` writes, under `root`, in the kernel's formats:
 
@@ -25,6 +25,12 @@
 * `meminfo` (fs/proc/meminfo.c, `%-16s%8lu kB` rows): MemTotal from
   `node.host.memory_total_mib`, MemAvailable from `mem_available_mib` (default 90 % of
   the total), the other rows derived from those two.
+* `vmstat` (mm/vmstat.c, `name value` rows, a subset in the kernel's order): `pswpin` /
+  `pswpout` count pages (the host's page size) at `swap_in_mb_s` / `swap_out_mb_s`, each
+  swapped-in page also a page of `pgpgin` (KiB read from block devices); `pgmajfault`
+  rises by the larger of the swap-ins and the processes' major faults summed.
+* `<pid>/stat` of one `kswapdN` kernel thread per NUMA node (pids `KSWAPD_PID` + N,
+  kthreadd's child: ppid 2, PF_KTHREAD), sharing `kswapd_cpu_percent` of a core equally.
 
 Counters integrate with `Integrator` over the writer's time. Cores that have always had
 the same load share one set of jiffy counters (a 128-CPU node at one load is one group);
@@ -45,7 +51,10 @@ from gpuwatchd.sim.counters import Integrator
 from gpuwatchd.sim.files import Files
 from gpuwatchd.sim.scenario import Timeline
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter, nr_irqs
+from gpuwatchd.sim.writers.processes import stat_line
+from gpuwatchd.sim.writers.psi import psi_fixed, psi_line
 from gpuwatchd.sources.interrupts import IrqLine, classify
+from gpuwatchd.sources.reclaim import PAGE_SIZE
 
 USER_HZ = 100
 BTIME = 1_700_000_000
@@ -91,16 +100,29 @@ PSI_FILES = (
 )
 
 
-def psi_fixed(value: float) -> str:
-    """A PSI average as the kernel prints it (LOAD_INT.LOAD_FRAC: truncated)."""
-    hundredths = int(max(0.0, min(100.0, value)) * 100 + 1e-9)
-    return f"{hundredths // 100}.{hundredths % 100:02d}"
+PAGE = PAGE_SIZE  # the simulated kernel's pages are the host's, as the reader assumes
+KSWAPD_PID = 170  # kswapd0's pid; kswapdN is KSWAPD_PID + N (kernel threads start low)
+VMSTAT_ROWS = (  # (row, its constant part, its counter key or None)
+    ("nr_free_pages", 8_000_000, None),
+    ("nr_inactive_anon", 1_200_000, None),
+    ("nr_active_anon", 9_000_000, None),
+    ("nr_inactive_file", 4_000_000, None),
+    ("nr_active_file", 6_000_000, None),
+    ("pgpgin", 91_000_000, "pgpgin"),
+    ("pgpgout", 310_000_000, None),
+    ("pswpin", 0, "pswpin"),
+    ("pswpout", 0, "pswpout"),
+    ("pgfault", 2_400_000_000, "pgfault"),
+    ("pgmajfault", 310_000, "pgmajfault"),
+    ("pgsteal_kswapd", 0, "pswpout"),
+    ("pgscan_kswapd", 0, "pswpout"),
+)
 
 
-def psi_line(kind: str, avg10: float, avg60: float, avg300: float, total_us: int) -> str:
-    return (
-        f"{kind} avg10={psi_fixed(avg10)} avg60={psi_fixed(avg60)} "
-        f"avg300={psi_fixed(avg300)} total={total_us}\n"
+def vmstat_text(counters: Mapping[Any, float]) -> str:
+    return "".join(
+        f"{row} {base + int(counters.get(('vm', key), 0.0)) if key else base}\n"
+        for row, base, key in VMSTAT_ROWS
     )
 
 
@@ -205,6 +227,7 @@ class CpuWriter:
         self.interrupts = interrupts
         node = timeline.scenario.node
         self.ncpus = node.cpus
+        self.numa_nodes = node.numa_nodes
         self.memory_total_kb = int(node.host.memory_total_mib * 1024)
         self._jiffies = Integrator()
         self._counters = Integrator()  # ctxt, processes, softirqs, PSI totals
@@ -263,7 +286,21 @@ class CpuWriter:
         self.files.put(
             os.path.join(self.root, "meminfo"), meminfo_text(self.memory_total_kb, available_kb)
         )
+        self.files.put(os.path.join(self.root, "vmstat"), vmstat_text(counters))
+        self._kswapd(counters, host)
         return self.writes - before
+
+    def _kswapd(self, counters: Mapping[Any, float], host: Mapping[str, Any]) -> None:
+        busy = float(host.get("kswapd_cpu_percent") or 0.0) / self.numa_nodes >= 50
+        for node in range(self.numa_nodes):
+            pid = KSWAPD_PID + node
+            ticks = math.floor(counters.get(("kswapd", node), 0.0))
+            os.makedirs(self.root / str(pid), exist_ok=True)
+            line = stat_line(
+                pid, f"kswapd{node}", "R" if busy else "S", 2, 0, ticks, 1, 39, 0,
+                majflt=0, kthread=True,
+            )
+            self.files.put(os.path.join(self.root, f"{pid}/stat"), line)
 
     def _jiffy_rates(self) -> Mapping[Hashable, float]:
         return {
@@ -346,6 +383,21 @@ class CpuWriter:
             for kind, key in kinds:
                 percent = float(host.get(key) or 0.0) if key else 0.0
                 rates[("psi", resource, kind)] = max(0.0, min(100.0, percent)) * 1e4  # µs/s
+        swap_in = float(host.get("swap_in_mb_s") or 0.0) * 1e6 / PAGE  # pages/s
+        rates[("vm", "pswpin")] = swap_in
+        rates[("vm", "pswpout")] = float(host.get("swap_out_mb_s") or 0.0) * 1e6 / PAGE
+        # every process's major faults are the node's too (the kernel counts each once)
+        faults = sum(
+            float(p.get("major_faults_per_second") or 0.0)
+            + int(p.get("workers") or 0) * float(p.get("worker_major_faults_per_second") or 0.0)
+            for p in (host.get("processes") or {}).values()
+        )
+        rates[("vm", "pgmajfault")] = 2.0 + max(swap_in, faults)
+        rates[("vm", "pgpgin")] = 400.0 + swap_in * PAGE / 1024
+        rates[("vm", "pgfault")] = n * 300.0 + busy_cpus * 3000.0
+        kswapd = float(host.get("kswapd_cpu_percent") or 0.0) / self.numa_nodes
+        for node in range(self.numa_nodes):
+            rates[("kswapd", node)] = kswapd * USER_HZ / 100  # ticks/s
         return rates
 
     def _smooth(self, resource: str, kind: str, value: float, dt: float) -> tuple[float, float]:
@@ -396,4 +448,12 @@ class CpuWriter:
         return "".join(lines)
 
 
-__all__ = ["CpuWriter", "core_split", "meminfo_text", "psi_fixed", "psi_line"]
+__all__ = [
+    "KSWAPD_PID",
+    "CpuWriter",
+    "core_split",
+    "meminfo_text",
+    "psi_fixed",
+    "psi_line",
+    "vmstat_text",
+]

@@ -20,12 +20,15 @@ host facts get `HostProcess` defaults and the GPU entry's name):
   space, in the main thread's `children`), ppid = pid, comm `pt_data_worker` (as
   PyTorch names its DataLoader workers), each at `worker_cpu_percent` of a core; the
   first `io_blocked_workers` of them in state D (waiting for I/O) in their `stat`;
+  `majflt` (stat's field 12) rises by `major_faults_per_second` on the main process
+  (from 120) and `worker_major_faults_per_second` on each worker (from 0);
 * `<sysfs>/fs/cgroup/<cgroup>/cpu.max` ("max 100000", or `cpu_quota_cpus` × 100000)
   and `cpu.stat` (`usage_usec` … `burst_usec`): the cgroup's processes' CPU time;
   with a quota, `nr_periods` rises 10/s (100 ms periods) and `nr_throttled` by
   `throttled_ratio` of them, each throttled period adding half a period to
   `throttled_usec`. A cgroup shared by several processes takes its quota and
-  throttling from the first of them (by pid) that sets one.
+  throttling from the first of them (by pid) that sets one; `memory.pressure` (PSI,
+  `some` at `memory_pressure_percent` in all three averages, `full` 0) likewise.
 
 CPU times integrate the percentages with `Integrator` in USER_HZ (100) ticks, split
 90 % user / 10 % system; the process's times are its threads' summed before they are
@@ -57,6 +60,7 @@ from gpuwatchd.sim.files import Files
 from gpuwatchd.sim.host import HostProcess
 from gpuwatchd.sim.scenario import Timeline
 from gpuwatchd.sim.sysfs import cpulist, cpumask
+from gpuwatchd.sim.writers.psi import psi_line
 
 USER_HZ = 100
 BOOT_SECONDS = 1000.0  # uptime when the scenario starts
@@ -74,6 +78,9 @@ DEFAULTS: dict[str, Any] = dict(
     cpu_quota_cpus=None,
     throttled_ratio=0.0,
     running=True,
+    major_faults_per_second=0.0,
+    worker_major_faults_per_second=0.0,
+    memory_pressure_percent=None,
 )
 # patch level of the libcudart file each CUDA release ships (the file maps show)
 CUDART_PATCH = {"11.8": 89, "12.1": 105, "12.2": 140, "12.4": 127, "12.6": 77, "12.8": 90}
@@ -116,13 +123,18 @@ def stat_line(
     processor: int,
     vsize: int = 0,
     rss_pages: int = 0,
+    majflt: int = 120,
+    kthread: bool = False,
 ) -> str:
-    """One /proc/<pid>/stat line as fs/proc/array.c prints it: 52 fields."""
-    group = pid if ppid <= 1 else ppid  # a worker is in its parent's process group
+    """One /proc/<pid>/stat line as fs/proc/array.c prints it: 52 fields. A kernel
+    thread (kthreadd's child) has process group and session 0, the PF_KTHREAD flag and
+    no page faults."""
+    group = 0 if kthread else pid if ppid <= 1 else ppid  # a worker: its parent's group
+    flags = 0x208040 if kthread else 4194560 if ppid else 4194304  # PF_KTHREAD / PF_RANDOMIZE
+    minflt = 0 if kthread else 183_000
     fields = [
-        f"{pid} ({comm[:15]})", state, ppid, group, group, 0, -1,
-        4194560 if ppid else 4194304,  # flags: PF_RANDOMIZE (| PF_FORKNOEXEC)
-        183_000, 0, 120, 0,  # minflt cminflt majflt cmajflt
+        f"{pid} ({comm[:15]})", state, ppid, group, group, 0, -1, flags,
+        minflt, 0, majflt, 0,  # minflt cminflt majflt cmajflt
         utime, stime, 0, 0,  # utime stime cutime cstime
         20, 0, threads, 0, starttime, vsize, rss_pages, 18446744073709551615,
         1, 1, 0, 0, 0,  # startcode endcode startstack kstkesp kstkeip (hidden)
@@ -405,12 +417,14 @@ class ProcessesWriter:
             per_worker = float(values["worker_cpu_percent"]) * USER_HZ / 100
             for k in range(workers):
                 rates[(pid, "w", k)] = per_worker
+                rates[(pid, "wf", k)] = float(values["worker_major_faults_per_second"])
+            rates[(pid, "f")] = float(values["major_faults_per_second"])
             path = self._cgroup_paths.get(pid)
             if path is None:
                 path = self._cgroup_paths[pid] = cgroup_of(fact)[1]
             group = cgroups.setdefault(path, {"ticks": 0.0})
             group["ticks"] += main + (others if threads > 1 else 0.0) + per_worker * workers
-            for key in ("cpu_quota_cpus", "throttled_ratio"):
+            for key in ("cpu_quota_cpus", "throttled_ratio", "memory_pressure_percent"):
                 if values[key] is not None and key not in group:
                     group[key] = float(values[key])
         for path, group in cgroups.items():
@@ -421,13 +435,15 @@ class ProcessesWriter:
             rates[("cg", path, "periods")] = periods
             rates[("cg", path, "throttled")] = periods * throttled
             rates[("cg", path, "throttled_usec")] = periods * throttled * PERIOD_US / 2
+            stalled = group.get("memory_pressure_percent", 0.0)
+            rates[("cg", path, "memory_stall_usec")] = stalled * 1e4  # µs stalled per second
         totals = self._integrator.advance(t, rates)
 
         for pid, (fact, values) in plans.items():
             family = (parents[pid], tuple(children.get(pid, ())))
             self._write_process(t, pid, fact, values, totals, family)
         for path, group in cgroups.items():
-            self._write_cgroup(path, group.get("cpu_quota_cpus"), totals)
+            self._write_cgroup(path, group, totals)
         return self.writes - before
 
     # -- one process --------------------------------------------------------------------
@@ -495,9 +511,10 @@ class ProcessesWriter:
             if fresh or child not in self._child_start:
                 self._child_start[child] = round((BOOT_SECONDS + t) * USER_HZ)
             blocked = k < int(values.get("io_blocked_workers") or 0)  # waiting for I/O
+            faults = math.floor(self._count(totals, (pid, "wf", k), fresh))
             line = stat_line(
                 child, WORKER_NAME, "D" if blocked else worker_state, pid, user, ticks - user, 1,
-                self._child_start[child], cpus[(threads + k) % len(cpus)],
+                self._child_start[child], cpus[(threads + k) % len(cpus)], majflt=faults,
             )  # fmt: skip
             put(f"{self.proc}/{child}/stat", line)
             put(f"{self.proc}/{child}/task/{child}/stat", line)
@@ -505,9 +522,10 @@ class ProcessesWriter:
 
         ticks = math.floor(process_ticks)
         utime = math.floor(ticks * USER_SHARE)
+        faults = 120 + math.floor(self._count(totals, (pid, "f"), new))
         line = stat_line(
             pid, name, main_state, ppid, utime, ticks - utime, threads, start, cpus[0],
-            18_302_144 * 1024, 5_980_112 // 4,
+            18_302_144 * 1024, 5_980_112 // 4, faults,
         )  # fmt: skip
         put(f"{base}/stat", line)
 
@@ -571,11 +589,20 @@ class ProcessesWriter:
             text = self._maps[cudart] = maps_text(cudart)
         return text
 
-    def _write_cgroup(self, path: str, quota: float | None, totals: dict[Hashable, float]) -> None:
+    def _write_cgroup(
+        self, path: str, group: dict[str, Any], totals: dict[Hashable, float]
+    ) -> None:
+        quota = group.get("cpu_quota_cpus")
         if path.startswith(f"/{V1_CPU}/"):
             self._write_cgroup_v1(path, quota, totals)
             return
         directory = self.cgroup_root + path
+        some = group.get("memory_pressure_percent", 0.0)
+        stalled = int(totals.get(("cg", path, "memory_stall_usec"), 0.0))
+        self.files.put(
+            f"{directory}/memory.pressure",
+            psi_line("some", some, some, some, stalled) + psi_line("full", 0, 0, 0, 0),
+        )
         cpu_max = "max" if quota is None else str(round(quota * PERIOD_US))
         self.files.put(f"{directory}/cpu.max", f"{cpu_max} {PERIOD_US}\n")
         usage = int(totals.get(("cg", path, "usage"), 0.0))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.config import ProcessesConfig
 from gpuwatchd.sources import processes as package
+from gpuwatchd.sources.cpu import parse_pressure
 from gpuwatchd.sources.processes.procfs import (
     CLK_TCK,
     MAX_MAPS_BYTES,
@@ -72,6 +73,7 @@ class Facts:
     quota: float | None = None  # CPUs; None: no limit, or not known
     throttled_ratio: float | None = None
     throttled_seconds: float | None = None
+    memory_pressure: float | None = None  # its cgroup's PSI memory some avg60, 0-1
     cudart: str | None = None
     age: float | None = None  # seconds since it started
 
@@ -82,6 +84,7 @@ class _CgroupReading:
     stat_path: str = ""  # the cpu.stat throttling is read from
     seconds: float | None = None  # throttled time, cumulative
     ratio: float | None = None  # throttled share of periods since the last poll
+    memory_pressure: float | None = None  # the process's own cgroup (v2): PSI some avg60
 
 
 class MainProcessReader:
@@ -230,6 +233,7 @@ class MainProcessReader:
                     facts.quota = reading.quota
                     facts.throttled_ratio = reading.ratio
                     facts.throttled_seconds = reading.seconds
+                    facts.memory_pressure = reading.memory_pressure
 
         # CUDA runtime, from the memory maps: once, or at each scan until found
         if state.cudart is None and (state.maps_read_at is None or scanning):
@@ -302,6 +306,8 @@ class MainProcessReader:
                            f"filesystem mounted at {self._cgroup_root}?)")  # fmt: skip
             return None
         reading = _CgroupReading(quota=None)
+        if version == 2:  # the job's own memory stalls, not the node's (the root has none)
+            reading.memory_pressure = self._memory_pressure(leaf)
         binding = leaf
         for depth in range(len(parts), 0, -1):
             directory = os.path.join(root, *parts[:depth])
@@ -339,6 +345,19 @@ class MainProcessReader:
             elif d_periods == 0:
                 reading.ratio = 0.0
         return reading
+
+    def _memory_pressure(self, cgroup: str) -> float | None:
+        """`some` avg60 of a v2 cgroup's memory.pressure as a ratio; None without PSI."""
+        path = os.path.join(cgroup, "memory.pressure")
+        text = package._text(path)
+        if text is None:
+            return None
+        try:
+            some = parse_pressure(text).get("some")
+        except ValueError as e:
+            self._complain("memory.pressure", f"{path}: {e}")
+            return None
+        return None if some is None else some.avg60 / 100
 
     def _cpulist(self, text: str) -> frozenset[int] | None:
         """parse_cpulist, remembered: processes share a few affinity lists."""

@@ -84,6 +84,11 @@ THROTTLED_SECONDS = counter(
     "Time the main process's cgroup spent throttled (cgroup cpu.stat).",
     GPU_LABELS,
 )
+MEMORY_PRESSURE = _gpu(
+    "gpu_process_memory_pressure_ratio",
+    "PSI of the main process's cgroup (v2 memory.pressure `some` avg60 / 100): share of "
+    "the last minute its tasks stalled on memory (reclaim at its limit, swap-ins, refaults).",
+)
 CONTAINER = _gpu("gpu_process_in_container", "1 if the main process runs in a container.")
 CUDART = _gpu(
     "gpu_process_cudart_version",

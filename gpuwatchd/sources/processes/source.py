@@ -46,6 +46,7 @@ from gpuwatchd.sources.processes.metrics import (
     INFO,
     JOB,
     LAUNCHED,
+    MEMORY_PRESSURE,
     NUMA_ALIGNED,
     OTHERS,
     OWNER,
@@ -83,8 +84,9 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
     name = "processes"
     metrics = (
         PROCESSES, DESKTOP, OTHERS, INFO, PID, JOB, LAUNCHED, OWNER, CPU, BUSIEST, THREADS, WORKERS,
-        WORKERS_CPU, CPUS_ALLOWED, NUMA_ALIGNED, QUOTA, THROTTLED, THROTTLED_SECONDS, CONTAINER,
-        CUDART, AGE, DESKTOP_CPU, DESKTOP_COUNT, DESKTOP_CPU_BY_NAME, *PROCIO_METRICS,
+        WORKERS_CPU, CPUS_ALLOWED, NUMA_ALIGNED, QUOTA, THROTTLED, THROTTLED_SECONDS,
+        MEMORY_PRESSURE, CONTAINER, CUDART, AGE, DESKTOP_CPU, DESKTOP_COUNT, DESKTOP_CPU_BY_NAME,
+        *PROCIO_METRICS,
     )  # fmt: skip
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
@@ -318,6 +320,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             (QUOTA, f.quota),
             (THROTTLED, f.throttled_ratio),
             (THROTTLED_SECONDS, f.throttled_seconds),
+            (MEMORY_PRESSURE, f.memory_pressure),
             (CUDART, None if f.cudart is None else version_number(f.cudart)),
             (AGE, f.age),
         )
