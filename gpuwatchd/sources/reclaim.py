@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from gpuwatchd.metrics import Sample, gauge
 from gpuwatchd.sources.base import read_file
+from gpuwatchd.sources.infiniband import counter_rate
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -76,10 +77,9 @@ class Reclaim:
     def __init__(self, procfs: str, clock: Callable[[], float]) -> None:
         self._proc = procfs
         self._clock = clock
-        self._pswpin: tuple[float, int] | None = None
+        self._last: dict[str, tuple[float, int]] = {}  # a series' last (time, counter)
         self._kswapd: list[int] | None = None  # their pids; None: not scanned yet
         self._scanned_at = 0.0
-        self._ticks: tuple[float, int] | None = None
 
     def samples(self) -> list[Sample]:
         now = self._clock()
@@ -88,18 +88,22 @@ class Reclaim:
             pswpin = vmstat_value(read_file(f"{self._proc}/vmstat", 1 << 16), b"pswpin")
         except OSError:
             pswpin = None
-        if pswpin is not None:
-            last, self._pswpin = self._pswpin, (now, pswpin)
-            if last is not None and now > last[0] and pswpin >= last[1]:
-                rate = (pswpin - last[1]) * PAGE_SIZE / (now - last[0])
-                out.append(Sample(SWAP_IN.name, (), rate))
-        ticks = self._kswapd_ticks(now)
-        if ticks is not None:
-            last_ticks, self._ticks = self._ticks, (now, ticks)
-            if last_ticks is not None and now > last_ticks[0] and ticks >= last_ticks[1]:
-                cores = (ticks - last_ticks[1]) / CLK_TCK / (now - last_ticks[0])
-                out.append(Sample(KSWAPD.name, (), cores))
+        for spec, counter, unit in (
+            (SWAP_IN, pswpin, PAGE_SIZE),  # pages
+            (KSWAPD, self._kswapd_ticks(now), 1 / CLK_TCK),  # ticks
+        ):
+            rate = self._per_second(spec.name, now, counter)
+            if rate is not None:
+                out.append(Sample(spec.name, (), rate * unit))
         return out
+
+    def _per_second(self, name: str, now: float, counter: int | None) -> float | None:
+        """The counter's increase per second since its last reading (None: unread now,
+        the first reading, or a counter that fell)."""
+        if counter is None:
+            return None
+        last, self._last[name] = self._last.get(name), (now, counter)
+        return None if last is None else counter_rate(last[1], counter, now - last[0], False)
 
     def _kswapd_ticks(self, now: float) -> int | None:
         """The kswapd threads' CPU ticks summed; None where there are none to read."""
@@ -112,7 +116,7 @@ class Reclaim:
             except OSError:
                 ticks = None
             if ticks is None:  # gone (or reused): look again next poll
-                self._kswapd, self._ticks = None, None
+                self._kswapd = None
                 return None
             total += ticks
         return total if self._kswapd else None
@@ -136,4 +140,4 @@ class Reclaim:
                 if kthread_times(data, b"kswapd") is not None:
                     found.append(int(entry.name))
         self._kswapd = sorted(found)
-        self._ticks = None
+        self._last.pop(KSWAPD.name, None)  # other threads: a new baseline
