@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from series import Clock, Key, by_key
 
 from gpuwatchd.sim.scenario import Scenario, Timeline
+from gpuwatchd.sim.sysfs import SysfsWriter
 from gpuwatchd.sim.writers.infiniband import InfinibandWriter, hca_type, rate_text
 from gpuwatchd.sources import REGISTRY, SourceError
 from gpuwatchd.sources.base import Context
@@ -511,3 +512,63 @@ def test_simulated_node_without_ib_ports_has_sys_class_but_no_infiniband(tmp_pat
     assert run(writer, src, clock, 0) == {}  # no RDMA device: no series, and no error
     assert (tmp_path / "sys/class").is_dir()
     assert not (tmp_path / "sys/class/infiniband").exists()
+
+
+def test_ports_serve_the_gpus_nearest_them_on_pcie(tmp_path: Path) -> None:
+    """`ib_port_gpu_distance`: each GPU gets the ports at its smallest PCIe distance,
+    from the kernel's view the simulator writes (the HCA's `device` link, the bridges
+    above it, its root complex and NUMA node): behind the GPU's switch (0), the GPU's
+    root complex (1), its NUMA node (2); an HCA shown without a PCI function serves no
+    GPU, and without any placed HCA there is no series (the rules read every port)."""
+
+    def distances(topology: str, ports: list[dict[str, Any]], gpus: int) -> dict[Key, float]:
+        root = tmp_path / topology / str(len(ports))
+        tl = Timeline(
+            Scenario.model_validate(
+                {
+                    "name": "affinity",
+                    "node": {
+                        "gpu_count": gpus,
+                        "numa_nodes": 2,
+                        "pcie_topology": topology,
+                        "host": {"ib_ports": ports},
+                    },
+                    "phases": [{"name": "p", "duration": "1m"}],
+                }
+            )
+        )
+        SysfsWriter(root, tl).write(0)
+        InfinibandWriter(root, tl).write(0)
+        got = by_key(source(root).collect())
+        return {k: v for k, v in got.items() if k[0] == "ib_port_gpu_distance"}
+
+    # HGX: 4 switches of 2 GPUs; a NIC beside GPUs 0 and 5, a storage NIC on NUMA node 1
+    hgx = distances(
+        "switched",
+        [
+            {"device": "mlx5_0", "beside_gpu": 0},
+            {"device": "mlx5_1", "beside_gpu": 5},
+            {"device": "mlx5_2", "numa_node": 1, "link_layer": "Ethernet"},
+            {"device": "rxe0"},  # soft-RoCE: no PCI function
+        ],
+        8,
+    )
+    served = {(k[1][0], k[1][1]): v for k, v in hgx.items()}
+    by_gpu: dict[str, set[str]] = {}
+    for bus, device in served:
+        by_gpu.setdefault(bus, set()).add(device)
+    assert len(by_gpu) == 8  # every GPU is served
+    gpu_buses = sorted(by_gpu)
+    # GPUs 0-1 share mlx5_0's switch, 4-5 mlx5_1's: distance 0
+    assert by_gpu[gpu_buses[0]] == by_gpu[gpu_buses[1]] == {"mlx5_0"}
+    assert by_gpu[gpu_buses[4]] == by_gpu[gpu_buses[5]] == {"mlx5_1"}
+    assert served[(gpu_buses[0], "mlx5_0")] == 0
+    # GPUs 2-3 (NUMA 0) reach only mlx5_0 on their node; 6-7 (NUMA 1) both on node 1
+    assert by_gpu[gpu_buses[2]] == {"mlx5_0"} and served[(gpu_buses[2], "mlx5_0")] == 2
+    assert by_gpu[gpu_buses[6]] == {"mlx5_1", "mlx5_2"}
+    assert not any(device == "rxe0" for _, device in served)
+    # direct: a NIC beside GPU 1 shares its root complex (1); GPU 0 on the other node: 3
+    direct = distances("direct", [{"device": "mlx5_0", "beside_gpu": 1}], 2)
+    assert sorted(direct.values()) == [1.0, 3.0]
+    # no HCA with a place: no series
+    assert distances("switched", [{"device": "mlx5_0"}], 2) == {}

@@ -269,6 +269,60 @@ def test_lowest_peer_names_the_least_busy_other_gpu_of_the_job():
         parse_rules(rule("lowest_peer(gpu_utilization_ratio, 2) > 0"), "t", CATALOG)
 
 
+def summary_rule(summary: str) -> str:
+    return rule("gpu_utilization_ratio > 0.5").replace(
+        'summary: "util {{ gpu_utilization_ratio * 100 }}%"', f"summary: >\n      {summary}"
+    )
+
+
+def test_a_summary_never_prints_a_value_it_does_not_have():
+    """An optional [[ clause ]] drops out where one of its values has none (when()'s
+    condition is false, no peer, an absent series); a value outside one reads "unknown"
+    and is reported missing, so `simulate --check` can flag it (issue 22, class 6)."""
+    node = Node(
+        summary_rule(
+            "util {{ gpu_utilization_ratio * 100 }}%[[, temp {{ gpu_temperature_celsius }} C]]"
+            "[[; busiest peer GPU {{ when(max(peers(gpu_utilization_ratio)) > 0.5,"
+            " highest_peer(gpu_utilization_ratio)) }}]]"
+            "; power {{ gpu_power_watts }} W"
+        )
+    )
+    jobs = [Sample("gpuwatchd_gpu_process_job", (gpu, uuid), 7) for gpu, uuid, _ in GPUS]
+    node.store.update("processes", 0, jobs)
+    node.step(0, gpu_utilization_ratio=[0.9, 0.8])
+    state = node.engine.states[("GPU-a", "cause_x")]
+    assert state.state == FIRING
+    assert state.summary == "util 90%; busiest peer GPU 1; power unknown W"
+    assert state.missing == ("gpu_power_watts",)
+    rule_ = node.engine.rules.rules[0]
+    node.step(10, gpu_utilization_ratio=[0.9, 0.2], gpu_temperature_celsius=[61, 60])
+    summary, _ = node.engine.evidence(rule_, node.engine.gpus["GPU-a"])
+    assert summary == "util 90%, temp 61 C; power unknown W"  # the peer under 0.5: no clause
+    node.step(20, gpu_utilization_ratio=[0.9, 0.2], gpu_power_watts=[300, 90])
+    assert node.engine.evidence(rule_, node.engine.gpus["GPU-a"]) == ("util 90%; power 300 W", ())
+    # a mistake inside a clause is a load error like any other, naming the placeholder
+    with pytest.raises(RulesError, match="gpu_tempreature"):
+        parse_rules(summary_rule("[[ t {{ gpu_tempreature_celsius }} ]]"), "t", CATALOG)
+    with pytest.raises(RulesError, match="when"):
+        parse_rules(summary_rule("{{ when(1) }}"), "t", CATALOG)
+
+
+def test_check_flags_a_firing_summary_with_a_missing_value():
+    from gpuwatchd.rules.check import check, unknown_values
+    from gpuwatchd.rules.engine import Transition
+    from gpuwatchd.sim.scenario import load_scenario
+
+    scenario = load_scenario("nccl-stall")
+    transitions = [
+        Transition(10, "0", "GPU-a", "nccl_stall", PENDING, FIRING, "GPU unknown", ("x",)),
+        Transition(10, "1", "GPU-b", "nccl_stall", PENDING, FIRING, "GPU 0", ()),
+    ]
+    unknowns = unknown_values(transitions)
+    assert unknowns == {(0, "nccl_stall"): ("x",)}
+    verdicts = check(scenario, {}, 60, unknowns)
+    assert [v.observed for v in verdicts if v.gpus == "0" and not v.ok] == ["no value for x"]
+
+
 def test_peers_are_the_other_gpus_of_the_same_process():
     """Without the job series (a processes source that does not export it): by pid."""
     node = Node(

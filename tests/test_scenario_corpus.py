@@ -13,7 +13,9 @@ from gpuwatchd.sim.scenario import builtin_scenarios, load_scenario
 @pytest.mark.parametrize("name", builtin_scenarios())
 def test_builtin_scenario_passes_its_check(name: str):
     played = replays()[name]  # all played at once, over the CPUs; cached for detection.md
-    verdicts = check(played.scenario, played.intervals, played.simulated_seconds)
+    verdicts = check(
+        played.scenario, played.intervals, played.simulated_seconds, played.unknowns
+    )
     assert all(v.ok for v in verdicts), format_verdicts(name, verdicts)
 
 

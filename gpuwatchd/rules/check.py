@@ -5,7 +5,8 @@ positive; not firing between `onset` and `by` (the scenario's end without `by`) 
 miss. A cause that fires on a GPU no expectation lets it fire on is a false positive
 too ("unexpected"), so every scenario is a benign twin for every rule it does not name.
 With `ends` (the fault ends), a cause still firing at `resolved_by` (the scenario's end
-without it), or firing again after it, has not resolved: a mismatch too.
+without it), or firing again after it, has not resolved: a mismatch too. So is a firing
+summary with a value that had none ("unknown" on the page).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gpuwatchd.rules.engine import FIRING, INACTIVE, Transition
 from gpuwatchd.sim.scenario import Expectation, Scenario
 
 Intervals = dict[tuple[int, str], list[tuple[float, float | None]]]
+Unknowns = dict[tuple[int, str], tuple[str, ...]]  # (gpu, cause) -> values that had none
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,15 @@ def firing_intervals(transitions: list[Transition], start: float) -> Intervals:
         elif t.old == FIRING and out[key] and out[key][-1][1] is None:
             out[key][-1] = (out[key][-1][0], t.at - start)
     return out
+
+
+def unknown_values(transitions: list[Transition]) -> Unknowns:
+    """(gpu index, cause) -> the values its firing summaries had none for, where any."""
+    out: dict[tuple[int, str], set[str]] = defaultdict(set)
+    for t in transitions:
+        if t.new == FIRING and t.missing:
+            out[(int(t.gpu), t.cause)].update(t.missing)
+    return {key: tuple(sorted(values)) for key, values in out.items()}
 
 
 def _gpus(expectation: Expectation, count: int) -> list[int]:
@@ -99,7 +110,9 @@ def _resolution(
     return (time_to_resolve(before, ends) if before and not late else None), problems
 
 
-def check(scenario: Scenario, intervals: Intervals, end: float) -> list[Verdict]:
+def check(
+    scenario: Scenario, intervals: Intervals, end: float, unknowns: Unknowns | None = None
+) -> list[Verdict]:
     count = scenario.node.gpu_count
     verdicts: list[Verdict] = []
     allowed: set[tuple[int, str]] = set()
@@ -150,6 +163,9 @@ def check(scenario: Scenario, intervals: Intervals, end: float) -> list[Verdict]
         verdicts.append(
             Verdict(cause, _span([g for g, _ in hits]), "(not expected)", observed, False)
         )
+    for (g, cause), values in sorted((unknowns or {}).items()):
+        observed = "no value for " + "; ".join(values)
+        verdicts.append(Verdict(cause, str(g), "a summary with every value", observed, False))
     return verdicts
 
 

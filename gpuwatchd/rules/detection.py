@@ -20,7 +20,13 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from gpuwatchd.config import Config
-from gpuwatchd.rules.check import Intervals, firing_intervals, time_to_resolve
+from gpuwatchd.rules.check import (
+    Intervals,
+    Unknowns,
+    firing_intervals,
+    time_to_resolve,
+    unknown_values,
+)
 from gpuwatchd.rules.ruleset import load_rules
 from gpuwatchd.sim.scenario import Scenario, builtin_scenarios, load_scenario
 
@@ -30,6 +36,7 @@ class Replay:
     scenario: Scenario
     intervals: Intervals  # (gpu, cause) -> firing spans, seconds since the start
     simulated_seconds: float
+    unknowns: Unknowns  # (gpu, cause) -> its firing summaries' values that had none
 
 
 _played: dict[str, Replay] = {}
@@ -91,7 +98,8 @@ def _play(name: str) -> Replay:
     finally:
         simulation.close()
     intervals = firing_intervals(result.transitions, result.started_at)
-    return Replay(scenario, dict(intervals), result.simulated_seconds)
+    unknowns = unknown_values(result.transitions)
+    return Replay(scenario, dict(intervals), result.simulated_seconds, unknowns)
 
 
 def _gpus(selector: object, count: int) -> list[int]:

@@ -40,6 +40,7 @@ from gpuwatchd.store import Store
 log = logging.getLogger(__name__)
 
 INACTIVE, PENDING, FIRING, NOT_EVALUABLE = "inactive", "pending", "firing", "not_evaluable"
+UNKNOWN = "unknown"  # a summary's value that had none (never "?" on a page)
 
 ACTIVE = gauge(
     "starvation_active",
@@ -108,6 +109,7 @@ class AlertState:
     seconds_total: float = 0.0
     reason: str = ""  # why not evaluable
     summary: str = ""
+    missing: tuple[str, ...] = ()  # the summary's values that had none
     reads: Reads | None = None  # what the last evaluation read; None: evaluate next cycle
     outcome: bool | str = False  # its result: holds, or why it was not evaluable
 
@@ -138,6 +140,7 @@ class Transition:
     old: str
     new: str
     detail: str  # the summary when firing, the reason when not evaluable
+    missing: tuple[str, ...] = ()  # the firing summary's values that had none
 
 
 class RuleEngine:
@@ -180,7 +183,7 @@ class RuleEngine:
         wanted = {_INFO, _LOST, PREFIX + "gpu_process_pid"}
         windowed: set[str] = set()
         for rule in rules.rules:
-            for compiled in (rule.expr, *(c for _, c in rule.summary if c is not None)):
+            for compiled in (rule.expr, *rule.summary_values()):
                 wanted.update(s.family.spec.name for s in compiled.selectors)
                 windowed |= compiled.windowed()
         self.index = LiveIndex(self.store, {name: self._scope[name] for name in wanted})
@@ -245,9 +248,18 @@ class RuleEngine:
                 self._step(rule, gpu, state, now, down, changed, polled)
                 firing = firing or state.state == FIRING
                 if state.state != old:
-                    detail = state.summary if state.state == FIRING else state.reason
+                    fires = state.state == FIRING
                     transitions.append(
-                        Transition(now, gpu.gpu, gpu.uuid, name, old, state.state, detail)
+                        Transition(
+                            now,
+                            gpu.gpu,
+                            gpu.uuid,
+                            name,
+                            old,
+                            state.state,
+                            state.summary if fires else state.reason,
+                            state.missing if fires else (),
+                        )
                     )
         if transitions or moved or sum(self.errors.values()) != errors:
             self.changes += 1
@@ -350,7 +362,8 @@ class RuleEngine:
         else:
             state.state, state.active_at = INACTIVE, None
         if state.state == FIRING and old != FIRING:
-            state.summary = self.summary(rule, gpu)  # the evidence when it started firing
+            # the evidence when it started firing
+            state.summary, state.missing = self.evidence(rule, gpu)
 
     @staticmethod
     def _not_evaluable(state: AlertState, reason: str) -> None:
@@ -358,15 +371,30 @@ class RuleEngine:
         state.active_at = state.keep_firing_since = None
 
     def summary(self, rule: Rule, gpu: GpuRef) -> str:
-        parts = []
-        for text, value in rule.summary:
-            parts.append(text)
-            if value is not None:
+        """The rule's summary for `gpu` now, on one line."""
+        return self.evidence(rule, gpu)[0]
+
+    def evidence(self, rule: Rule, gpu: GpuRef) -> tuple[str, tuple[str, ...]]:
+        """(the summary, the values outside optional clauses that had none: they read
+        UNKNOWN)."""
+        out: list[str] = []
+        missing: list[str] = []
+        for clause in rule.summary:
+            texts: list[str] = []
+            for text, value in clause.parts:
+                texts.append(text)
+                if value is None:
+                    continue
                 try:
-                    parts.append(_format(self.evaluator.evaluate(value, gpu)))
-                except Exception:  # evidence is best effort
-                    parts.append("?")
-        return " ".join("".join(parts).split())
+                    texts.append(_format(self.evaluator.evaluate(value, gpu)))
+                except Exception:  # evidence is best effort: no value, or a bug
+                    if clause.optional:
+                        texts = []
+                        break
+                    texts.append(UNKNOWN)
+                    missing.append(value.text)
+            out += texts
+        return " ".join("".join(out).split()), tuple(missing)
 
     # what the exporter shows --------------------------------------------------------
     def rows(self) -> dict[str, Rows]:

@@ -17,6 +17,8 @@ from gpuwatchd.metrics import PREFIX
 from gpuwatchd.rules.language import (
     AGGREGATES,
     GPU,
+    NIC,
+    NIC_AFFINITY,
     PCIE,
     PEER_GROUPING,
     WINDOW_FUNCTIONS,
@@ -91,6 +93,8 @@ class Evaluator:
             "_default": self._default,
             "_peers": self._peers,
             "_lowest_peer": self._lowest_peer,
+            "_highest_peer": self._highest_peer,
+            "_when": self._when,
             "_div": self._div,
             "_abs": abs,
             "_time": self._time,
@@ -131,14 +135,28 @@ class Evaluator:
         elif family.scope == PCIE:
             key = gpu.bus_id or ""
             rows = self.snapshot.per_bus.get(name, {}).get(key, [])
+        elif family.scope == NIC:
+            key = None
+            rows = self.snapshot.host.get(name, [])
+            ports = self._nearest_ports(gpu)
+            if ports:
+                rows = [r for r in rows if r[0][:2] in ports]
         else:
             key = None
             rows = self.snapshot.host.get(name, [])
         if self.reads is not None:
             self.reads.keys.add((name, key))
         if selector.matchers:
-            rows = [r for r in rows if all(r[0][i] == v for i, v in selector.matchers)]
+            rows = [r for r in rows if all(r[0][i] in v for i, v in selector.matchers)]
         return rows
+
+    def _nearest_ports(self, gpu: GpuRef) -> set[tuple[str, ...]]:
+        """The (device, port) pairs of the IB/RoCE ports nearest `gpu` on PCIe (the
+        infiniband source's NIC_AFFINITY); empty where the node does not show them."""
+        name, key = PREFIX + NIC_AFFINITY, gpu.bus_id or ""
+        if self.reads is not None:
+            self.reads.keys.add((name, key))
+        return {r[0][1:3] for r in self.snapshot.per_bus.get(name, {}).get(key, [])}
 
     def _sel(self, index: int) -> Selector:
         assert self.compiled is not None
@@ -197,6 +215,20 @@ class Evaluator:
         if not values:
             raise Missing("no peers")
         return float(min(values, key=lambda peer: (peer[1], int(peer[0])))[0])
+
+    def _highest_peer(self, index: int) -> float:
+        """As _lowest_peer, where the selector is highest (the first by index on a tie)."""
+        values = self._peer_values(index)
+        if not values:
+            raise Missing("no peers")
+        return float(min(values, key=lambda peer: (-peer[1], int(peer[0])))[0])
+
+    @staticmethod
+    def _when(holds: float, value: float) -> float:
+        """`value` where `holds`, else no value (a summary's optional clause drops out)."""
+        if not holds:
+            raise Missing("condition not met")
+        return value
 
     def _peer_values(self, index: int) -> list[tuple[str, float]]:
         """(the `gpu` label, an index; the selector's value) on the other GPUs of this

@@ -50,7 +50,9 @@ class CompileError(Exception):
 
 # ---------------------------------------------------------------------------- catalog
 
-GPU, PCIE, HOST = "gpu", "pcie", "host"
+GPU, PCIE, NIC, HOST = "gpu", "pcie", "nic", "host"
+# what joins a NIC family (labelled device, port) to a GPU: the ports nearest it on PCIe
+NIC_AFFINITY = "ib_port_gpu_distance"
 
 
 @dataclass(frozen=True)
@@ -60,12 +62,14 @@ class Family:
     name: str  # without the gpuwatchd_ prefix
     spec: MetricSpec
     source: str
-    scope: str  # gpu (joined on gpu/uuid), pcie (joined on gpu_bus_id), host (every GPU)
+    # gpu (joined on gpu/uuid), pcie (on gpu_bus_id), nic (an IB/RoCE port's, on the ports
+    # nearest the GPU: NIC_AFFINITY; every port where the node does not show it), host
+    scope: str
 
     @property
     def own_labels(self) -> tuple[str, ...]:
         """Labels other than the ones that join the family to a GPU."""
-        skip = {GPU: 2, PCIE: 1, HOST: 0}[self.scope]
+        skip = {GPU: 2, PCIE: 1, NIC: 0, HOST: 0}[self.scope]
         return self.spec.labels[skip:]
 
 
@@ -80,6 +84,8 @@ class Catalog:
                     scope = GPU
                 elif spec.labels[:1] == ("gpu_bus_id",):
                     scope = PCIE
+                elif spec.labels[:2] == ("device", "port"):
+                    scope = NIC
                 else:
                     scope = HOST
                 name = spec.name.removeprefix(PREFIX)
@@ -101,14 +107,18 @@ class Selector:
     """Series of one family for the GPU being evaluated, with label matchers."""
 
     family: Family
-    matchers: tuple[tuple[int, str], ...]  # (index into the spec's labels, value)
+    # (index into the spec's labels, the values it may have: one, or a list's)
+    matchers: tuple[tuple[int, tuple[str, ...]], ...]
     multi: bool  # may match several series per GPU: must be aggregated
 
     def describe(self) -> str:
         if not self.matchers:
             return self.family.name
         labels = self.family.spec.labels
-        inner = ", ".join(f"{labels[i]}={v!r}" for i, v in self.matchers)
+        inner = ", ".join(
+            f"{labels[i]}={v[0]!r}" if len(v) == 1 else f"{labels[i]}={list(v)!r}"
+            for i, v in self.matchers
+        )
         return f"series({self.family.name!r}, {inner})"
 
 
@@ -138,7 +148,7 @@ AGGREGATES = ("max", "min", "sum", "avg", "count")
 # Bounds on what a rule file may ask of the engine, per GPU and cycle (`rules check`
 # enforces them, with the position): a mistaken or hostile file must not exhaust the
 # parser's stack, stall evaluation, or make the engine multiply thousand-digit integers.
-MAX_EXPRESSION_CHARS = 4096  # the default rules' longest expression: 476
+MAX_EXPRESSION_CHARS = 4096  # the default rules' longest expression: 1111
 MAX_DEPTH = 50  # nesting of the syntax tree; the default rules' deepest: 10
 MAX_NUMBER = 1e18  # number literals; integers are evaluated as floats
 MAX_STRING_CHARS = 256  # durations, series names, label values
@@ -258,35 +268,44 @@ class _Checker:
             if family is None:
                 self.fail(arg, f"unknown series {name!r}{self.catalog.suggest(name)}")
                 return None
-            matchers: list[tuple[int, str]] = []
+            matchers: list[tuple[int, tuple[str, ...]]] = []
             for kw in node.keywords:
                 if kw.arg is None or kw.arg not in family.own_labels:
                     own = ", ".join(family.own_labels) or "none"
                     self.fail(kw.value, f"{name!r} has no label {kw.arg!r} (its labels: {own})")
                     return None
-                if not (isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)):
-                    self.fail(kw.value, f"label {kw.arg}: expected a string, e.g. {kw.arg}='x'")
+                values = _label_values(kw.value)
+                if values is None:
+                    self.fail(
+                        kw.value,
+                        f"label {kw.arg}: expected a string or a list of up to "
+                        f"{_MULTI_SERIES} strings, e.g. {kw.arg}='x' or {kw.arg}=['x', 'y']",
+                    )
                     return None
-                matchers.append((family.spec.labels.index(kw.arg), kw.value.value))
+                matchers.append((family.spec.labels.index(kw.arg), values))
             return self._make(family, tuple(matchers), node)
         return None
 
     def _make(
-        self, family: Family, matchers: tuple[tuple[int, str], ...], node: ast.AST
+        self, family: Family, matchers: tuple[tuple[int, tuple[str, ...]], ...], node: ast.AST
     ) -> Selector:
         labels = family.spec.labels
-        matched = {labels[i] for i, _ in matchers}
+        # a label matched to one value is fixed; one matched to a list still varies
+        matched = {labels[i] for i, v in matchers if len(v) == 1}
         free = [label for label in family.own_labels if label not in matched]
         if (
             family.scope == PCIE
             and "role" in matched
-            and dict((labels[i], v) for i, v in matchers).get("role") == "gpu"
+            and dict((labels[i], v) for i, v in matchers).get("role") == ("gpu",)
         ):
             free = [label for label in free if label != "device"]  # the GPU's own function
         selector = Selector(family, matchers, multi=bool(free))
         if not self._optional:
             self.required_sources.add(family.source)
         self.selectors.append(selector)
+        affinity = self.catalog.families.get(NIC_AFFINITY)
+        if family.scope == NIC and affinity is not None:  # indexed for the join, not required
+            self.selectors.append(Selector(affinity, (), multi=True))
         return selector
 
     def _index(self, selector: Selector) -> ast.Constant:
@@ -462,7 +481,7 @@ class _Checker:
                 return NUM, self._call(f"_{name}_of", *values)  # type: ignore[arg-type]
             self.fail(node, f"{name}() takes a series, peers(...), or (max/min) 2+ numbers")
             return None, None
-        if name in ("peers", "lowest_peer"):
+        if name in ("peers", "lowest_peer", "highest_peer"):
             if len(args) != 1:
                 self.fail(node, f"{name}() takes one series")
                 return None, None
@@ -479,8 +498,8 @@ class _Checker:
                 family = self.catalog.families.get(grouping)
                 if family is not None:
                     self.selectors.append(Selector(family, (), multi=False))
-            if name == "lowest_peer":
-                return NUM, self._call("_lowest_peer", self._index(got))
+            if name != "peers":
+                return NUM, self._call(f"_{name}", self._index(got))
             return LIST, self._call("_peers", self._index(got))
         if name in ("present", "default"):
             want = 1 if name == "present" else 2
@@ -511,19 +530,38 @@ class _Checker:
                 return None, None
             value = self.expect(args[0], NUM)
             return (NUM, self._call("_abs", value)) if value is not None else (None, None)
+        if name == "when":  # a summary's value only where it means something
+            if len(args) != 2:
+                self.fail(node, "when() takes a condition and a number")
+                return None, None
+            test, value = self.expect(args[0], NUM), self.expect(args[1], NUM)
+            if test is None or value is None:
+                return None, None
+            return NUM, self._call("_when", test, value)
         if name == "time":
             if args:
                 self.fail(node, "time() takes no arguments")
                 return None, None
             return NUM, self._call("_time")
         known = sorted(
-            [*WINDOW_FUNCTIONS, *AGGREGATES, "series", "peers", "lowest_peer"]
-            + ["present", "default", "abs", "time"]
+            [*WINDOW_FUNCTIONS, *AGGREGATES, "series", "peers", "lowest_peer", "highest_peer"]
+            + ["present", "default", "abs", "when", "time"]
         )
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]}()?)" if close else ""
         self.fail(node.func, f"unknown function {name}(){hint}")
         return None, None
+
+
+def _label_values(node: ast.expr) -> tuple[str, ...] | None:
+    """A matcher's value: 'x', or ['x', 'y', ...] (up to _MULTI_SERIES); None if neither."""
+    items = node.elts if isinstance(node, (ast.List, ast.Tuple)) else [node]
+    values = [n.value for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    if not values or len(values) != len(items) or len(values) > _MULTI_SERIES:
+        return None
+    if any(len(v) > MAX_STRING_CHARS for v in values):
+        return None
+    return tuple(values)
 
 
 def compile_expression(text: str, catalog: Catalog, field_name: str = "expr") -> Compiled:

@@ -32,6 +32,7 @@ MAX_TEXT_CHARS = 4096  # a summary or remedy (they become label values of starva
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _PLACEHOLDER = re.compile(r"\{\{(.*?)\}\}", re.S)
+_CLAUSE = re.compile(r"\[\[(.*?)\]\]", re.S)
 
 Dimension = Literal["pcie", "input", "compute", "communication", "driver", "system"]
 Severity = Literal["info", "warning", "critical"]
@@ -66,10 +67,26 @@ class RuleFile(BaseModel):
 
 
 @dataclass(frozen=True)
+class Clause:
+    """A run of a summary: literal text, each followed by an evidence value (or None).
+    An optional clause (`[[ ... ]]` in the file) is left out where one of its values has
+    none; a missing value elsewhere reads "unknown"."""
+
+    parts: list[tuple[str, Compiled | None]]
+    optional: bool
+
+    def values(self) -> list[Compiled]:
+        return [c for _, c in self.parts if c is not None]
+
+
+@dataclass(frozen=True)
 class Rule:
     spec: RuleSpec
     expr: Compiled
-    summary: list[tuple[str, Compiled | None]]  # literal text, then an evidence value
+    summary: list[Clause]
+
+    def summary_values(self) -> list[Compiled]:
+        return [c for clause in self.summary for c in clause.values()]
 
     @property
     def name(self) -> str:
@@ -83,7 +100,7 @@ class Rule:
     @property
     def cost(self) -> float:
         """Evaluation steps per GPU, at most: the expression and the summary's values."""
-        return self.expr.cost + sum(c.cost for _, c in self.summary if c is not None)
+        return self.expr.cost + sum(c.cost for c in self.summary_values())
 
 
 @dataclass(frozen=True)
@@ -101,8 +118,26 @@ class RuleSet:
         return sum(r.cost for r in self.rules)
 
 
-def _summary(text: str, catalog: Catalog) -> list[tuple[str, Compiled | None]]:
-    """Split a summary into literal text and compiled {{ expression }} placeholders."""
+def _summary(text: str, catalog: Catalog) -> list[Clause]:
+    """Split a summary into its clauses: the text between `[[ optional ]]` ones, and
+    those; CompileError with every placeholder's problems."""
+    clauses, problems, position = [], [], 0
+    for match in [*_CLAUSE.finditer(text), None]:
+        end = match.start() if match else len(text)
+        runs = [(text[position:end], False)] + ([(match.group(1), True)] if match else [])
+        for run, optional in runs:
+            try:
+                clauses.append(Clause(_parts(run, catalog), optional))
+            except CompileError as e:
+                problems += e.problems
+        position = match.end() if match else end
+    if problems:
+        raise CompileError(problems)
+    return clauses
+
+
+def _parts(text: str, catalog: Catalog) -> list[tuple[str, Compiled | None]]:
+    """Split text into literal text and compiled {{ expression }} placeholders."""
     parts: list[tuple[str, Compiled | None]] = []
     position = 0
     problems = []

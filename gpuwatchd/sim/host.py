@@ -39,6 +39,11 @@ class IbPort(Strict):
     port: int = 1
     rate_gbps: float = 400  # the port's best rate (what it should link at)
     link_layer: Literal["InfiniBand", "Ethernet"] = "InfiniBand"
+    # where the HCA sits on PCIe (its device's ports share it): behind GPU N's PCIe switch
+    # (under the same root complex on `direct` boards), as HGX boards pair GPUs and NICs;
+    # else on a root port of its own on `numa_node`; neither: no PCI function is shown
+    beside_gpu: int | None = Field(None, ge=0)
+    numa_node: int | None = Field(None, ge=0)
 
 
 class SlurmOwner(Strict):

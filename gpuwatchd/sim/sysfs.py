@@ -65,6 +65,8 @@ from gpuwatchd.sim.scenario import PciFunction, Timeline, Topology
 
 NVIDIA_VENDOR = 0x10DE
 BRIDGE_CLASS = 0x060400
+MELLANOX_VENDOR, CONNECTX7 = 0x15B3, 0x1021
+INFINIBAND_CLASS, ETHERNET_CLASS = 0x020700, 0x020000
 ROOT_PORT_ID = (0x8086, 0x1BBC)
 SWITCH_ID = (0x10B5, 0x8796)
 SWITCH_ID_GEN5 = (0x1000, 0xC030)
@@ -193,7 +195,7 @@ def port_kinds(topology: Topology) -> dict[str, str]:
     downstream port sits an upstream port, below an upstream port downstream ports.
     """
     kinds: dict[str, str] = {}
-    gpus = set(topology.gpu_names)
+    gpus = topology.endpoints()
 
     def kind(name: str) -> str:
         if name in kinds:
@@ -313,11 +315,12 @@ class SysfsWriter:
                 )
         self._dirs: dict[str, Path] = {}
         self._links: dict[str, str] = {}  # bus/pci/devices/<bdf> -> relative target
-        for name in self.topology.functions:
-            chain = self.topology.path_to_root(name)
-            rel = "/".join([chain[0].domain_root, *(fn.bdf for fn in chain)])
+        for name, fn in self.topology.functions.items():
+            rel = self.topology.sysfs_path(name)
             self._dirs[name] = self.root / "devices" / rel
-            self._links[chain[-1].bdf] = "../../../devices/" + rel
+            self._links[fn.bdf] = "../../../devices/" + rel
+        self._nics = {name: device for device, name in self.topology.nic_names.items()}
+        self._link_layers = {p.device: p.link_layer for p in node.host.ib_ports}
         self._links_model = LinkModel(self.topology)
         self._kinds = self._links_model.kinds
         # per function: its dynamic files, as plain strings (cheap to key and open)
@@ -390,7 +393,12 @@ class SysfsWriter:
 
     def _static(self, fn: PciFunction) -> dict[str, str]:
         kind = self._kinds[fn.name]
-        if kind == ENDPOINT:
+        device_name = self._nics.get(fn.name)
+        if device_name is not None:  # a ConnectX-7 (15b3:1021): InfiniBand or Ethernet
+            ethernet = self._link_layers[device_name] == "Ethernet"
+            vendor, device, driver = MELLANOX_VENDOR, CONNECTX7, "mlx5_core"
+            pci_class = ETHERNET_CLASS if ethernet else INFINIBAND_CLASS
+        elif kind == ENDPOINT:
             vendor, device, pci_class, driver = (
                 NVIDIA_VENDOR,
                 self._model.pci_device_id,

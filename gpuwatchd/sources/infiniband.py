@@ -45,6 +45,17 @@ else the highest rate the port has reported while ACTIVE since the source starte
 never below the current rate. A port already degraded when the daemon starts is seen
 only with `expected_rates`.
 
+Which ports serve which GPU: NCCL sends a GPU's traffic through the RDMA ports nearest it
+on PCIe, so errors and congestion are judged on those. The kernel shows where an HCA
+sits: `class/infiniband/<device>/device` links to its PCI function, whose path names
+the bridges above it, the root complex (`pci0000:30`) and `numa_node`; the GPUs' are
+under `bus/pci/devices` (as the pcie source finds them). A port's distance to a GPU is
+0 when they share a PCIe bridge (a switch: NCCL's PIX/PXB), 1 the same root complex
+(PHB), 2 the same NUMA node (NODE), 3 otherwise (SYS); each GPU is served by the ports
+at its smallest distance (`ib_port_gpu_distance`, one series per GPU and such port).
+An HCA without a PCI function (soft-RoCE) serves no GPU; where no port has one, the
+rules read every port.
+
 A device or port directory that vanishes drops its series; a missing or garbled file
 drops only the series it feeds and is logged once (until it parses again). Only a
 missing `<sysfs>/class` fails the poll (sysfs not mounted there); no
@@ -66,6 +77,7 @@ from gpuwatchd.config import InfinibandConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
 from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted, read_small
+from gpuwatchd.sources.pcie import BDF, GpuPaths, PciFunction, parse_numa_node, walk_to_root
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +369,13 @@ class InfinibandSource(Source):
             "PMA error counters of the port (saturating, as the hardware keeps them).",
             ("device", "port", "counter"),
         ),
+        gauge(
+            "ib_port_gpu_distance",
+            "PCIe distance from a GPU to each port nearest it (the ports its NCCL traffic "
+            "takes): 0 the same PCIe switch, 1 the same root complex, 2 the same NUMA "
+            "node, 3 another NUMA node.",
+            ("gpu_bus_id", "device", "port"),
+        ),
     )
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
@@ -377,6 +396,8 @@ class InfinibandSource(Source):
         self._best: dict[tuple[str, str], float] = {}  # highest Gb/s seen while active
         self._device_info: dict[str, tuple[str, str]] = {}  # device -> (hca_type, fw_ver)
         self._garbled: set[str] = set()  # files already logged as garbled
+        self._gpus = GpuPaths(os.path.join(os.fspath(context.sysfs), "bus", "pci", "devices"))
+        self._places: dict[str, Place | None] = {}  # device or GPU path -> where it sits
 
     def collect(self) -> list[Sample]:
         now = self._clock()
@@ -431,8 +452,52 @@ class InfinibandSource(Source):
             del self._ports[gone]
         for device in [d for d in self._device_info if d not in devices]:
             del self._device_info[device]
+            self._places.pop(f"{self.ib_dir}/{device}/device", None)
         self._log_garbled(garbled)
+        samples += self._affinity(sorted(seen))
         return samples
+
+    def _affinity(self, ports: list[tuple[str, str]]) -> list[Sample]:
+        """`ib_port_gpu_distance` for every GPU and the ports nearest it."""
+        placed = [(key, self._place(f"{self.ib_dir}/{key[0]}/device")) for key in ports]
+        nics = [(key, place) for key, place in placed if place is not None]
+        if not nics:
+            return []
+        try:
+            if self._gpus.refresh(os.listdir(self._gpus.devices_dir)):
+                self._places.clear()  # a function left the bus: look at every place anew
+        except OSError:
+            return []
+        samples = []
+        for path in self._gpus.paths():
+            gpu = self._place(path[0].path, path)
+            if gpu is None:
+                continue
+            distances = [(gpu.distance(place), key) for key, place in nics]
+            nearest = min(d for d, _ in distances)
+            samples += [
+                Sample("gpuwatchd_ib_port_gpu_distance", (path[0].bdf, *key), float(d))
+                for d, key in distances
+                if d == nearest
+            ]
+        return samples
+
+    def _place(self, link: str, path: tuple[PciFunction, ...] | None = None) -> Place | None:
+        """Where the PCI function at `link` sits (cached); None where it is no PCI
+        function (a soft-RoCE device) or cannot be read."""
+        if link in self._places:
+            return self._places[link]
+        if len(self._places) >= 1024:
+            self._places.clear()  # a bound for nodes whose devices churn
+        resolved = os.path.realpath(link)
+        place = None
+        if BDF.fullmatch(os.path.basename(resolved).lower()) and os.path.isdir(resolved):
+            path = path or walk_to_root(resolved)
+            numa = parse_numa_node(_read(os.path.join(resolved, "numa_node")) or "")
+            root = os.path.basename(os.path.dirname(path[-1].path))
+            place = Place(frozenset(fn.bdf for fn in path[1:]), root, numa)
+        self._places[link] = place
+        return place
 
     def _samples(
         self,
@@ -525,6 +590,23 @@ class InfinibandSource(Source):
         for path in sorted(garbled - self._garbled):
             log.warning("source infiniband: %s: unexpected content, its series are left out", path)
         self._garbled = garbled
+
+
+class Place(NamedTuple):
+    """Where a PCI function sits: the bridges above it, its root complex, its NUMA node."""
+
+    bridges: frozenset[str]
+    root_complex: str  # "pci0000:30"
+    numa_node: int | None  # None or -1: unknown
+
+    def distance(self, other: Place) -> int:
+        """0 a shared PCIe bridge, 1 the same root complex, 2 the same NUMA node, 3 else."""
+        if self.bridges & other.bridges:
+            return 0
+        if self.root_complex == other.root_complex:
+            return 1
+        numa = self.numa_node
+        return 2 if numa is not None and numa >= 0 and numa == other.numa_node else 3
 
 
 def _port_order(name: str) -> tuple[int, str]:

@@ -276,9 +276,7 @@ class PcieSource(Source):
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
         self.devices_dir = os.path.join(os.fspath(context.sysfs), "bus", "pci", "devices")
-        # entry name in bus/pci/devices -> its path (GPU first, root port last), or None
-        # for a function that is not a GPU
-        self._paths: dict[str, tuple[PciFunction, ...] | None] = {}
+        self._gpus = GpuPaths(self.devices_dir)
         # what does not change while a function is on the bus, read once: a function's
         # (max speed, max width), its LnkCap; a GPU's NUMA node
         self._caps: dict[str, tuple[float | None, int | None]] = {}
@@ -286,7 +284,7 @@ class PcieSource(Source):
 
     def gpus(self) -> list[tuple[PciFunction, ...]]:
         """The path of every GPU found by the last poll: the GPU first, the root port last."""
-        return [path for path in self._paths.values() if path is not None]
+        return self._gpus.paths()
 
     def collect(self) -> list[Sample]:
         try:
@@ -295,12 +293,14 @@ class PcieSource(Source):
             raise not_mounted(self.devices_dir, "sysfs", self.context.sysfs) from e
         except OSError as e:
             raise SourceError(f"cannot list {self.devices_dir}: {e.strerror or e}") from e
-        self._refresh(entries)
+        if self._gpus.refresh(entries):  # a function left the bus: read what is back anew
+            self._caps.clear()
+            self._numa.clear()
 
         samples: list[Sample] = []
         readings: dict[str, LinkReading] = {}  # a shared bridge is read once per poll
         for name in sorted(entries):
-            path = self._paths.get(name)
+            path = self._gpus.path(name)
             if not path:
                 continue
             gpu = path[0]
@@ -334,30 +334,6 @@ class PcieSource(Source):
             if numa is not None:
                 self._numa[path] = numa
         return numa
-
-    def _refresh(self, entries: list[str]) -> None:
-        """Walk functions new to the listing; forget the ones that left it."""
-        present = set(entries)
-        if gone := [name for name in self._paths if name not in present]:
-            for name in gone:
-                del self._paths[name]
-            self._caps.clear()  # a function left the bus: whatever came back is read anew
-            self._numa.clear()
-        for name in entries:
-            if name in self._paths:
-                continue
-            entry = os.path.join(self.devices_dir, name)
-            vendor = parse_hex(_read(os.path.join(entry, "vendor")) or "")
-            pci_class = parse_hex(_read(os.path.join(entry, "class")) or "")
-            if vendor is None or pci_class is None:
-                continue  # unreadable now: look again next poll
-            if vendor != NVIDIA_VENDOR or pci_class >> 16 != DISPLAY_CLASS:
-                self._paths[name] = None
-                continue
-            resolved = os.path.realpath(entry)
-            if not os.path.isdir(resolved):
-                continue
-            self._paths[name] = walk_to_root(resolved)
 
     @staticmethod
     def _link_samples(
@@ -399,6 +375,47 @@ class PcieSource(Source):
             )
 
 
+class GpuPaths:
+    """The NVIDIA GPUs listed in a `bus/pci/devices` directory and the PCIe path of each.
+
+    A function is walked once, when it first appears in the listing, and forgotten when
+    it leaves it; a function that is not a GPU is remembered as such."""
+
+    def __init__(self, devices_dir: str) -> None:
+        self.devices_dir = devices_dir
+        # entry name -> its path (GPU first, root port last), or None: not a GPU
+        self._paths: dict[str, tuple[PciFunction, ...] | None] = {}
+
+    def path(self, name: str) -> tuple[PciFunction, ...] | None:
+        return self._paths.get(name)
+
+    def paths(self) -> list[tuple[PciFunction, ...]]:
+        return [path for path in self._paths.values() if path is not None]
+
+    def refresh(self, entries: list[str]) -> bool:
+        """Walk the functions new to `entries`; forget the ones that left (True if any)."""
+        present = set(entries)
+        gone = [name for name in self._paths if name not in present]
+        for name in gone:
+            del self._paths[name]
+        for name in entries:
+            if name in self._paths:
+                continue
+            entry = os.path.join(self.devices_dir, name)
+            vendor = parse_hex(_read(os.path.join(entry, "vendor")) or "")
+            pci_class = parse_hex(_read(os.path.join(entry, "class")) or "")
+            if vendor is None or pci_class is None:
+                continue  # unreadable now: look again next poll
+            if vendor != NVIDIA_VENDOR or pci_class >> 16 != DISPLAY_CLASS:
+                self._paths[name] = None
+                continue
+            resolved = os.path.realpath(entry)
+            if not os.path.isdir(resolved):
+                continue
+            self._paths[name] = walk_to_root(resolved)
+        return bool(gone)
+
+
 def link_partner(path: tuple[PciFunction, ...], index: int) -> PciFunction | None:
     """The other end of the link `path[index]` reports on: the GPU and its port share a
     link, the port's switch upstream port and the port above it the next, and so on
@@ -420,6 +437,7 @@ def walk_to_root(resolved: str) -> tuple[PciFunction, ...]:
 
 __all__ = [
     "BDF",
+    "GpuPaths",
     "aer_total",
     "LinkReading",
     "PciFunction",

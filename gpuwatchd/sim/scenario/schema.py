@@ -199,6 +199,24 @@ class Node(Strict):
                 f"gpu_model: unknown model {self.gpu_model!r} "
                 f"(built in: {', '.join(BUILTIN_MODELS)})"
             )
+        places: dict[str, tuple[int | None, int | None]] = {}
+        for i, port in enumerate(self.host.ib_ports):
+            place = (port.beside_gpu, port.numa_node)
+            if places.setdefault(port.device, place) != place:
+                raise ValueError(
+                    f"host.ib_ports.{i}: {port.device} is placed elsewhere by an earlier "
+                    "port: the ports of one device share its beside_gpu and numa_node"
+                )
+            if port.beside_gpu is not None and port.beside_gpu >= self.gpu_count:
+                raise ValueError(
+                    f"host.ib_ports.{i}.beside_gpu: no GPU {port.beside_gpu} "
+                    f"(gpu_count: {self.gpu_count})"
+                )
+            if port.numa_node is not None and port.numa_node >= self.numa_nodes:
+                raise ValueError(
+                    f"host.ib_ports.{i}.numa_node: no NUMA node {port.numa_node} "
+                    f"(numa_nodes: {self.numa_nodes})"
+                )
         if self.pcie_max:
             names = Topology(self).functions
             for key in self.pcie_max:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from gpuwatchd.sim.models import GpuModel
 
 if TYPE_CHECKING:
+    from gpuwatchd.sim.host import IbPort
     from gpuwatchd.sim.scenario.schema import LinkCapability, Node
 
 
@@ -30,7 +31,9 @@ class Topology:
 
     switched: two GPUs per PCIe switch (upstream port + one downstream port per GPU),
     each switch under its own CPU root port, as on HGX boards. direct: each GPU directly
-    under a root port.
+    under a root port. An RDMA device placed `beside_gpu` gets a downstream port of that
+    GPU's switch (direct: a root port of the GPU's root complex); one placed only on a
+    `numa_node`, a root complex of its own there.
     """
 
     def __init__(self, node: Node) -> None:
@@ -44,6 +47,12 @@ class Topology:
                 self._switched_gpu(i, numa, model)
             else:
                 self._direct_gpu(i, numa, model)
+        self.nic_names: dict[str, str] = {}  # RDMA device -> its function's name
+        self._nics_beside: dict[tuple[str, str | None], int] = {}
+        for port in node.host.ib_ports:
+            placed = port.beside_gpu is not None or port.numa_node is not None
+            if placed and port.device not in self.nic_names:
+                self._nic(port)
         if node.pcie_max:
             self._capabilities(node.pcie_max)
 
@@ -51,6 +60,8 @@ class Topology:
         """Give functions the scenario's own maxima (`Node.pcie_max`)."""
         gpus = set(self.gpu_names)
         for name, fn in list(self.functions.items()):
+            if name in self.nic_names.values():
+                continue
             group = (
                 "gpus" if name in gpus else "root_ports" if fn.parent is None else "switch_ports"
             )
@@ -115,6 +126,37 @@ class Topology:
         self._add(gpu)
         self.gpu_names.append(gpu.name)
 
+    def _nic(self, port: IbPort) -> None:
+        """Add the function of `port`'s RDMA device and the port it hangs from."""
+        k = len(self.nic_names)
+        gen = 5 if port.rate_gbps >= 400 else 4
+        if port.beside_gpu is None:  # a root complex of its own on its NUMA node
+            numa, root, domain = port.numa_node or 0, f"pci{0x20 + k:04x}:00", f"{0x20 + k:04x}"
+            above, bdf, bus = None, f"{domain}:00:01.0", 1
+        else:
+            gpu = self.gpu(port.beside_gpu)
+            numa, root = gpu.numa_node, gpu.domain_root
+            parent = self.functions[gpu.parent or ""]
+            above = parent.parent  # switched: the GPU's switch upstream port; direct: none
+            beside = self._nics_beside.get((root, above), 0)
+            self._nics_beside[(root, above)] = beside + 1
+            domain, root_bus = parent.bdf.split(":")[0], int(parent.bdf.split(":")[1], 16)
+            if above is not None:  # a downstream port of the GPU's switch
+                up_bus = int(self.functions[above].bdf.split(":")[1], 16)
+                bdf, bus = f"{domain}:{up_bus + 1:02x}:{0x10 + beside:02x}.0", up_bus + 4 + beside
+            else:  # a root port on the GPU's root bus
+                bdf, bus = f"{domain}:{root_bus:02x}:02.{beside}", root_bus + 2 + beside
+        bridge = PciFunction(f"nic{k}-port", bdf, above, root, gen, 16, numa)
+        nic = PciFunction(f"nic{k}", f"{domain}:{bus:02x}:00.0", bridge.name, root, gen, 16, numa)
+        self._add(bridge)
+        self._add(nic)
+        self.nic_names[port.device] = nic.name
+
+    def sysfs_path(self, name: str) -> str:
+        """The function's directory below `devices/` ("pci0000:10/0000:10:01.1/...")."""
+        chain = self.path_to_root(name)
+        return "/".join([chain[0].domain_root, *(fn.bdf for fn in chain)])
+
     def gpu(self, index: int) -> PciFunction:
         return self.functions[self.gpu_names[index]]
 
@@ -128,8 +170,13 @@ class Topology:
             current = fn.parent
         return chain[::-1]
 
+    def endpoints(self) -> set[str]:
+        """The functions at the end of a link: the GPUs and the RDMA devices."""
+        return {*self.gpu_names, *self.nic_names.values()}
+
     def bridges(self) -> list[PciFunction]:
-        return [fn for fn in self.functions.values() if not fn.name.startswith("gpu")]
+        ends = self.endpoints()
+        return [fn for fn in self.functions.values() if fn.name not in ends]
 
 
 def nvlinks_wired(node: Node) -> list[frozenset[int]]:

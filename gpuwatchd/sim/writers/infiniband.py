@@ -4,6 +4,8 @@
 for every port of `node.host.ib_ports`, what drivers/infiniband/core/sysfs.c shows:
 
     class/infiniband/<dev>/{hca_type,fw_ver,board_id,node_type}
+    class/infiniband/<dev>/device -> ../../../devices/pci.../<bdf>  (a placed HCA's
+                                       PCI function, written by sysfs.py)
     class/infiniband/<dev>/ports/<n>/state        "4: ACTIVE"
     class/infiniband/<dev>/ports/<n>/phys_state   "5: LinkUp"
     class/infiniband/<dev>/ports/<n>/rate         "400 Gb/sec (4X NDR)"
@@ -237,8 +239,14 @@ class InfinibandWriter:
             d = self._dirs[f"{port.device}/{port.port}"]
             os.makedirs(os.path.join(d, "counters"), exist_ok=True)
             self.files.put(os.path.join(d, "link_layer"), f"{port.link_layer}\n")
+        topology = self.timeline.topology
         for device, best in devices.items():
             d = os.path.join(os.fspath(self.root), "class", "infiniband", device)
+            function = topology.nic_names.get(device)
+            if function is not None:  # where the HCA sits: its PCI function (sysfs.py)
+                _symlink(
+                    os.path.join(d, "device"), "../../../devices/" + topology.sysfs_path(function)
+                )
             for name, content in (
                 ("hca_type", f"{hca_type(best)}\n"),
                 ("fw_ver", "28.39.1002\n"),
@@ -247,6 +255,16 @@ class InfinibandWriter:
             ):
                 self.files.put(os.path.join(d, name), content)
         self._laid_out = True
+
+
+def _symlink(link: str, target: str) -> None:
+    if os.path.islink(link) and os.readlink(link) == target:
+        return
+    tmp = link + ".tmp"
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
 
 
 __all__ = ["InfinibandWriter", "hca_type", "rate_string", "rate_text"]
