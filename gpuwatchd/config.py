@@ -175,7 +175,7 @@ DCGM_DEFAULT_FIELDS: tuple[int, ...] = (
     *(202, 230),  # PCIe replays, last Xid
     *range(240, 246),  # clock violation (throttle) time
     *(409, 419, 429, 439),  # NVLink CRC flit/data, replay, recovery errors
-    *(393, 394, 395),  # remapped rows, remap failure
+    *(393, 394),  # remapped rows (pending and failure: the nvml source, for every node)
 )
 
 

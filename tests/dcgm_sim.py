@@ -53,7 +53,12 @@ class Sim:
     """A node's DCGM installation at virtual time and a DCGM source reading it."""
 
     def __init__(
-        self, root: Path, scn: Scenario | str | None = None, at: float = 10.0, **config: Any
+        self,
+        root: Path,
+        scn: Scenario | str | None = None,
+        at: float = 10.0,
+        environ: dict[str, str] | None = None,  # the daemon's environment (NODE_NAME)
+        **config: Any,
     ) -> None:
         scn = load_scenario(scn) if isinstance(scn, str) else scn or scenario()
         self.timeline = Timeline(scn)
@@ -67,6 +72,8 @@ class Sim:
             "hostname": scn.node.hostname,
             **self.dcgm.context_extras(),
         }
+        if environ is not None:
+            extras["environ"] = environ
         self.config = DcgmConfig(**config)
         self.source = DcgmSource(self.config, Context(extras=extras))
 

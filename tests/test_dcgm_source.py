@@ -136,7 +136,6 @@ def test_the_default_fields_are_the_issues(make):
         439,
         393,
         394,
-        395,
     }
     sim = make()
     sim.collect()

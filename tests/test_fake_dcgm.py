@@ -22,7 +22,7 @@ from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sources.dcgm import Bindings, load_bindings
 
 WALL0 = 1_700_000_000.0
-PROFILING = list(range(1001, 1013))
+PROFILING = list(range(1001, 1015))
 
 
 def scenario(phases: list[dict[str, Any]] | None = None, **node: Any) -> Scenario:
@@ -479,7 +479,7 @@ def test_datacenter_gpus_support_the_profiling_metric_groups(node: Node):
     handle = node.connect()
     assert supported(node, handle, 0) == set(PROFILING)
     group = handle.GetSystem().GetGroupWithGpuIds("g", [0, 1])
-    assert group.profiling.GetSupportedMetricGroups().numMetricGroups == 7
+    assert group.profiling.GetSupportedMetricGroups().numMetricGroups == 9
     n = Node(scenario(gpu_model="l40s"))  # no NVLink: no NVLink profiling fields
     try:
         assert supported(n, n.connect(), 0) == set(PROFILING) - {1011, 1012}
@@ -536,6 +536,36 @@ def test_another_profiler_holding_the_counters(node: Node):
         watch(node, handle, [1004], "during")
     node.engine.hold_profiling(False)
     assert latest(group, fg)[0][1002].value == 0.7
+
+
+@pytest.mark.parametrize("refusal", ["DCGMError_InUse", "DCGMError_ProfilingNotSupported"])
+def test_a_profiling_refusal_undoes_every_watch_of_its_field_group(refusal: str):
+    """As DCGM's WatchFieldGroup: any field DCGM_FIELD_ID_IS_PROF_FIELD covers (1013 and
+    1014 as much as 1001-1012) goes to the profiling module, and when it refuses, the
+    group's watches are all undone: the device field's, and one set up before."""
+    geforce = refusal == "DCGMError_ProfilingNotSupported"
+    n = Node(scenario(gpu_model="rtx-4090" if geforce else "a100-sxm4-80gb"))
+    try:
+        handle = n.connect()
+        assert n.b.fields.DCGM_FI_PROF_PIPE_TENSOR_HMMA_ACTIVE == 1014
+        assert not geforce or not n.engine.supported_profiling_fields(0)
+        group = handle.GetSystem().GetGroupWithGpuIds("g", [0, 1])
+        fg = n.pydcgm.DcgmFieldGroup(handle, "mixed", [155, 1013, 1014])
+        if not geforce:
+            group.samples.WatchFields(fg, 1_000_000, 60.0, 0)  # watched, then refused
+            assert (0, 155) in n.engine.watched_fields()
+            assert latest(group, fg)[0][1014].value == 0.4  # HMMA: the tensor work
+            n.engine.hold_profiling()
+        with pytest.raises(n.error(refusal)):
+            group.samples.WatchFields(fg, 1_000_000, 60.0, 0)
+        assert not n.engine.watched_fields()
+        assert latest(group, fg)[0][155].isBlank
+        # a field group of device fields only is no business of the profiling module's
+        device = n.pydcgm.DcgmFieldGroup(handle, "device", [155])
+        group.samples.WatchFields(device, 1_000_000, 60.0, 0)
+        assert latest(group, device)[0][155].value == 300.0
+    finally:
+        n.close()
 
 
 # -- host engine restarts -----------------------------------------------------------------------
@@ -652,11 +682,12 @@ def test_text_fields_read_as_str_and_blobs_fail_inside_the_bindings(node: Node, 
     assert isinstance(v[57].value, str) and v[57].value.startswith("00000000:")
     assert not unraisable
     # a binary field: DcgmFieldValue raises in the enumeration callback, which ctypes
-    # reports and swallows, once per GPU and read; the rest of that GPU's values are lost
+    # reports and swallows; libdcgm, called back once per value, reads the garbage result
+    # as "stop": every value after the blob is lost, the other GPU's included
     group, fg = watch(node, node.connect(), [155, 130, 150], "blob")
     values = latest(group, fg)
-    assert len(unraisable) == 2 and "Blobs not handled" in str(unraisable[0].exc_value)
-    assert set(values[0]) == {155}
+    assert len(unraisable) == 1 and "Blobs not handled" in str(unraisable[0].exc_value)
+    assert set(values) == {0} and set(values[0]) == {155}
 
 
 def test_dcgm_gpu_ids_need_not_be_nvml_indices():

@@ -35,10 +35,12 @@ DCGM_ST_PROFILING_NOT_SUPPORTED and refuses watches of profiling fields.
 
 What the real bindings do that once hid bugs, modelled on DCGM 4.6's: text fields read
 as `str` and binary ones raise inside the enumeration callback (ctypes prints and
-swallows it); a field group holds at most 127 fields and unknown ids are BADPARAM;
-`DcgmHandle.Shutdown()` leaves the handle in `DcgmHandle.handles` and a field group stays
-in `DcgmFieldGroup.groups` until `Delete()`; DCGM's GPU ids need not be NVML's indices
-(`set_gpu_ids`; DCGM_FI_DEV_NVML_INDEX says which GPU is which).
+swallows it; libdcgm, called back once per value, stops its walk there); a refused
+profiling watch undoes every watch of its field group (any field DCGM counts as
+profiling: 1001-1096, 1532/1533); a field group holds at most 127 fields and unknown
+ids are BADPARAM; `DcgmHandle.Shutdown()` leaves the handle in `DcgmHandle.handles` and a
+field group stays in `DcgmFieldGroup.groups` until `Delete()`; DCGM's GPU ids need not
+be NVML's indices (`set_gpu_ids`; DCGM_FI_DEV_NVML_INDEX says which GPU is which).
 
 Test hooks on `SimHostengine`: `stop()`/`start()`/`restart()`, `hold_profiling()`
 (another profiler holds the counters), `set_value()` (override one field, blanks
@@ -112,9 +114,15 @@ class SimDcgm:
                 bindings.symlink_to(FAKE_BINDINGS, target_is_directory=True)
 
     def context_extras(self) -> dict[str, Any]:
-        """What the DCGM source needs to find this node's DCGM (see sources/dcgm.py)."""
+        """What the DCGM source needs to find this node's DCGM (see sources/dcgm.py), and
+        its environment: none of the simulator's (no NODE_NAME, so `Hostname` is the node's)."""
         address = self.hostengine.address if self.hostengine else "sim://not-installed"
-        return {"rootfs": self.root, "dcgm_hostengine": address, "hostname": self.hostname}
+        return {
+            "rootfs": self.root,
+            "dcgm_hostengine": address,
+            "hostname": self.hostname,
+            "environ": {},
+        }
 
     def close(self) -> None:
         if self.hostengine is not None:

@@ -76,8 +76,14 @@ class FieldInfo:
     profiling: bool = False
 
 
+def is_profiling(fid: int) -> bool:
+    """DCGM_FIELD_ID_IS_PROF_FIELD (dcgm_fields_internal.hpp, DCGM 4.6): the ids DCGM hands
+    to its profiling module, whose refusal drops the watch of a whole field group."""
+    return 1001 <= fid <= 1096 or fid in (1532, 1533)
+
+
 def _fields(*rows: tuple[int, str, str]) -> dict[int, FieldInfo]:
-    return {fid: FieldInfo(fid, tag, ft, 1001 <= fid <= 1012) for fid, tag, ft in rows}
+    return {fid: FieldInfo(fid, tag, ft, is_profiling(fid)) for fid, tag, ft in rows}
 
 
 # Per-link NVLink counters (tag prefix: field ids of links 0-5, 6-11, 12-14 and 15-17)
@@ -174,6 +180,8 @@ FIELDS: dict[int, FieldInfo] = _fields(
     (1010, "pcie_rx_bytes", "i"),
     (1011, "nvlink_tx_bytes", "i"),
     (1012, "nvlink_rx_bytes", "i"),
+    (1013, "tensor_imma_active", "d"),
+    (1014, "tensor_hmma_active", "d"),
     *_nvlink_link_fields(),
 )
 TAGS = {info.tag: fid for fid, info in FIELDS.items()}
@@ -188,6 +196,8 @@ METRIC_GROUPS: tuple[tuple[int, int, tuple[int, ...]], ...] = (
     (2, 0, (1009, 1010)),
     (3, 0, (1001,)),
     (4, 0, (1011, 1012)),
+    (0, 4, (1013,)),  # the integer and half-precision tensor pipes
+    (0, 5, (1014,)),
 )
 NVLINK_PROFILING_FIELDS = frozenset({1011, 1012})
 
@@ -243,6 +253,7 @@ PROFILING_VALUES = {
     1006: "fp64_active",
     1007: "fp32_active",
     1008: "fp16_active",
+    1014: "tensor_active",  # HMMA: the half-precision tensor work training runs
 }
 
 

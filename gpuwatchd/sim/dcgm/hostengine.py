@@ -403,22 +403,32 @@ class SimHostengine:
         fg = state.field_groups.get(fg_id)
         if entities is None or fg is None:
             raise Status(ST_BADPARAM)
-        profiling = [fid for fid in fg.field_ids if FIELDS[fid].profiling]
-        if profiling:
-            for kind, gpu in entities:
-                if kind != FE_GPU:
-                    continue
-                groups = self.supported_profiling_fields(gpu)
-                if not groups:
-                    raise Status(ST_PROFILING_NOT_SUPPORTED)
-                supported = {fid for _, _, ids in groups for fid in ids}
-                if not set(profiling) <= supported:
-                    raise Status(ST_NOT_SUPPORTED)
-            if self.profiling_held:
-                raise Status(ST_IN_USE)
         key = (owner, group_id, fg_id)
         state.watches[key] = Watch(group_id, fg_id, max(interval, 0.001), self.now(), owner)
         state.watched = None
+        # As DCGM's WatchFieldGroup: the cache manager's watches first, then the profiling
+        # module's for the group's profiling fields (is_profiling: 1013+ too); if that
+        # refuses, every watch of this group and field group is undone, device fields too.
+        try:
+            self._watch_profiling(entities, [f for f in fg.field_ids if FIELDS[f].profiling])
+        except Status:
+            self.unwatch(state, group_id, fg_id, owner)
+            raise
+
+    def _watch_profiling(self, entities: list[tuple[int, int]], profiling: list[int]) -> None:
+        if not profiling:
+            return
+        for kind, gpu in entities:
+            if kind != FE_GPU:
+                continue
+            groups = self.supported_profiling_fields(gpu)
+            if not groups:
+                raise Status(ST_PROFILING_NOT_SUPPORTED)
+            supported = {fid for _, _, ids in groups for fid in ids}
+            if not set(profiling) <= supported:
+                raise Status(ST_NOT_SUPPORTED)
+        if self.profiling_held:
+            raise Status(ST_IN_USE)
 
     def unwatch(self, state: State, group_id: int, fg_id: int, owner: int) -> None:
         state.watches.pop((owner, group_id, fg_id), None)
@@ -471,7 +481,8 @@ class SimHostengine:
             kind, gpu, index, info, slot = read
             at, ts, gpus = samples[slot]
             value, status = value_in(index, info, at, gpus, quiet)
-            ft = "s" if isinstance(value, str) else info.type  # set_value may give a text
+            # set_value may give a text or a blob (bytes): a host engine of another version
+            ft = "s" if isinstance(value, str) else "b" if isinstance(value, bytes) else info.type
             append((kind, gpu, info.id, ft, value, status, ts))
         return out
 
@@ -561,6 +572,9 @@ class SimHostengine:
         def violation(fid: int) -> Callable[[int, dict[str, Any], float], Any]:
             return lambda gpu, v, t: integrals.violation_s(gpu, fid, t) * 1e9  # ns
 
+        def remap(key: str) -> Callable[[int, dict[str, Any], float], Any]:
+            return lambda gpu, v, t: int(v[key]) if datacenter else None
+
         ecc = "nvmlDeviceGetTotalEccErrors" not in model.unsupported
         datacenter = model.datacenter
         nvlinks = model.nvlinks > 0
@@ -604,13 +618,20 @@ class SimHostengine:
             1010: rate("pcie_rx_mb_s", 1e6),
             1011: rate("nvlink_tx_mb_s", 1e6),
             1012: rate("nvlink_rx_mb_s", 1e6),
+            1013: lambda gpu, v, t: 0.0,  # no integer tensor work in the scenarios
         }
         for fid, key in PROFILING_VALUES.items():
             getters[fid] = profiling(key)
         for fid in VIOLATIONS:
             getters[fid] = violation(fid)
-        for fid in range(390, 397):  # retired pages and row remapping: Ampere-class and newer
+        for fid in range(390, 393):  # retired pages: none on a row-remapping GPU
             getters[fid] = lambda gpu, v, t: 0 if datacenter else None
+        # row remapping (Ampere-class and newer): 393 uncorrectable and 394 correctable
+        # rows remapped, 395 a failure, 396 a remap pending
+        getters[393] = remap("remapped_rows_uncorrectable_total")
+        getters[394] = remap("remapped_rows_correctable_total")
+        getters[395] = remap("row_remap_failed")
+        getters[396] = remap("row_remap_pending")
         for fid in (409, 419, 429, 439):
             getters[fid] = lambda gpu, v, t: 0 if nvlinks else None
         for kind in NVLINK_LINK_FIELDS:  # per link: 0 errors on the model's links

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -182,6 +184,26 @@ class _ValueWriter:
             if not -(2**63) <= number < 2**63:  # C truncates to int64, as ctypes does
                 number = ctypes.c_int64(number).value
             self.ints.pack_into(out, at, *head, number)
+
+
+@contextmanager
+def _callback_errors() -> Iterator[list[Any]]:
+    """The exceptions enumeration callbacks raise in this thread meanwhile (ctypes hands
+    them to sys.unraisablehook, which still reports them)."""
+    raised: list[Any] = []
+    previous, thread = sys.unraisablehook, threading.get_ident()
+
+    def hook(unraisable: Any) -> None:
+        if threading.get_ident() == thread:
+            raised.append(unraisable)
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield raised
+    finally:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
 
 
 class FakeDcgmLib:
@@ -542,36 +564,42 @@ class FakeDcgmLib:
             raise Status(ST_BADPARAM)
         return conn.engine.values(entities, fg.field_ids)
 
-    def _enumerate(self, callback: Any, user_data: Any, rows: list[Row], per_entity: bool) -> int:
-        """Call the enumeration callback once per entity, as libdcgm does, with an array
-        of dcgmFieldValue_v1 (version 1) holding that entity's values."""
+    def _enumerate(self, callback: Any, user_data: Any, rows: list[Row], per_entity: bool) -> bool:
+        """Call the enumeration callback once per value, as libdcgm's helperGetLatestValues
+        does (a dcgmFieldValue_v1 array of one), and stop at the first nonzero return;
+        True if the walk ended. A Python callback that raised returns whatever ctypes left
+        in the result (ctypes reports the exception through sys.unraisablehook): libdcgm
+        reads garbage, which stopped the walk under the real bindings; so does the fake."""
         array_type = callback.argtypes[2 if per_entity else 1]
         writer = self._writer(array_type, 1)
         address = id(getattr(user_data, "value", user_data))
-        by_entity: dict[tuple[int, int], list[Row]] = {}
-        for row in rows:
-            by_entity.setdefault((row[0], row[1]), []).append(row)
-        for (kind, entity), entity_rows in by_entity.items():
-            array = (array_type._type_ * len(entity_rows))()
-            for i, row in enumerate(entity_rows):
-                writer.write(array, i, row)
-            if per_entity:
-                callback(kind, entity, array, len(entity_rows), address)
-            else:
-                callback(entity, array, len(entity_rows), address)
-        return ST_OK
+        array = (array_type._type_ * 1)()
+        with _callback_errors() as raised:
+            for row in rows:
+                kind, entity = row[0], row[1]
+                writer.write(array, 0, row)
+                if per_entity:
+                    result = callback(kind, entity, array, 1, address)
+                else:
+                    result = callback(entity, array, 1, address)
+                if result or raised:
+                    return False
+        return True
 
     @symbol("handle")
     def _dcgmGetLatestValues(
         self, conn: _Connection, state: State, group_id: Any, fg_id: Any, cb: Any, data: Any
     ) -> int:
-        return self._enumerate(cb, data, self._latest(conn, state, group_id, fg_id), False)
+        rows = [r for r in self._latest(conn, state, group_id, fg_id) if r[0] == FE_GPU]
+        self._enumerate(cb, data, rows, False)
+        return ST_OK  # a callback that asked to stop is no error
 
     @symbol("handle")
     def _dcgmGetLatestValues_v2(
         self, conn: _Connection, state: State, group_id: Any, fg_id: Any, cb: Any, data: Any
     ) -> int:
-        return self._enumerate(cb, data, self._latest(conn, state, group_id, fg_id), True)
+        self._enumerate(cb, data, self._latest(conn, state, group_id, fg_id), True)
+        return ST_OK
 
     @symbol("handle")
     def _dcgmGetValuesSince_v2(
@@ -586,8 +614,9 @@ class FakeDcgmLib:
         data: Any,
     ) -> int:
         rows = [r for r in self._latest(conn, state, group_id, fg_id) if r[6] > _int(since)]
-        next_since._obj.value = max([r[6] for r in rows], default=_int(since)) + 1
-        return self._enumerate(cb, data, rows, True)
+        if self._enumerate(cb, data, rows, True):  # a stopped walk leaves the timestamp
+            next_since._obj.value = max([r[6] for r in rows], default=_int(since)) + 1
+        return ST_OK
 
     @symbol("handle")
     def _dcgmEntityGetLatestValues(

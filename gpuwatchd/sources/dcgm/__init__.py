@@ -1,8 +1,9 @@
 """DCGM: what the GPU's engines actually do (profiling fields) and DCGM's device fields.
 
-NVML's utilization only says that some kernel ran. DCGM's profiling fields (1001-1012)
-say how busy the SMs, the tensor/FP pipes, DRAM and the PCIe/NVLink links were, which
-is what the starvation rules about kernels, memory bandwidth and NCCL need.
+NVML's utilization only says that some kernel ran. DCGM's profiling fields (1001-1012 by
+default; DCGM's profiling range is 1001-1096 and 1532/1533) say how busy the SMs, the
+tensor/FP pipes, DRAM and the PCIe/NVLink links were, which is what the starvation rules
+about kernels, memory bandwidth and NCCL need.
 
 Bindings. DCGM's Python bindings (`pydcgm`, `dcgm_structs`, `dcgm_agent`, ...) are
 not on PyPI; they ship with DCGM (`/usr/share/datacenter-gpu-manager-4/bindings/python3`
@@ -21,7 +22,9 @@ can share the host engine. Device fields are watched in field groups of at most 
 (DCGM's limit); profiling fields get field groups of their own (DCGM drops the whole
 watch when the profiling module refuses), watched only on GPUs whose supported
 profiling metric groups contain them. Since DCGM 4.5 pydcgm keeps handles and field
-groups in registries that only its own tests empty; the source untracks its own.
+groups in registries that only its own tests empty; the source untracks its own. Which
+fields are profiling ones is DCGM's own rule (its range, and the DCGM_FI_PROF_* names of
+the bindings), so a refused profiling watch never holds a device field.
 
 Fields. Only numbers are exported: the config rejects DCGM's text and binary fields,
 and once connected the source leaves out any field DCGM's own metadata says is not a
@@ -59,13 +62,14 @@ labels, with DCGM's raw units; see docs/dcgm.md.
 
 Reading. Each watch is read with one `dcgm_agent.dcgmEntitiesGetLatestValues` call (its
 GPUs x its fields, an array of dcgmFieldValue_v2 decoded in bulk), not pydcgm's
-`GetLatest_v2` (a Python callback per GPU and an object per value); a libdcgm without the
-symbol falls back to `GetLatest_v2`.
+`GetLatest_v2` (a Python callback and an object per value); a libdcgm without the symbol
+falls back to `dcgmGetLatestValues_v2` with a callback of our own that never raises (a
+raise inside libdcgm's walk stops it: the values after it are lost).
 
 Modules: `fields` (what each field becomes, which can be read, how they are grouped),
 `bindings` (finding and loading DCGM's bindings; their registries), `session` (one
 connection: groups, watches, reading), `latest` (a watch's values in one call), `source`
-(states, back-off, connecting, pausing).
+(states, back-off, connecting, pausing), `xid` (dcgm-exporter's `err_msg` for each Xid).
 """
 
 from gpuwatchd.config import DcgmConfig

@@ -14,7 +14,12 @@ from gpuwatchd.config import DCGM_DEFAULT_FIELDS
 from gpuwatchd.metrics import GPU_LABELS, MetricSpec, counter, gauge
 
 FE_GPU = 1  # dcgm_fields.DCGM_FE_GPU
-PROFILING_FIELDS = frozenset(range(1001, 1013))
+# DCGM's own test for a profiling field (DCGM_FIELD_ID_IS_PROF_FIELD, dcgm_fields_internal.hpp,
+# 4.6): DCGM_FI_PROF_FIRST_ID..LAST_ID (1001-1096) and the per-link NVLink bytes (1532/1533).
+# DCGM forwards these to the profiling module and, when it refuses, drops the watch of the
+# whole field group. Older DCGMs end the range earlier (3.x 1075, 4.2 1079, 4.5 1083) and
+# have no other fields in it.
+PROFILING_FIELDS = frozenset({*range(1001, 1097), 1532, 1533})
 DEFAULT_FIELDS = DCGM_DEFAULT_FIELDS
 NVML_INDEX = 52  # DCGM_FI_DEV_NVML_INDEX: the `gpu` label, DCGM's GPU id being another number
 # DCGM_MAX_FIELD_IDS_PER_FIELD_GROUP is 128, and dcgmFieldGroupCreate wants fewer
@@ -23,6 +28,20 @@ STATES = ("connected", "not_installed", "hostengine_down", "connection_lost", "e
 PROFILING_STATES = ("active", "paused", "unsupported", "refused")
 
 # -- which fields, in which field groups ----------------------------------------------------
+
+
+def profiling_ids(dcgm_fields: Any) -> frozenset[int]:
+    """The profiling module's field ids as these bindings name them: every DCGM_FI_PROF_*
+    constant of their dcgm_fields, which in every DCGM from 2.4 to 4.6 is exactly the ids
+    DCGM_FIELD_ID_IS_PROF_FIELD covers (a newer DCGM's profiling fields included), plus
+    PROFILING_FIELDS for bindings that name fewer."""
+    named = (
+        value
+        for name, value in vars(dcgm_fields).items()
+        if name.startswith("DCGM_FI_PROF_") and type(value) is int
+    )
+    return PROFILING_FIELDS | frozenset(named)
+
 
 NUMERIC_TYPES = frozenset("dit")  # DCGM_FT_DOUBLE, _INT64, _TIMESTAMP
 TYPE_NAMES = {"s": "text", "b": "binary"}  # DCGM_FT_STRING, _BINARY
@@ -34,6 +53,7 @@ class FieldPlan:
 
     native: tuple[int, ...]  # configured: exported under gpuwatchd's names
     watched: tuple[int, ...]  # those and, with exporter_compat, dcgm-exporter's defaults
+    profiling_ids: frozenset[int] = PROFILING_FIELDS  # which ids DCGM's profiling module serves
 
     @classmethod
     def of(cls, configured: Iterable[int], compat: Iterable[int] = ()) -> FieldPlan:
@@ -42,13 +62,18 @@ class FieldPlan:
 
     @property
     def profiling(self) -> list[int]:
-        return [f for f in self.watched if f in PROFILING_FIELDS]
+        return [f for f in self.watched if f in self.profiling_ids]
 
     def device_groups(self) -> list[list[int]]:
         """The device fields in field groups DCGM accepts, the NVML index first: the
         profiling fields need groups of their own (DCGM drops a refused group's watch)."""
-        ids = [NVML_INDEX, *(f for f in self.watched if f not in (*PROFILING_FIELDS, NVML_INDEX))]
+        skip = self.profiling_ids | {NVML_INDEX}
+        ids = [NVML_INDEX, *(f for f in self.watched if f not in skip)]
         return [ids[i : i + MAX_FIELDS_PER_GROUP] for i in range(0, len(ids), MAX_FIELDS_PER_GROUP)]
+
+    def classified(self, profiling: frozenset[int]) -> FieldPlan:
+        """This plan with the bindings' own profiling fields (profiling_ids)."""
+        return replace(self, profiling_ids=profiling)
 
     def without(self, ids: Iterable[int]) -> FieldPlan:
         drop = set(ids)
@@ -516,28 +541,6 @@ COMPAT_DEFAULT_FIELDS: tuple[int, ...] = (
 COMPAT_GPU_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName")
 DRIVER_LABEL = "DCGM_FI_DRIVER_VERSION"
 XID_LABELS = ("err_code", "err_msg")
-# err_msg of dcgm-exporter's DCGM_FI_DEV_XID_ERRORS for common Xids (NVIDIA's Xid catalog)
-XID_MESSAGES = {
-    0: "No Error",
-    13: "Graphics Engine Exception",
-    31: "GPU memory page fault",
-    43: "GPU stopped processing",
-    45: "Preemptive cleanup, due to previous errors -- Most likely to see when running "
-    "multiple cuda",
-    48: "Double Bit ECC Error",
-    61: "Internal micro-controller breakpoint/warning",
-    62: "Internal micro-controller halt",
-    63: "ECC page retirement or row remapping recording event",
-    64: "ECC page retirement or row remapper recording failure",
-    74: "NVLINK Error",
-    79: "GPU has fallen off the bus",
-    92: "High single-bit ECC error rate",
-    94: "Contained ECC error",
-    95: "Uncontained ECC error",
-    119: "GSP RPC Timeout",
-    120: "GSP Error",
-}
-UNKNOWN_XID = "Unknown Error"
 
 
 def compat_specs(hostname_label: str = "Hostname") -> list[MetricSpec]:

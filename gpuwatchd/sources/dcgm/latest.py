@@ -17,7 +17,13 @@ int64 and timestamp values become floats as the source exports them; a text valu
 returned as is (a binary one as a description), for the source to report as not a number.
 
 Bindings without `dcgmEntitiesGetLatestValues` or `c_dcgmFieldValue_v2` (none known), or
-a libdcgm without the symbol (DCGM_ST_FUNCTION_NOT_FOUND), fall back to `GetLatest_v2`.
+a libdcgm without the symbol (DCGM_ST_FUNCTION_NOT_FOUND), fall back to
+`dcgmGetLatestValues_v2` with a callback of our own (`read_by_callback`), never pydcgm's:
+libdcgm calls the callback once per value and stops its walk at a nonzero return, and a
+Python callback that raises (pydcgm's, at a blob: "Blobs not handled yet") returns
+whatever ctypes left in the result, so every value after it, other GPUs' included, was
+lost, with a traceback per poll. Ours decodes each value by the same rules and never
+raises: a value it cannot decode is skipped, counted and logged once.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpuwatchd.sources.dcgm.fields import FE_GPU
@@ -36,6 +42,9 @@ log = logging.getLogger(__package__)
 FT_DOUBLE, FT_INT64, FT_TIMESTAMP, FT_STRING = (ord(c) for c in "dits")
 
 Value = tuple[int, int, Any]  # (DCGM GPU id, field id, float | something not a number)
+# one value as read: (entity group, entity, field, type, status, int64, double, its buffer,
+# its index there)
+Record = tuple[int, int, int, int, int, int, float, Any, int]
 
 _CODES = {1: "b", 2: "h", 4: "i", 8: "q"}  # by size; upper case when unsigned
 
@@ -55,13 +64,14 @@ class Layout:
     fieldType, status, value as int64) and (value as double)."""
 
     MEMBERS = ("entityGroupId", "entityId", "fieldId", "fieldType", "status")
+    V1_MEMBERS = ("fieldId", "fieldType", "status")  # dcgmFieldValue_v1: no entity
 
-    def __init__(self, struct_type: Any) -> None:
+    def __init__(self, struct_type: Any, members_read: tuple[str, ...] = MEMBERS) -> None:
         types = {name: kind for name, kind, *_ in struct_type._fields_}
         self.stride = ctypes.sizeof(struct_type)
-        members = [(getattr(struct_type, m).offset, _code(types[m])) for m in self.MEMBERS]
+        members = [(getattr(struct_type, m).offset, _code(types[m])) for m in members_read]
         if any(code is None for _, code in members):
-            raise TypeError("dcgmFieldValue_v2 members are not the expected integers")
+            raise TypeError(f"{struct_type.__name__} members are not the expected integers")
         value = struct_type.value
         text = getattr(types["value"], "str", None)
         self.text = (value.offset + (text.offset if text else 0), text.size if text else 256)
@@ -73,12 +83,12 @@ class Layout:
         for offset, code in sorted(members):
             assert code is not None
             if offset < at:
-                raise TypeError("overlapping dcgmFieldValue_v2 members")
+                raise TypeError("overlapping dcgmFieldValue members")
             fmt += f"{offset - at}x" if offset > at else ""
             fmt += code
             at = offset + struct.calcsize("=" + code)
         if at > self.stride:
-            raise TypeError("dcgmFieldValue_v2 is shorter than its members")
+            raise TypeError("dcgmFieldValue is shorter than its members")
         return struct.Struct(fmt + (f"{self.stride - at}x" if self.stride > at else ""))
 
 
@@ -102,6 +112,12 @@ class LatestValues:
         self.int64_blank = value.DCGM_INT64_BLANK
         self.fp64_blank = value.DCGM_FP64_BLANK
         self._pairs: dict[tuple[int, ...], list[Any]] = {}
+        # the fallback: dcgmGetLatestValues_v2 and our own callback (see the module's doc)
+        self._agent = bindings.agent
+        self._v1 = Layout(structs.c_dcgmFieldValue_v1, Layout.V1_MEMBERS)
+        self._callback = bindings.agent.dcgmFieldValueEntityEnumeration_f(self._on_values)
+        self._records: list[Record] = []
+        self.callback_errors = 0  # values the callback could not decode (logged once)
 
     @property
     def available(self) -> bool:
@@ -122,12 +138,53 @@ class LatestValues:
             pairs = self._pairs[key] = [self.pair(FE_GPU, gpu) for gpu in gpus]
         array = self.fetch(handle, pairs, field_ids, 0)
         layout = self.layout
+        rows = zip(layout.ints.iter_unpack(array), layout.doubles.iter_unpack(array), strict=True)
+        records = (
+            (group, entity, fid, kind, status, i64, dbl, array, k)
+            for k, ((group, entity, fid, kind, status, i64), (dbl,)) in enumerate(rows)
+        )
+        return self._decode(layout, records, bool(field_ids and gpus))
+
+    def read_by_callback(
+        self, handle: Any, group_id: Any, field_group_id: Any, gpus: list[int], field_ids: list[int]
+    ) -> list[Value]:
+        """`read`, through dcgmGetLatestValues_v2 on our group and field group (a libdcgm
+        without dcgmEntitiesGetLatestValues): the same values, by the same rules."""
+        self._records = []
+        try:
+            self._agent.dcgmGetLatestValues_v2(
+                handle, group_id, field_group_id, self._callback, None
+            )
+            records = self._records
+        finally:
+            self._records = []
+        return self._decode(self._v1, records, bool(field_ids and gpus))
+
+    def _on_values(self, group: int, entity: int, values: Any, count: int, _: Any) -> int:
+        """libdcgm's enumeration callback: keeps each value's record. It must never raise
+        (see the module's doc), so it always returns 0: go on."""
+        try:
+            v1 = self._v1
+            address = ctypes.cast(values, ctypes.c_void_p).value or 0
+            for k in range(count):
+                raw = ctypes.string_at(address + k * v1.stride, v1.stride)
+                fid, kind, status, i64 = v1.ints.unpack(raw)
+                (dbl,) = v1.doubles.unpack(raw)
+                self._records.append((group, entity, fid, kind, status, i64, dbl, raw, 0))
+        except Exception as e:  # noqa: BLE001 - raising here would stop libdcgm's walk
+            self.callback_errors += 1
+            if self.callback_errors == 1:
+                log.warning("dcgm: a DCGM value could not be decoded; left out (%r)", e)
+        return 0
+
+    def _decode(self, layout: Layout, records: Iterable[Record], expected: bool) -> list[Value]:
+        """DcgmFieldValue's rules (see the module's doc) over (entity group, entity, field,
+        type, status, int64, double, buffer, index in it) records."""
         ok, int64_blank, fp64_blank = self.ok, self.int64_blank, self.fp64_blank
         out: list[Value] = []
         append = out.append
         watched = False
-        rows = zip(layout.ints.iter_unpack(array), layout.doubles.iter_unpack(array), strict=True)
-        for k, ((group, entity, fid, kind, status, i64), (dbl,)) in enumerate(rows):
+        for group, entity, fid, kind, status, i64, dbl, buffer, k in records:
             if status != ok:
                 watched = watched or status != self.not_watched
                 continue
@@ -141,18 +198,18 @@ class LatestValues:
                 if i64 < int64_blank:
                     append((entity, fid, float(i64)))
             elif kind == FT_STRING:
-                text = self._text(array, k)
+                text = _text(layout, buffer, k)
                 if not (text.startswith("<<<") and ">>>" in text):  # DCGM_STR_IS_BLANK
                     append((entity, fid, text))
             else:  # a blob (or a type this DCGM added): not a number either
                 append((entity, fid, f"<a value of DCGM type {chr(kind)!r}>"))
-        if not watched and field_ids and gpus:
+        if not watched and expected:
             raise self.structs.DCGMError(self.not_watched)
         return out
 
-    def _text(self, array: Any, k: int) -> str:
-        assert self.layout is not None
-        offset, size = self.layout.text
-        start = k * self.layout.stride + offset
-        raw = bytes(memoryview(array).cast("B")[start : start + size])
-        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+def _text(layout: Layout, buffer: Any, k: int) -> str:
+    offset, size = layout.text
+    start = k * layout.stride + offset
+    raw = bytes(memoryview(buffer).cast("B")[start : start + size])
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")

@@ -33,11 +33,10 @@ from gpuwatchd.sources.dcgm.fields import (
     NVML_INDEX,
     PROFILING_STATE,
     PROFILING_STATES,
-    UNKNOWN_XID,
-    XID_MESSAGES,
     FieldPlan,
 )
 from gpuwatchd.sources.dcgm.latest import LatestValues, Value
+from gpuwatchd.sources.dcgm.xid import UNKNOWN_XID, XID_MESSAGES
 
 log = logging.getLogger(__package__)
 
@@ -350,25 +349,20 @@ class Session:
 
     def _latest(self, watch: Watch) -> list[Value]:
         """(DCGM GPU id, field id, number or not) of the watch's non-blank latest values:
-        all in one dcgmEntitiesGetLatestValues call, or through pydcgm's GetLatest_v2
-        (a callback per GPU, an object per value) where the bindings lack it."""
+        all in one dcgmEntitiesGetLatestValues call, or, where libdcgm lacks it, through
+        dcgmGetLatestValues_v2 with our own callback (latest.py: never pydcgm's)."""
         latest = self.latest
+        handle = self.handle.handle
         if latest.available:
             structs = self.bindings.structs
             try:
-                return latest.read(self.handle.handle, watch.gpus, watch.fields)
+                return latest.read(handle, watch.gpus, watch.fields)
             except structs.DCGMError as e:
                 if e.value != structs.DCGM_ST_FUNCTION_NOT_FOUND:
                     raise
                 latest.unavailable(self.bindings.describe(e))
-        collection = watch.group.samples.GetLatest_v2(watch.field_group)
-        return [
-            (gpu_id, fid, value if number is None else number)
-            for gpu_id, fields in collection.values.get(FE_GPU, {}).items()
-            for fid, series in fields.items()
-            if not series[-1].isBlank and (value := series[-1].value) is not None
-            for number in (_number(value),)
-        ]
+        group, field_group = watch.group.GetId(), watch.field_group.fieldGroupId
+        return latest.read_by_callback(handle, group, field_group, watch.gpus, watch.fields)
 
     def _emit(self, values: list[Value], out: list[Sample]) -> None:
         gpus, append = self.gpus, out.append
@@ -427,13 +421,6 @@ class Session:
             function(*args)
         except self.bindings.structs.DCGMError as e:
             log.debug("dcgm: %s failed: %s", getattr(function, "__name__", function), e)
-
-
-def _number(value: Any) -> float | None:
-    """A value as a float, or None if DCGM gave something else (a text, a struct)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
 
 
 def _version(raw: str) -> str:

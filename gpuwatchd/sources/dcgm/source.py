@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,6 +34,7 @@ from gpuwatchd.sources.dcgm.fields import (
     FieldPlan,
     compat_specs,
     not_numbers,
+    profiling_ids,
 )
 from gpuwatchd.sources.dcgm.latest import LatestValues
 from gpuwatchd.sources.dcgm.session import Session, ranges
@@ -47,6 +48,13 @@ class DcgmUnavailable(SourceError):
     def __init__(self, message: str, samples: list[Sample]) -> None:
         super().__init__(message)
         self.samples = samples
+
+
+def exporter_hostname(environ: Mapping[str, str], hostname: str) -> str:
+    """dcgm-exporter's `Hostname` label (4.0 and later): $NODE_NAME, which its DaemonSet
+    sets from the downward API (spec.nodeName), else the host name (in a pod without
+    hostNetwork, the pod's)."""
+    return environ.get("NODE_NAME") or hostname
 
 
 def _parse_hostengine(address: str) -> dict[str, Any]:
@@ -79,7 +87,9 @@ class DcgmSource(Source):
         self._clock: Callable[[], float] = extras.get("clock", time.monotonic)
         self._rootfs = Path(extras.get("rootfs", "/"))
         self._hostengine: str = extras.get("dcgm_hostengine") or config.hostengine
-        self._hostname: str = extras.get("hostname") or socket.gethostname()
+        self._hostname = exporter_hostname(
+            extras.get("environ", os.environ), extras.get("hostname") or socket.gethostname()
+        )
         self._pid = os.getpid()
         compat = COMPAT_DEFAULT_FIELDS if config.exporter_compat else ()
         self._plan = FieldPlan.of(config.fields, compat)
@@ -330,6 +340,9 @@ class DcgmSource(Source):
         so only once connected): the config knows DCGM 4.6's text fields, not a newer's."""
         if self._checked:
             return
+        # which fields the profiling module serves, as these bindings name them: a refused
+        # profiling watch must never share a field group with device fields
+        self._plan = self._plan.classified(profiling_ids(bindings.fields))
         problems = not_numbers(bindings.fields, self._plan.watched)
         if problems:
             log.warning(
