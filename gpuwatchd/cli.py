@@ -186,7 +186,7 @@ def simulate(
     SCENARIO is a built-in scenario's name or a path to a scenario file.
     """
     from gpuwatchd.rules.check import check as check_expectations
-    from gpuwatchd.rules.check import firing_intervals, format_verdicts, unknown_values
+    from gpuwatchd.rules.check import firing_intervals, firing_summaries, format_verdicts
     from gpuwatchd.simulate import Simulation, format_result
 
     _setup_logging(log_level if log_level != "info" else "warning")
@@ -207,9 +207,9 @@ def simulate(
         sys.stdout.write(result.exposition.decode())
     if check:
         intervals = firing_intervals(result.transitions, result.started_at)
-        unknowns = unknown_values(result.transitions)
+        summaries = firing_summaries(result.transitions)
         verdicts = check_expectations(
-            scenario, intervals, result.simulated_seconds, unknowns
+            scenario, intervals, result.simulated_seconds, summaries
         )
         click.echo("\n" + format_verdicts(scenario.name, verdicts))
         if not all(v.ok for v in verdicts):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ from series import by_key
 
 from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sim.writers.cpu import CpuWriter, core_split, psi_fixed
+from gpuwatchd.sim.writers.cpufreq import CpufreqWriter
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter, nr_irqs
 from gpuwatchd.sources import REGISTRY, SourceError
 from gpuwatchd.sources import cpu as cpu_module
@@ -291,8 +293,13 @@ def test_samples_match_the_declared_specs(tmp_path: Path) -> None:
     shutil.copy(RECLAIM / "vmstat", root / "vmstat")  # swap-ins and kswapd: reclaim.py
     (root / "47").mkdir()
     shutil.copy(RECLAIM / "kswapd0.stat", root / "47" / "stat")
+    freq = tmp_path / "sys/devices/system/cpu/cpu0/cpufreq"  # cpufreq.py: busy cores' clock
+    freq.mkdir(parents=True)
+    (freq / "cpuinfo_max_freq").write_text("3800000\n")
+    (freq / "scaling_cur_freq").write_text("1900000\n")
     now = [10.0]
-    source = CpuSource(CpuConfig(), Context(procfs=root, extras={"clock": lambda: now[0]}))
+    context = Context(procfs=root, sysfs=tmp_path / "sys", extras={"clock": lambda: now[0]})
+    source = CpuSource(CpuConfig(), context)
     source.collect()
     now[0] += 1
     (root / "stat").write_text(advance((root / "stat").read_text(), {"cpu0": [1, 0, 0, 1]}))
@@ -303,6 +310,7 @@ def test_samples_match_the_declared_specs(tmp_path: Path) -> None:
     for s in samples:
         assert len(s.labels) == len(specs[s.name].labels), s
     assert by_key(samples)[("memory_available_bytes", ())] == 50 * 1024
+    assert by_key(samples)[("cpu_busy_frequency_ratio", ())] == 0.5
 
 
 def test_config_defaults_and_validation() -> None:
@@ -352,6 +360,53 @@ def test_simulated_stat_reads_back_as_the_scenario_said(tmp_path: Path) -> None:
     assert got[("cpu_steal_ratio", ())] == 0
     assert got[("memory_available_bytes", ())] == 1000 * 2**20
     assert got[("memory_total_bytes", ())] == 4096 * 2**20
+
+
+def test_simulated_iowait_per_core(tmp_path: Path) -> None:
+    """iowait lands on the cores whose tasks wait (a DataLoader's workers pinned to 2 of
+    8 cores): the node's ratio is their share, and procs_blocked counts those cores."""
+    values = {"cpu_busy_percent": 10, "core_iowait_percent": {1: 60, 2: 80}}
+    writer = CpuWriter(tmp_path, Timeline(scenario(values)))
+    source = source_for(tmp_path)
+    writer.write(0.0)
+    source.collect()
+    writer.write(10.0)
+    got = by_key(source.collect())
+    assert got[("cpu_iowait_ratio", ())] == pytest.approx((0.6 + 0.8) / 8, abs=0.002)
+    assert got[("cpu_busy_ratio", ("1",))] == pytest.approx(0.1, abs=0.002)
+    cpu2 = next(line for line in (tmp_path / "stat").read_text().splitlines()
+                if line.startswith("cpu2 "))  # fmt: skip
+    assert int(cpu2.split()[5]) == 800  # iowait ticks: 80 a second for 10 s
+    assert "procs_blocked 1\n" in (tmp_path / "stat").read_text()  # 1.4 cores' worth
+
+
+def test_busy_cores_clock_from_cpufreq(tmp_path: Path) -> None:
+    """The clock of the busy cores only (an idle core's clock drops by design); none on a
+    node without cpufreq (a VM)."""
+    values = {"cpu_busy_percent": 5, "core_busy_percent": {0: 100, 1: 100, 2: 30},
+              "cpu_mhz": 1200, "core_mhz": {1: 3500}}  # fmt: skip
+    proc, sys = tmp_path / "proc", tmp_path / "sys"
+    timeline = Timeline(scenario(values, host={"cpu_max_mhz": 3500}))
+    writers = (CpuWriter(proc, timeline), CpufreqWriter(sys, timeline))
+    source = CpuSource(CpuConfig(), Context(procfs=proc, sysfs=sys))
+    for t in (0.0, 10.0):
+        for writer in writers:
+            writer.write(t)
+        got = by_key(source.collect())
+    assert got[("cpu_busy_frequency_ratio", ())] == pytest.approx((1200 / 3500 + 1) / 2)
+    link = sys / "devices/system/cpu/cpu0/cpufreq"
+    assert os.readlink(link) == "../cpufreq/policy0"
+    assert (link / "cpuinfo_max_freq").read_text() == "3500000\n"
+    vm = Timeline(scenario(values, host={"cpu_max_mhz": None}))
+    proc, sys = tmp_path / "vm-proc", tmp_path / "vm-sys"
+    writers = (CpuWriter(proc, vm), CpufreqWriter(sys, vm))
+    source = CpuSource(CpuConfig(), Context(procfs=proc, sysfs=sys))
+    for t in (0.0, 10.0):
+        for writer in writers:
+            writer.write(t)
+        got = by_key(source.collect())
+    assert ("cpu_busy_frequency_ratio", ()) not in got
+    assert ("cpu_busy_ratio_max", ()) in got
 
 
 def test_simulated_cores_keep_their_history_when_their_load_diverges(tmp_path: Path) -> None:

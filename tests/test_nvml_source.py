@@ -113,7 +113,7 @@ PER_GPU_FAMILIES = {
     "gpu_persistence_mode", "gpu_ecc_mode", "gpu_nvlink_active", "gpu_nvlink_expected",
     "gpu_compute_processes", "gpu_process_memory_used_bytes", "gpu_nvml_hung_seconds",
     "gpu_power_default_limit_watts", "gpu_multiprocessors",
-    "gpu_nvml_stale",
+    "gpu_nvml_stale", "gpu_row_remap_pending", "gpu_row_remap_failed",
 }
 
 
@@ -181,6 +181,8 @@ def test_healthy_node_every_family_with_its_units():
         assert got.gpu("gpu_ecc_errors_total", i) == {("corrected",): 0, ("uncorrected",): 0}
         assert got.value("gpu_persistence_mode", i) == 1
         assert got.value("gpu_ecc_mode", i) == 1
+        assert got.value("gpu_row_remap_pending", i) == 0
+        assert got.value("gpu_row_remap_failed", i) == 0
         assert got.gpu("gpu_nvlink_active", i) == {(str(link),): 1.0 for link in range(12)}
         assert got.gpu("gpu_nvlink_expected", i) == {(str(link),): 1.0 for link in range(12)}
         assert got.value("gpu_compute_processes", i) == 1
@@ -223,7 +225,7 @@ def test_clock_event_reasons_and_counters_follow_the_scenario():
         {"name": "ok", "duration": 10},
         {"name": "bad", "duration": 100, "set": {
             "clock_event_reasons": ["sw_power_cap", "hw_slowdown"], "nvlink_down": [2],
-            "persistence_mode": False,
+            "persistence_mode": False, "row_remap_pending": True,
             "processes": [{"pid": 7, "gpu_memory_mib": 100}, {"pid": 8, "gpu_memory_mib": 50}]},
          "ramp": {"pcie_replay_count": [0, 1000], "ecc_corrected_total": [0, 100]}},
     ])
@@ -236,14 +238,16 @@ def test_clock_event_reasons_and_counters_follow_the_scenario():
     assert got.value("gpu_nvlink_active", 1, "2") == 0
     assert got.value("gpu_nvlink_active", 1, "3") == 1
     assert got.value("gpu_persistence_mode", 1) == 0
+    assert got.value("gpu_row_remap_pending", 1) == 1 and got.value("gpu_row_remap_failed", 1) == 0
     assert got.value("gpu_compute_processes", 1) == 2
     assert got.gpu("gpu_process_memory_used_bytes", 1) == {("7",): 100 * MIB, ("8",): 50 * MIB}
 
 
 @pytest.mark.parametrize("model, absent, present", [
-    ("rtx-4090", {"gpu_nvlink_active", "gpu_ecc_mode", "gpu_ecc_errors_total"},
-     {"gpu_pcie_replay_errors_total"}),
-    ("l40s", {"gpu_nvlink_active"}, {"gpu_ecc_mode", "gpu_ecc_errors_total"}),
+    ("rtx-4090", {"gpu_nvlink_active", "gpu_ecc_mode", "gpu_ecc_errors_total",
+                  "gpu_row_remap_pending"}, {"gpu_pcie_replay_errors_total"}),
+    ("l40s", {"gpu_nvlink_active"}, {"gpu_ecc_mode", "gpu_ecc_errors_total",
+                                     "gpu_row_remap_pending"}),
 ])
 def test_unsupported_functions_drop_series_and_are_not_asked_again(model, absent, present):
     sim = Sim(scenario([{"name": "p", "duration": 100}], gpu_model=model))
@@ -321,7 +325,10 @@ def test_calls_per_gpu_per_poll():
         nv.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER,
         nv.NVML_FI_DEV_ECC_SBE_AGG_TOTAL, nv.NVML_FI_DEV_ECC_DBE_AGG_TOTAL,
         nv.NVML_FI_DEV_ECC_CURRENT, nv.NVML_FI_DEV_NVLINK_GET_STATE,
-        nv.NVML_FI_DEV_NVLINK_LINK_COUNT}
+        nv.NVML_FI_DEV_NVLINK_LINK_COUNT, nv.NVML_FI_DEV_REMAPPED_PENDING,
+        nv.NVML_FI_DEV_REMAPPED_FAILURE}
+    # the slow fields ride in the batch every SLOW_EVERY polls only
+    assert sim.fake.field_calls[(nv.NVML_FI_DEV_REMAPPED_PENDING, 0)] == 2
     assert sim.fake.field_calls[(nv.NVML_FI_DEV_NVLINK_GET_STATE, 0)] == 12 * (SLOW_EVERY + 1)
 
 

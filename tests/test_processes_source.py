@@ -676,6 +676,22 @@ def test_jobs_are_not_made_by_adopters_or_a_lone_child(node_factory) -> None:
     assert [m.gpu("gpu_process_job", g) for g in range(3)] == [3101, 3102, 3103]
 
 
+def test_an_unreadable_environment_falls_back_to_the_parent(node_factory) -> None:
+    """Another user's ranks, seen by an unprivileged daemon: /proc/PID/environ refuses
+    reading (EACCES, even to the simulated daemon's root), so their launch is unknown
+    and their common parent makes them one job; a readable script keeps its own."""
+    facts = [{"pid": 6000, "name": "torchrun", "uid": 2001}, {"pid": 7001}]
+    facts += [{"pid": 6001 + r, "ppid": 6000, "uid": 2001, "environment": torchrun_env(r, 2),
+               "environ_readable": False} for r in range(2)]  # fmt: skip
+    per_gpu = {g: [{"pid": pid, "gpu_memory_mib": 100}] for g, pid in enumerate((6001, 6002, 7001))}
+    node = node_factory(scenario(per_gpu, facts=facts, gpu_count=4))
+    m = node.poll(10.0)
+    with pytest.raises(PermissionError):
+        (node.proc / "6001" / "environ").read_bytes()
+    assert [m.gpu("gpu_process_launched", g) for g in range(3)] == [None, None, 0]
+    assert [m.gpu("gpu_process_job", g) for g in range(3)] == [6000, 6000, 7001]
+
+
 def test_ranks_reparented_when_their_launcher_exits(node_factory) -> None:
     gone = [{"name": "crashed", "duration": "10m",
              "host": {"processes": {6000: {"running": False}}}}]  # fmt: skip

@@ -11,6 +11,7 @@ from gpuwatchd.metrics import Sample
 from gpuwatchd.rules import Catalog, RuleEngine, RulesError, parse_rules
 from gpuwatchd.rules.engine import FIRING, INACTIVE, NOT_EVALUABLE, PENDING
 from gpuwatchd.rules.evaluator import _increase, _quantile
+from gpuwatchd.sim.scenario import Expectation
 from gpuwatchd.store import Store
 
 CATALOG = Catalog.builtin()
@@ -308,7 +309,7 @@ def test_a_summary_never_prints_a_value_it_does_not_have():
 
 
 def test_check_flags_a_firing_summary_with_a_missing_value():
-    from gpuwatchd.rules.check import check, unknown_values
+    from gpuwatchd.rules.check import check, firing_summaries
     from gpuwatchd.rules.engine import Transition
     from gpuwatchd.sim.scenario import load_scenario
 
@@ -317,10 +318,19 @@ def test_check_flags_a_firing_summary_with_a_missing_value():
         Transition(10, "0", "GPU-a", "nccl_stall", PENDING, FIRING, "GPU unknown", ("x",)),
         Transition(10, "1", "GPU-b", "nccl_stall", PENDING, FIRING, "GPU 0", ()),
     ]
-    unknowns = unknown_values(transitions)
-    assert unknowns == {(0, "nccl_stall"): ("x",)}
-    verdicts = check(scenario, {}, 60, unknowns)
+    summaries = firing_summaries(transitions)
+    assert summaries[(0, "nccl_stall")] == [("GPU unknown", ("x",))]
+    verdicts = check(scenario, {}, 60, summaries)
     assert [v.observed for v in verdicts if v.gpus == "0" and not v.ok] == ["no value for x"]
+    # an expectation's `summary`: the text each firing summary must contain
+    scenario = scenario.model_copy(update={"expect": [
+        Expectation(cause="nccl_stall", gpus=[0, 1], summary="GPU 0")]})  # fmt: skip
+    intervals = {(0, "nccl_stall"): [(10.0, None)], (1, "nccl_stall"): [(10.0, None)]}
+    summaries = firing_summaries(transitions[1:])
+    assert all(v.ok for v in check(scenario, intervals, 60, summaries))
+    summaries[(0, "nccl_stall")] = [("GPU 1 idle", ())]
+    (verdict,) = check(scenario, intervals, 60, summaries)
+    assert not verdict.ok and "gpu 0's summary lacks 'GPU 0': 'GPU 1 idle'" in verdict.observed
 
 
 def test_peers_are_the_other_gpus_of_the_same_process():

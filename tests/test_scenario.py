@@ -151,6 +151,30 @@ def test_host_ramp_paths_are_checked():
     )
 
 
+def test_host_paths_through_names_with_dots():
+    """IRQ action names hold dots (`nvidia@pci:0000:13:00.0`, `virtio0-input.0`): a ramp
+    or noise path through one splits at its first and last dot only."""
+    s = Scenario.model_validate({
+        "name": "x",
+        "noise": {"seed": 1, "host": {"interrupts.virtio0-input.0.rate": "10%"}},
+        "phases": [{
+            "name": "p", "duration": 100,
+            "host": {"interrupts": {"virtio0-input.0": {"rate": 1000}}},
+            "host_ramp": {"interrupts.nvidia@pci:0000:13:00.0.rate": [0, 5000],
+                          "core_iowait_percent.3": [0, 50]},
+        }],
+    })  # fmt: skip
+    host = Timeline(s).host_state(50)
+    assert host["interrupts"]["nvidia@pci:0000:13:00.0"]["rate"] == pytest.approx(2500)
+    assert host["core_iowait_percent"][3] == pytest.approx(25)
+    assert 900 <= host["interrupts"]["virtio0-input.0"]["rate"] <= 1100
+    assert set(host["interrupts"]) == {"nvidia@pci:0000:13:00.0", "virtio0-input.0"}
+    with pytest.raises(ValueError, match="host_ramp.interrupts.mlx5_comp0@pci:0000:0c:00.0"):
+        Scenario.model_validate({"name": "x", "phases": [{
+            "name": "p", "duration": 1,
+            "host_ramp": {"interrupts.mlx5_comp0@pci:0000:0c:00.0": [0, 1]}}]})  # fmt: skip
+
+
 def test_integrator_turns_rates_into_rising_counters():
     from gpuwatchd.sim.counters import Integrator
 

@@ -14,7 +14,7 @@ from gpuwatchd.sim.scenario import builtin_scenarios, load_scenario
 def test_builtin_scenario_passes_its_check(name: str):
     played = replays()[name]  # all played at once, over the CPUs; cached for detection.md
     verdicts = check(
-        played.scenario, played.intervals, played.simulated_seconds, played.unknowns
+        played.scenario, played.intervals, played.simulated_seconds, played.summaries
     )
     assert all(v.ok for v in verdicts), format_verdicts(name, verdicts)
 

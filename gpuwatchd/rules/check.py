@@ -6,7 +6,8 @@ miss. A cause that fires on a GPU no expectation lets it fire on is a false posi
 too ("unexpected"), so every scenario is a benign twin for every rule it does not name.
 With `ends` (the fault ends), a cause still firing at `resolved_by` (the scenario's end
 without it), or firing again after it, has not resolved: a mismatch too. So is a firing
-summary with a value that had none ("unknown" on the page).
+summary with a value that had none ("unknown" on the page), and one without the text an
+expectation's `summary` says it must contain.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from gpuwatchd.rules.engine import FIRING, INACTIVE, Transition
 from gpuwatchd.sim.scenario import Expectation, Scenario
 
 Intervals = dict[tuple[int, str], list[tuple[float, float | None]]]
-Unknowns = dict[tuple[int, str], tuple[str, ...]]  # (gpu, cause) -> values that had none
+# (gpu, cause) -> each time it fired: (its summary, the values the summary had none for)
+Summaries = dict[tuple[int, str], list[tuple[str, tuple[str, ...]]]]
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,23 @@ def firing_intervals(transitions: list[Transition], start: float) -> Intervals:
     return out
 
 
-def unknown_values(transitions: list[Transition]) -> Unknowns:
-    """(gpu index, cause) -> the values its firing summaries had none for, where any."""
-    out: dict[tuple[int, str], set[str]] = defaultdict(set)
+def firing_summaries(transitions: list[Transition]) -> Summaries:
+    """(gpu index, cause) -> the summary and missing values of each time it fired."""
+    out: Summaries = defaultdict(list)
     for t in transitions:
-        if t.new == FIRING and t.missing:
-            out[(int(t.gpu), t.cause)].update(t.missing)
-    return {key: tuple(sorted(values)) for key, values in out.items()}
+        if t.new == FIRING:
+            out[(int(t.gpu), t.cause)].append((t.detail, t.missing))
+    return dict(out)
+
+
+def _summary_problems(e: Expectation, gpus: list[int], summaries: Summaries) -> list[str]:
+    """Where a firing summary lacks the expectation's `summary` text."""
+    return [
+        f"gpu {g}'s summary lacks {e.summary!r}: {text!r}"
+        for g in gpus
+        for text, _ in summaries.get((g, e.what), [])
+        if e.summary not in text
+    ]
 
 
 def _gpus(expectation: Expectation, count: int) -> list[int]:
@@ -111,8 +123,9 @@ def _resolution(
 
 
 def check(
-    scenario: Scenario, intervals: Intervals, end: float, unknowns: Unknowns | None = None
+    scenario: Scenario, intervals: Intervals, end: float, summaries: Summaries | None = None
 ) -> list[Verdict]:
+    summaries = summaries or {}
     count = scenario.node.gpu_count
     verdicts: list[Verdict] = []
     allowed: set[tuple[int, str]] = set()
@@ -145,6 +158,8 @@ def check(
                 problems += unresolved
                 if took is not None:
                     resolved.append(took)
+        if e.summary:
+            problems += _summary_problems(e, gpus, summaries)
         delays = f"fired {_range(fired)} after onset" if fired else "did not fire"
         if resolved:
             delays += f", stopped {_range(resolved)} after the fault ended"
@@ -163,9 +178,11 @@ def check(
         verdicts.append(
             Verdict(cause, _span([g for g, _ in hits]), "(not expected)", observed, False)
         )
-    for (g, cause), values in sorted((unknowns or {}).items()):
-        observed = "no value for " + "; ".join(values)
-        verdicts.append(Verdict(cause, str(g), "a summary with every value", observed, False))
+    for (g, cause), firings in sorted(summaries.items()):
+        missing = sorted({value for _, values in firings for value in values})
+        if missing:
+            observed = "no value for " + "; ".join(missing)
+            verdicts.append(Verdict(cause, str(g), "a summary with every value", observed, False))
     return verdicts
 
 

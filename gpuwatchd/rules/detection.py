@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from gpuwatchd.config import Config
 from gpuwatchd.rules.check import (
     Intervals,
-    Unknowns,
+    Summaries,
     firing_intervals,
+    firing_summaries,
     time_to_resolve,
-    unknown_values,
 )
 from gpuwatchd.rules.ruleset import load_rules
 from gpuwatchd.sim.scenario import Scenario, builtin_scenarios, load_scenario
@@ -36,7 +36,7 @@ class Replay:
     scenario: Scenario
     intervals: Intervals  # (gpu, cause) -> firing spans, seconds since the start
     simulated_seconds: float
-    unknowns: Unknowns  # (gpu, cause) -> its firing summaries' values that had none
+    summaries: Summaries  # (gpu, cause) -> its firing summaries and values that had none
 
 
 _played: dict[str, Replay] = {}
@@ -98,8 +98,8 @@ def _play(name: str) -> Replay:
     finally:
         simulation.close()
     intervals = firing_intervals(result.transitions, result.started_at)
-    unknowns = unknown_values(result.transitions)
-    return Replay(scenario, dict(intervals), result.simulated_seconds, unknowns)
+    summaries = firing_summaries(result.transitions)
+    return Replay(scenario, dict(intervals), result.simulated_seconds, summaries)
 
 
 def _gpus(selector: object, count: int) -> list[int]:

@@ -330,6 +330,18 @@ class DeviceReads:
         return None
 
     @symbol("device")
+    def _nvmlDeviceGetRemappedRows(
+        self, gpu: int, handle: Any, correctable: Any, uncorrectable: Any, pending: Any,
+        failed: Any,
+    ) -> int:  # fmt: skip
+        values = self._gpu_values(gpu)
+        correctable._obj.value = int(values["remapped_rows_correctable_total"])
+        uncorrectable._obj.value = int(values["remapped_rows_uncorrectable_total"])
+        pending._obj.value = int(values["row_remap_pending"])
+        failed._obj.value = int(values["row_remap_failed"])
+        return SUCCESS
+
+    @symbol("device")
     def _nvmlDeviceGetTotalEccErrors(
         self, gpu: int, handle: Any, error_type: Any, counter_type: Any, out: Any
     ) -> int:
@@ -513,6 +525,7 @@ class DeviceReads:
             return 1 if self._nvlink_active(gpu, values, link) else 0
 
         ecc = "nvmlDeviceGetTotalEccErrors"
+        remap = "nvmlDeviceGetRemappedRows"
         datacenter = int(self.model.datacenter)
         ecc_mode = ("nvmlDeviceGetEccMode", lambda gpu, values, scope: datacenter)
         power = ("nvmlDeviceGetPowerUsage", scenario("power_w", 1000))  # mW
@@ -527,6 +540,10 @@ class DeviceReads:
             nv.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: (ecc, scenario("ecc_corrected_total")),
             nv.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: (ecc, scenario("ecc_uncorrected_total")),
             nv.NVML_FI_DEV_ECC_CURRENT: ecc_mode,
+            nv.NVML_FI_DEV_REMAPPED_COR: (remap, scenario("remapped_rows_correctable_total")),
+            nv.NVML_FI_DEV_REMAPPED_UNC: (remap, scenario("remapped_rows_uncorrectable_total")),
+            nv.NVML_FI_DEV_REMAPPED_PENDING: (remap, scenario("row_remap_pending")),
+            nv.NVML_FI_DEV_REMAPPED_FAILURE: (remap, scenario("row_remap_failed")),
             nv.NVML_FI_DEV_ECC_PENDING: ecc_mode,
             nv.NVML_FI_DEV_POWER_INSTANT: power,
             nv.NVML_FI_DEV_POWER_AVERAGE: power,

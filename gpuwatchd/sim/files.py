@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 
+# A file that refuses reading with EACCES, even to root: sysctl checks a write-only
+# entry's mode itself (proc_sys_permission), not through CAP_DAC_OVERRIDE.
+UNREADABLE = "/proc/sys/vm/drop_caches"
+
 
 class Files:
     def __init__(self) -> None:
@@ -30,6 +34,25 @@ class Files:
             f.write(content)
         os.replace(tmp, path)
         self._content[path] = content
+        self.writes += 1
+        return True
+
+    def deny(self, path: str) -> bool:
+        """Make `path` refuse reading with EACCES, as /proc/PID/environ does to a reader
+        that may not ptrace the process (the simulated daemon may run as root). A symlink:
+        the reader follows it, as the kernel's own /proc links are followed."""
+        if self._content.get(path) == UNREADABLE:
+            return False
+        head, _, tail = path.rpartition("/")
+        if head not in self._made:
+            os.makedirs(head, exist_ok=True)
+            self._made.add(head)
+        tmp = f"{head}/.{tail}.tmp"
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        os.symlink(UNREADABLE, tmp)
+        os.replace(tmp, path)
+        self._content[path] = UNREADABLE
         self.writes += 1
         return True
 

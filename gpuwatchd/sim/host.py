@@ -99,6 +99,9 @@ class HostProcess(Strict):
     # variables of its environment besides a login shell's PATH, HOME and LANG: the
     # launcher's (RANK, WORLD_SIZE, MASTER_ADDR, SLURM_JOB_ID, …), as /proc/PID/environ
     environment: dict[str, str] = {}
+    # false: reading /proc/PID/environ fails with EACCES, as for another user's process
+    # seen by the daemon without CAP_SYS_PTRACE (grouping falls back to the launcher)
+    environ_readable: bool = True
     owner: ProcessOwner | None = None  # its scheduler's cgroup; replaces `cgroup`
 
     @model_validator(mode="after")
@@ -118,6 +121,8 @@ class HostHardware(Strict):
     ib_ports: list[IbPort] = []
     processes: list[HostProcess] = []
     memory_total_mib: float = Field(1_048_576, gt=0)  # 1 TiB
+    # cpufreq (sysfs cpuN/cpufreq): every core's fastest clock; None: no cpufreq (a VM)
+    cpu_max_mhz: float | None = Field(3500, gt=0)
 
     @model_validator(mode="after")
     def _process_tree(self) -> HostHardware:
@@ -222,8 +227,12 @@ class HostValues(Strict):
     core_busy_percent: dict[int, float] | None = None  # per-core overrides
     # per-core softirq time (percent) on top of what the interrupts landing there cost
     core_softirq_percent: dict[int, float] | None = None
-    iowait_percent: float | None = Field(None, ge=0, le=100)
+    iowait_percent: float | None = Field(None, ge=0, le=100)  # every core unless overridden
+    core_iowait_percent: dict[int, float] | None = None  # per-core overrides
     steal_percent: float | None = Field(None, ge=0, le=100)
+    # cores' current clock (cpufreq scaling_cur_freq), MHz; default: cpu_max_mhz
+    cpu_mhz: float | None = Field(None, gt=0)
+    core_mhz: dict[int, float] | None = None  # per-core overrides
     psi_cpu_some: float | None = Field(None, ge=0, le=100)  # percent of time (avg10)
     psi_io_some: float | None = Field(None, ge=0, le=100)
     psi_io_full: float | None = Field(None, ge=0, le=100)
@@ -248,6 +257,9 @@ HOST_DEFAULTS: dict[str, Any] = dict(
     core_busy_percent={},
     core_softirq_percent={},
     iowait_percent=0.0,
+    core_iowait_percent={},
+    cpu_mhz=None,
+    core_mhz={},
     steal_percent=0.0,
     psi_cpu_some=0.0,
     psi_io_some=0.0,
@@ -276,17 +288,30 @@ def deep_merge(into: dict[str, Any], update: dict[str, Any]) -> None:
             into[key] = copy.deepcopy(value)
 
 
+def host_path_keys(path: str) -> list[Any]:
+    """The keys of a dotted host path (`disks.nvme0n1.util_percent`). The name inside a
+    mapping may itself hold dots (`interrupts.mlx5_comp0@pci:0000:17:00.0.rate`: IRQ
+    actions name PCI functions), so a path through one is split at its first and last
+    dot only. Integer-looking keys (pids, core numbers) are ints, as YAML gives them."""
+    head, _, rest = path.partition(".")
+    if head in _NESTED and "." in rest:
+        name, _, leaf = rest.rpartition(".")
+        parts = [head, name, leaf]
+    else:
+        parts = path.split(".")
+    return [int(p) if p.isdigit() else p for p in parts]
+
+
 def set_path(values: dict[str, Any], path: str, value: float) -> None:
-    """Set a dotted path (`disks.nvme0n1.util_percent`), creating mappings on the way.
-
-    Integer-looking keys (pids, core numbers) are stored as ints, as YAML gives them.
-    """
-    *parents, leaf = (int(p) if p.isdigit() else p for p in path.split("."))
+    """Set a dotted host path, creating mappings on the way."""
+    *parents, leaf = host_path_keys(path)
     for key in parents:
-        values = values.setdefault(key, {})  # type: ignore[arg-type]
-    values[leaf] = value  # type: ignore[index]
+        values = values.setdefault(key, {})
+    values[leaf] = value
 
 
+# per-core maps: core -> percent
+PER_CORE = ("core_busy_percent", "core_softirq_percent", "core_iowait_percent", "core_mhz")
 _NESTED: dict[str, type[BaseModel]] = {
     "interrupts": InterruptValues,
     "disks": DiskValues,
@@ -300,12 +325,8 @@ def check_host_ramp(ramp: dict[str, tuple[float, float]] | None) -> None:
     """A host ramp path must end at a numeric field of HostValues or one of its parts."""
     numeric = (float | None, int | None)
     for path in ramp or {}:
-        parts = path.split(".")
-        if (
-            parts[0] in ("core_busy_percent", "core_softirq_percent")
-            and len(parts) == 2
-            and parts[1].isdigit()
-        ):
+        parts = host_path_keys(path)
+        if parts[0] in PER_CORE and len(parts) == 2 and isinstance(parts[1], int):
             continue
         if len(parts) == 3 and parts[0] in _NESTED:
             field = _NESTED[parts[0]].model_fields.get(parts[2])

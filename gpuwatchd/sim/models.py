@@ -159,6 +159,7 @@ BUILTIN_MODELS: dict[str, GpuModel] = {
             "nvmlDeviceGetNvLinkState",
             "nvmlDeviceGetEccMode",
             "nvmlDeviceGetTotalEccErrors",
+            "nvmlDeviceGetRemappedRows",  # no ECC, no row remapping
         ),
     ),
 }

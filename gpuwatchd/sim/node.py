@@ -19,6 +19,7 @@ from gpuwatchd.sim.probe import SimProbeReceiver
 from gpuwatchd.sim.scenario import Scenario, Timeline
 from gpuwatchd.sim.sysfs import SysfsWriter
 from gpuwatchd.sim.writers.cpu import CpuWriter
+from gpuwatchd.sim.writers.cpufreq import CpufreqWriter
 from gpuwatchd.sim.writers.disks import DiskstatsWriter
 from gpuwatchd.sim.writers.infiniband import InfinibandWriter
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter
@@ -73,6 +74,7 @@ class SimNode:
             (SysfsWriter(sys, self.timeline), frozenset({"pcie"}), False),
             (interrupts, frozenset({"interrupts", "cpu"}), True),
             (CpuWriter(proc, self.timeline, interrupts=interrupts), frozenset({"cpu"}), True),
+            (CpufreqWriter(sys, self.timeline), frozenset({"cpu"}), False),
             (DiskstatsWriter(proc, self.timeline, sysfs=sys), frozenset({"disks"}), True),
             (InfinibandWriter(sys, self.timeline), frozenset({"infiniband"}), True),
             (processes, frozenset({"processes"}), True),

@@ -28,7 +28,8 @@ pressure series, and is not an error; it is logged once.
 
 /proc/meminfo: `MemAvailable` (kernel >= 3.14) and `MemTotal`, in bytes.
 
-/proc/vmstat's swap-ins and the kswapd threads' CPU: `reclaim.py`.
+/proc/vmstat's swap-ins and the kswapd threads' CPU: `reclaim.py`; the busy cores' clock
+(sysfs cpufreq): `cpufreq.py`.
 
 Parsers skip lines they cannot read; a file with nothing usable (no `cpu` line, no
 `MemTotal`, no PSI line) raises ParseError, which fails the poll with a SourceError
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.config import CpuConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
-from gpuwatchd.sources import reclaim, register
+from gpuwatchd.sources import cpufreq, reclaim, register
 from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file, read_text
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,7 @@ class CpuSource(Source):
         gauge("memory_available_bytes", "MemAvailable: memory available for new work."),
         gauge("memory_total_bytes", "MemTotal: usable physical memory."),
         *reclaim.METRICS,
+        *cpufreq.METRICS,
     )
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
@@ -252,6 +254,7 @@ class CpuSource(Source):
         self._labels: dict[int, tuple[str]] = {}  # a core's label values, made once
         self._psi_missing_logged = False
         self._reclaim = reclaim.Reclaim(procfs, context.extras.get("clock", time.monotonic))
+        self._frequency = cpufreq.CpuFrequency(os.fspath(context.sysfs))
 
     def _read_required(self, path: str) -> str:
         return read_kernel_file(path, "procfs", self.context.procfs)
@@ -295,6 +298,7 @@ class CpuSource(Source):
         busiest: float | None = None
         most_irq: float | None = None
         saturated = 0
+        busy_of: dict[int, float] = {}
         before = prev.cpus
         for cpu, times in stat.cpus.items():
             old = before.get(cpu)
@@ -304,6 +308,7 @@ class CpuSource(Source):
             if ratios is None:
                 continue
             busy, irq = ratios[0], ratios[3]
+            busy_of[cpu] = busy
             if per_core:
                 labels = self._labels.get(cpu)
                 if labels is None:
@@ -321,7 +326,7 @@ class CpuSource(Source):
             samples.append(Sample("gpuwatchd_cpu_cores_saturated", (), float(saturated)))
         if most_irq is not None:
             samples.append(Sample("gpuwatchd_cpu_interrupt_ratio_max", (), most_irq))
-        return samples
+        return samples + self._frequency.samples(busy_of)
 
     def _pressure_samples(self) -> list[Sample]:
         samples: list[Sample] = []

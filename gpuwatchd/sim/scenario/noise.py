@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.sim.host import _NESTED as HOST_NESTED
-from gpuwatchd.sim.host import HostValues
+from gpuwatchd.sim.host import HostValues, host_path_keys
 
 _AMPLITUDE = re.compile(r"([0-9]+(?:\.[0-9]+)?)%")
 
@@ -46,10 +46,10 @@ def _bounds(field: Any) -> tuple[float, float, bool]:
 
 def _host_field(path: str) -> Any:
     """The pydantic field a host path ends at (check_host_ramp has accepted it), or
-    None for a per-core percentage."""
-    parts = path.split(".")
+    None for a per-core percentage (a core's clock is bounded as the node's)."""
+    parts = host_path_keys(path)
     if len(parts) == 2:
-        return None
+        return HostValues.model_fields["cpu_mhz"] if parts[0] == "core_mhz" else None
     if len(parts) == 3:
         return HOST_NESTED[parts[0]].model_fields[parts[2]]
     return HostValues.model_fields[parts[0]]

@@ -64,6 +64,13 @@ class GpuValues(Strict):
     aer_correctable_total: float | None = Field(None, ge=0)  # AER counters of the GPU function
     aer_nonfatal_total: float | None = Field(None, ge=0)
     aer_fatal_total: float | None = Field(None, ge=0)
+    # row remapping (Ampere and later datacenter GPUs, nvmlDeviceGetRemappedRows): rows
+    # remapped for correctable / uncorrectable errors (counters), a remap waiting for the
+    # next GPU reset, a bank out of spare rows
+    remapped_rows_correctable_total: float | None = Field(None, ge=0)
+    remapped_rows_uncorrectable_total: float | None = Field(None, ge=0)
+    row_remap_pending: bool | None = None
+    row_remap_failed: bool | None = None
     persistence_mode: bool | None = None
     nvlink_down: list[int] | None = None  # link indices that are inactive
     # DCGM profiling activity, ratios 0-1 (fields 1001-1008) and NVLink traffic (1011/1012)
@@ -270,7 +277,8 @@ class Expectation(Strict):
     """Ground truth for the rules: `cause` fires on `gpus` (from `onset`, by `by`), or never.
 
     With `ends`, the fault ends then and the cause must have stopped firing by
-    `resolved_by` (the scenario's end if left out) and not fire again.
+    `resolved_by` (the scenario's end if left out) and not fire again. With `summary`,
+    each firing summary on those GPUs must contain that text (what the page says).
 
     Or, instead of a cause, a series the daemon exports (`metric`, with `labels` to pick
     one of a family) that must be `above` and/or `below` a value on those GPUs, with the
@@ -290,6 +298,7 @@ class Expectation(Strict):
     by: Duration | None = None  # must be firing by then (default: `ends`, else the end)
     ends: Duration | None = None  # when the fault ends
     resolved_by: Duration | None = None  # must have stopped firing by then, for good
+    summary: str = ""  # text each of the cause's firing summaries must contain
 
     @property
     def what(self) -> str:
@@ -310,6 +319,8 @@ class Expectation(Strict):
             raise ValueError("metric: needs above and/or below (the value it must show)")
         if self.cause and (self.labels or self.above is not None or self.below is not None):
             raise ValueError("labels, above, below: only with metric")
+        if self.summary and (self.metric or self.never):
+            raise ValueError("summary: only with a cause that fires (not metric, not never)")
         if self.ends is None:
             if self.resolved_by is not None:
                 raise ValueError("resolved_by: needs ends (when the fault ends)")

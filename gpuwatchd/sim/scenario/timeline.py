@@ -14,7 +14,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.sim.host import HOST_DEFAULTS, deep_merge, set_path
+from gpuwatchd.sim.host import HOST_DEFAULTS, deep_merge, host_path_keys, set_path
 from gpuwatchd.sim.scenario.noise import _host_field, _Jitter
 from gpuwatchd.sim.scenario.schema import Change, GpuValues, Phase, Scenario
 from gpuwatchd.sim.scenario.topology import Topology, nvlinks_wired
@@ -36,6 +36,10 @@ IDLE_DEFAULTS = dict(
     aer_correctable_total=0.0,
     aer_nonfatal_total=0.0,
     aer_fatal_total=0.0,
+    remapped_rows_correctable_total=0.0,
+    remapped_rows_uncorrectable_total=0.0,
+    row_remap_pending=False,
+    row_remap_failed=False,
     persistence_mode=True,
     nvlink_down=[],
     processes=[],
@@ -78,10 +82,10 @@ class _Start:
 def get_path(values: dict[str, Any], path: str) -> Any:
     """The value at a dotted host path (set_path's keys), None where there is none."""
     found: Any = values
-    for part in path.split("."):
+    for key in host_path_keys(path):
         if not isinstance(found, dict):
             return None
-        found = found.get(int(part) if part.isdigit() else part)
+        found = found.get(key)
     return found
 
 

@@ -7,7 +7,8 @@
   ticks), then `intr`, `ctxt`, `btime`, `processes`, `procs_running`, `procs_blocked`,
   `softirq`. A core's ticks per second are its percentages: busy from
   `core_busy_percent[cpu]`, else `cpu_busy_percent` (split 84 % user, 1 % nice, 12 %
-  system, 1 % irq, 2 % softirq), `iowait_percent`, `steal_percent`, the rest idle (when
+  system, 1 % irq, 2 % softirq), `core_iowait_percent[cpu]`, else `iowait_percent`,
+  `steal_percent`, the rest idle (when
   they add up to more than 100, steal is kept first, then interrupt time, then busy,
   then iowait). The source reads busy back as (busy + steal) / 100: steal counts as
   busy there. Interrupt handling costs the CPU it lands on: each device interrupt per
@@ -314,10 +315,11 @@ class CpuWriter:
         """Column rates of every core at `host`; split the groups whose cores diverge."""
         busy_all = float(host.get("cpu_busy_percent") or 0.0)
         core_busy = host.get("core_busy_percent") or {}
-        iowait = float(host.get("iowait_percent") or 0.0)
+        iowait_all = float(host.get("iowait_percent") or 0.0)
+        core_iowait = host.get("core_iowait_percent") or {}
         steal = float(host.get("steal_percent") or 0.0)
         interrupt_time = self.interrupt_percent(host)
-        splits: dict[tuple[float, float, float], tuple[float, ...]] = {}
+        splits: dict[tuple[float, float, float, float], tuple[float, ...]] = {}
         totals = self._jiffies.totals
         groups: dict[int, list[int]] = {}
         self._group_rates = {}
@@ -326,10 +328,11 @@ class CpuWriter:
             by_rates: dict[tuple[float, ...], list[int]] = {}
             for cpu in members:
                 busy = float(core_busy.get(cpu, busy_all))
+                iowait = float(core_iowait.get(cpu, iowait_all))
                 hard, soft = interrupt_time.get(cpu, (0.0, 0.0))
-                columns = splits.get((busy, hard, soft))
+                columns = splits.get((busy, iowait, hard, soft))
                 if columns is None:
-                    columns = splits[(busy, hard, soft)] = tuple(
+                    columns = splits[(busy, iowait, hard, soft)] = tuple(
                         core_split(busy, iowait, steal, hard, soft)
                     )
                 by_rates.setdefault(columns, []).append(cpu)
@@ -437,13 +440,15 @@ class CpuWriter:
         else:
             irqs, total = [0] * self._nr_irqs, 0
         lines.append(f"intr {total} " + " ".join(map(str, irqs)) + "\n")
-        iowait = float(host.get("iowait_percent") or 0.0)
+        iowaiting = sum(  # cores' worth of iowait: about the tasks blocked on I/O
+            len(self._groups[g]) * rates[IOWAIT] for g, rates in self._group_rates.items()
+        ) / USER_HZ
         softirqs = [int(counters.get(("softirq", name), 0.0)) for name in SOFTIRQS]
         lines.append(f"ctxt {int(counters.get('ctxt', 0.0))}\n")
         lines.append(f"btime {BTIME}\n")
         lines.append(f"processes {1000 + int(counters.get('processes', 0.0))}\n")
         lines.append(f"procs_running {1 + round(busy_cpus)}\n")
-        lines.append(f"procs_blocked {round(iowait / 100 * n)}\n")
+        lines.append(f"procs_blocked {round(iowaiting)}\n")
         lines.append(f"softirq {sum(softirqs)} " + " ".join(map(str, softirqs)) + "\n")
         return "".join(lines)
 

@@ -552,7 +552,10 @@ class ProcessesWriter:
         put(f"{base}/status", status)
         put(f"{base}/comm", name + "\n")
         put(f"{base}/cgroup", cgroup)
-        put(f"{base}/environ", environ_text(fact))
+        if fact.environ_readable:
+            put(f"{base}/environ", environ_text(fact))
+        else:
+            self.files.deny(f"{base}/environ")
         put(f"{base}/maps", maps)
         listed = "".join(f"{child} " for child in [*worker_pids(pid, workers), *kids])
         for j in range(threads):

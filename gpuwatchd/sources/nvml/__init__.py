@@ -12,7 +12,8 @@ driver. Per GPU and poll:
   index), the PCIe TX/RX byte counters (exported as rates between two reads, from the
   driver's own timestamps; 32-bit counters on an H200, taken modulo 2**32, so exact up
   to 2**32 bytes per interval) and, every `SLOW_EVERY` polls, the PCIe replay counter
-  (GSP round trips of 150-180 µs each on an H200, the rest of the batch ~1 µs a field);
+  (GSP round trips of 150-180 µs each on an H200, the rest of the batch ~1 µs a field)
+  and the row remapper's pending and failure flags (Ampere+ datacenter GPUs);
 - one call each for what has no field (`READS`): utilization, memory, SM clock,
   P-state, clock event reasons and the running compute processes;
 - slow facts (`SLOW`: temperature, memory clock, PCIe link generation and width,

@@ -65,6 +65,14 @@ ECC_ERRORS = counter(
 )
 PERSISTENCE = _gpu_gauge("gpu_persistence_mode", "1 if persistence mode is on.")
 ECC_MODE = _gpu_gauge("gpu_ecc_mode", "1 if ECC is currently enabled.")
+REMAP_PENDING = _gpu_gauge(
+    "gpu_row_remap_pending",
+    "1 if a memory row remap waits for the next GPU reset (row remapping GPUs).",
+)
+REMAP_FAILED = _gpu_gauge(
+    "gpu_row_remap_failed",
+    "1 if a memory row could not be remapped: a bank has no spare row left.",
+)
 NVLINK = _gpu_gauge("gpu_nvlink_active", "1 if this NVLink is active.", ("link",))
 NVLINK_EXPECTED = _gpu_gauge(
     "gpu_nvlink_expected",
@@ -120,6 +128,8 @@ SPECS = (
     ECC_ERRORS,
     PERSISTENCE,
     ECC_MODE,
+    REMAP_PENDING,
+    REMAP_FAILED,
     NVLINK,
     NVLINK_EXPECTED,
     PROCESSES,

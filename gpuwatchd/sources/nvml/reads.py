@@ -40,6 +40,8 @@ from gpuwatchd.sources.nvml.metrics import (
     PROCESS_MEMORY,
     PROCESSES,
     PSTATE,
+    REMAP_FAILED,
+    REMAP_PENDING,
     SM_CLOCK,
     SM_CLOCK_MAX,
     TEMPERATURE,
@@ -255,6 +257,9 @@ FIELDS: tuple[Field, ...] = (
     Field("NVML_FI_DEV_ECC_SBE_AGG_TOTAL", ECC_ERRORS.name, extra=("corrected",)),
     Field("NVML_FI_DEV_ECC_DBE_AGG_TOTAL", ECC_ERRORS.name, extra=("uncorrected",)),
     Field("NVML_FI_DEV_ECC_CURRENT", ECC_MODE.name),
+    # set at an uncorrectable error, cleared by the reset that applies the remap
+    Field("NVML_FI_DEV_REMAPPED_PENDING", REMAP_PENDING.name, every=SLOW),
+    Field("NVML_FI_DEV_REMAPPED_FAILURE", REMAP_FAILED.name, every=SLOW),
 )
 # one per link, scoped by the link's index (R525+); the count is read once per GPU
 NVLINK_STATE = Field("NVML_FI_DEV_NVLINK_GET_STATE", NVLINK.name)
