@@ -385,26 +385,24 @@ def test_busy_cores_clock_from_cpufreq(tmp_path: Path) -> None:
     node without cpufreq (a VM)."""
     values = {"cpu_busy_percent": 5, "core_busy_percent": {0: 100, 1: 100, 2: 30},
               "cpu_mhz": 1200, "core_mhz": {1: 3500}}  # fmt: skip
-    proc, sys = tmp_path / "proc", tmp_path / "sys"
-    timeline = Timeline(scenario(values, host={"cpu_max_mhz": 3500}))
-    writers = (CpuWriter(proc, timeline), CpufreqWriter(sys, timeline))
-    source = CpuSource(CpuConfig(), Context(procfs=proc, sysfs=sys))
-    for t in (0.0, 10.0):
-        for writer in writers:
-            writer.write(t)
-        got = by_key(source.collect())
+
+    def collect(name: str, max_mhz: float | None) -> dict:
+        proc, sys = tmp_path / name / "proc", tmp_path / name / "sys"
+        timeline = Timeline(scenario(values, host={"cpu_max_mhz": max_mhz}))
+        writers = (CpuWriter(proc, timeline), CpufreqWriter(sys, timeline))
+        source = CpuSource(CpuConfig(), Context(procfs=proc, sysfs=sys))
+        for t in (0.0, 10.0):
+            for writer in writers:
+                writer.write(t)
+            got = by_key(source.collect())
+        return got
+
+    got = collect("node", 3500)
     assert got[("cpu_busy_frequency_ratio", ())] == pytest.approx((1200 / 3500 + 1) / 2)
-    link = sys / "devices/system/cpu/cpu0/cpufreq"
+    link = tmp_path / "node/sys/devices/system/cpu/cpu0/cpufreq"
     assert os.readlink(link) == "../cpufreq/policy0"
     assert (link / "cpuinfo_max_freq").read_text() == "3500000\n"
-    vm = Timeline(scenario(values, host={"cpu_max_mhz": None}))
-    proc, sys = tmp_path / "vm-proc", tmp_path / "vm-sys"
-    writers = (CpuWriter(proc, vm), CpufreqWriter(sys, vm))
-    source = CpuSource(CpuConfig(), Context(procfs=proc, sysfs=sys))
-    for t in (0.0, 10.0):
-        for writer in writers:
-            writer.write(t)
-        got = by_key(source.collect())
+    got = collect("vm", None)
     assert ("cpu_busy_frequency_ratio", ()) not in got
     assert ("cpu_busy_ratio_max", ()) in got
 
