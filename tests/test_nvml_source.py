@@ -883,6 +883,34 @@ def test_remote_device_type_follows_the_board():
         l40s.nv.nvmlDeviceGetNvLinkRemoteDeviceType(l40s.nv.nvmlDeviceGetHandleByIndex(0), 0)
 
 
+def test_links_name_the_gpu_they_reach_while_down():
+    """nvmlDeviceGetNvLinkRemotePciInfo, asked once per link while it is up: a 4-GPU
+    direct board's links reach GPUs in blocks (A100: 4 to each other GPU), a bridge
+    its partner, an NVSwitch board's links switches; a link down reports its GPU."""
+    down = [{"name": "up", "duration": 10},
+            {"name": "down", "duration": 100, "gpus": [1], "set": {"nvlink_down": [4, 5]}}]
+    sim = Sim(scenario(down, gpu_count=4, nvlink="direct"))
+    assert P + "gpu_nvlink_down_peer_gpu" not in sim.collect().by_name
+    sim.clock.advance(20)
+    got = sim.collect()
+    assert got.gpus_with("gpu_nvlink_down_peer_gpu") == {1}
+    assert got.value("gpu_nvlink_down_peer_gpu", 1) == 2  # links 4-7: the second other GPU
+    nv = sim.nv
+    handle = nv.nvmlDeviceGetHandleByIndex(0)
+    reached = {nv.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId for link in (0, 4, 8)}
+    bus_ids = {nv.nvmlDeviceGetPciInfo(nv.nvmlDeviceGetHandleByIndex(g)).busId for g in (1, 2, 3)}
+    assert reached == bus_ids
+    with pytest.raises(nv.NVMLError_NotSupported):  # no far end known over a link down
+        nv.nvmlDeviceGetNvLinkRemotePciInfo(nv.nvmlDeviceGetHandleByIndex(1), 4)
+    switched = Sim(scenario(down, gpu_count=8, nvlink="nvswitch", gpu_model="h100-sxm5-80gb"))
+    switched.collect()
+    switched.clock.advance(20)
+    assert P + "gpu_nvlink_down_peer_gpu" not in switched.collect().by_name
+    remote = switched.nv.nvmlDeviceGetNvLinkRemotePciInfo(
+        switched.nv.nvmlDeviceGetHandleByIndex(0), 5)
+    assert remote.pciDeviceId == (0x22A3 << 16) | 0x10DE  # a Hopper NVSwitch
+
+
 def test_nvml_reports_the_link_as_trained_and_the_maximum_of_both_ends():
     sim = Sim(scenario([{"name": "p", "duration": 100}], gpu_model="h100-pcie",
                        pcie_max={"root_ports": {"gen": 4}, "gpu1": {"width": 8}}))

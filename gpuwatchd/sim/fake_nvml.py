@@ -67,6 +67,8 @@ from gpuwatchd.sim.fake_nvml_device import (
     _FieldPlan,
     _requested,
     _value,
+    fill_pci_info,
+    nvml_bus_id,
 )
 from gpuwatchd.sim.fakelib import Symbol, install_symbols, symbol
 from gpuwatchd.sim.scenario import Timeline
@@ -228,14 +230,6 @@ def gpu_uuid(hostname: str, index: int) -> str:
     """Deterministic `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` for a node's GPU."""
     digest = hashlib.sha256(f"{hostname}/gpu{index}".encode()).digest()
     return f"GPU-{uuid.UUID(bytes=digest[:16])}"
-
-
-def nvml_bus_id(bdf: str) -> tuple[str, int, int, int]:
-    """NVML's busId ("00000000:34:00.0", 8-digit domain, upper case) and its parts."""
-    domain_s, bus_s, devfn = bdf.split(":")
-    device_s = devfn.split(".")[0]
-    domain, bus, device = int(domain_s, 16), int(bus_s, 16), int(device_s, 16)
-    return f"{domain:08X}:{bus:02X}:{device:02X}.0", domain, bus, device
 
 
 @dataclass
@@ -649,13 +643,7 @@ class FakeNvmlLib(DeviceReads):
 
     @symbol("device")
     def _nvmlDeviceGetPciInfo_v3(self, gpu: int, handle: Any, out: Any) -> int:
-        info = out._obj
-        bus_id, domain, bus, device = nvml_bus_id(self.timeline.topology.gpu(gpu).bdf)
-        info.busId = bus_id.encode()
-        info.busIdLegacy = f"{domain:04X}:{bus:02X}:{device:02X}.0".encode()
-        info.domain, info.bus, info.device = domain, bus, device
-        info.pciDeviceId = (self.model.pci_device_id << 16) | 0x10DE
-        info.pciSubSystemId = (self.model.pci_device_id << 16) | 0x10DE
+        fill_pci_info(out._obj, self.timeline.topology.gpu(gpu).bdf, self.model.pci_device_id)
         return SUCCESS
 
     # -- events ---------------------------------------------------------------------------

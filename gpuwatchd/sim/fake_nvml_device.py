@@ -46,6 +46,27 @@ FieldReader = Callable[[int, dict[str, Any], int], "int | None"]
 _RECORD = struct.Struct("<IIqqIIQ")
 _RECORD_IDS = struct.Struct("<II32x")
 
+# NVSwitch functions as a GPU's NVLinks reach them (made-up addresses beside the GPUs'):
+# HGX A100 boards carry 6 switches (device 0x1AF1), Hopper ones 4 (0x22A3)
+NVSWITCHES = {8: (6, 0x1AF1), 9: (4, 0x22A3)}
+
+
+def nvml_bus_id(bdf: str) -> tuple[str, int, int, int]:
+    """NVML's busId ("00000000:34:00.0", 8-digit domain, upper case) and its parts."""
+    domain_s, bus_s, devfn = bdf.split(":")
+    device_s = devfn.split(".")[0]
+    domain, bus, device = int(domain_s, 16), int(bus_s, 16), int(device_s, 16)
+    return f"{domain:08X}:{bus:02X}:{device:02X}.0", domain, bus, device
+
+
+def fill_pci_info(info: Any, bdf: str, device_id: int) -> None:
+    """An nvmlPciInfo_t for the NVIDIA function at `bdf`."""
+    bus_id, domain, bus, device = nvml_bus_id(bdf)
+    info.busId = bus_id.encode()
+    info.busIdLegacy = f"{domain:04X}:{bus:02X}:{device:02X}.0".encode()
+    info.domain, info.bus, info.device = domain, bus, device
+    info.pciDeviceId = info.pciSubSystemId = (device_id << 16) | 0x10DE
+
 
 # The fields a real H200 (R580) answers as NVML_VALUE_TYPE_UNSIGNED_INT, 32 bits: the PCIe
 # byte counters wrap at 2**32 ("Value can be wrapped", nvml.h), seen on the hardware every
@@ -381,6 +402,29 @@ class DeviceReads:
             out._obj.value = self.nv.NVML_NVLINK_DEVICE_TYPE_SWITCH
         else:
             out._obj.value = self.nv.NVML_NVLINK_DEVICE_TYPE_GPU
+        return SUCCESS
+
+    @symbol("device")
+    def _nvmlDeviceGetNvLinkRemotePciInfo_v2(
+        self, gpu: int, handle: Any, link: Any, out: Any
+    ) -> int:
+        """The PCI function an active link reaches (Timeline.nvlink_peers): another GPU,
+        or an NVSwitch (link k reaches switch k mod the board's count). The driver learns
+        the remote end by training the link: an inactive one answers NOT_SUPPORTED."""
+        index = _value(link)
+        if self.model.nvlinks == 0 or self._is_unsupported("nvmlDeviceGetNvLinkState"):
+            return ERROR_NOT_SUPPORTED
+        if not 0 <= index < self.model.nvlinks:
+            return ERROR_INVALID_ARGUMENT
+        peers = self.timeline.nvlink_peers[gpu]
+        if index not in peers or not self._nvlink_active(gpu, self._gpu_values(gpu), index):
+            return ERROR_NOT_SUPPORTED
+        peer = peers[index]
+        if peer is not None:
+            fill_pci_info(out._obj, self.timeline.topology.gpu(peer).bdf, self.model.pci_device_id)
+            return SUCCESS
+        count, device_id = NVSWITCHES.get(self.model.compute_capability[0], NVSWITCHES[9])
+        fill_pci_info(out._obj, f"0000:{0xE0 + index % count:02x}:00.0", device_id)
         return SUCCESS
 
     def _running_processes(self, gpu: int, kind: str, count: Any, infos: Any) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 from gpuwatchd.sim.host import HOST_DEFAULTS, deep_merge, host_path_keys, set_path
 from gpuwatchd.sim.scenario.noise import _host_field, _Jitter
 from gpuwatchd.sim.scenario.schema import Change, GpuValues, Phase, Scenario
-from gpuwatchd.sim.scenario.topology import Topology, nvlinks_wired
+from gpuwatchd.sim.scenario.topology import Topology, nvlink_peers, nvlinks_wired
 
 # Everything a GPU starts with unless the node's `initial` or a phase says otherwise:
 # an idle, healthy datacenter GPU.
@@ -98,6 +98,7 @@ class Timeline:
         self.topology = Topology(scenario.node)
         self.nvlink_fabric = scenario.node.nvlink_fabric()
         self.nvlinks_wired = nvlinks_wired(scenario.node)
+        self.nvlink_peers = nvlink_peers(scenario.node)
         self._starts: list[float] = []
         t = 0.0
         for phase in scenario.phases:

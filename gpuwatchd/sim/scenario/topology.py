@@ -191,3 +191,25 @@ def nvlinks_wired(node: Node) -> list[frozenset[int]]:
         bridged = frozenset(model.nvlink_bridge_links) if model.nvlink_bridge_links else every
         return [bridged if (i ^ 1) < node.gpu_count else frozenset() for i in range(node.gpu_count)]
     return [frozenset()] * node.gpu_count
+
+
+def nvlink_peers(node: Node) -> list[dict[int, int | None]]:
+    """Per GPU, what each wired NVLink faces: another GPU's index, or None for an
+    NVSwitch. A direct board splits a GPU's links over the other GPUs in blocks, in
+    index order (4 A100s: links 0-3 to the first other GPU, 4-7 the second, 8-11 the
+    third; leftover links to the last); a bridge joins GPUs 0-1, 2-3, ..."""
+    fabric, count = node.nvlink_fabric(), node.gpu_count
+    out: list[dict[int, int | None]] = []
+    for gpu, wired in enumerate(nvlinks_wired(node)):
+        links = sorted(wired)
+        others = [peer for peer in range(count) if peer != gpu]
+        if fabric == "nvswitch":
+            out.append(dict.fromkeys(links))
+        elif fabric == "bridge":
+            out.append(dict.fromkeys(links, gpu ^ 1))
+        elif others:
+            per, last = max(1, len(links) // len(others)), len(others) - 1
+            out.append({link: others[min(i // per, last)] for i, link in enumerate(links)})
+        else:
+            out.append({})  # one GPU on a direct board: its links reach nothing
+    return out

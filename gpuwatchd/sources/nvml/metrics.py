@@ -80,6 +80,11 @@ NVLINK_EXPECTED = _gpu_gauge(
     " an NVSwitch board.",
     ("link",),
 )
+NVLINK_DOWN_PEER = _gpu_gauge(
+    "gpu_nvlink_down_peer_gpu",
+    "Index of the GPU that an expected but inactive NVLink of this GPU reached (the lowest;"
+    " present only while such a link is down, and only for links between GPUs).",
+)
 PROCESSES = _gpu_gauge("gpu_compute_processes", "Compute processes running on the GPU.")
 PROCESS_MEMORY = _gpu_gauge(
     "gpu_process_memory_used_bytes", "Device memory used by one process.", ("pid",)
@@ -132,6 +137,7 @@ SPECS = (
     REMAP_FAILED,
     NVLINK,
     NVLINK_EXPECTED,
+    NVLINK_DOWN_PEER,
     PROCESSES,
     PROCESS_MEMORY,
     XID,

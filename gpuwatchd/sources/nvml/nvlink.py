@@ -3,6 +3,10 @@
 A link is expected once it has been seen active since the daemon started, on a GPU of
 an NVSwitch board (one active link reaching a switch: then every GPU with as many
 links), or where the config's `expected_nvlinks` names it (see the package docstring).
+What a link reaches is asked once, when it is first seen active
+(nvmlDeviceGetNvLinkRemotePciInfo: the driver knows the far end of a trained link only):
+where an expected link is down, `gpu_nvlink_down_peer_gpu` names the GPU it reached
+(4-GPU boards and bridged pairs; NVSwitch boards' links reach switches).
 `NvLinks` is a mixin of NvmlSource, which sets the state it declares.
 """
 
@@ -14,9 +18,13 @@ from typing import Any
 
 from gpuwatchd.config import NvmlConfig, SourceConfig
 from gpuwatchd.metrics import Sample
-from gpuwatchd.sources.nvml.metrics import NVLINK_EXPECTED
+from gpuwatchd.sources.nvml.metrics import NVLINK_DOWN_PEER, NVLINK_EXPECTED
 from gpuwatchd.sources.nvml.reads import _Entry, _Gpu, _GpuLost
-from gpuwatchd.sources.nvmlapi import Direct
+from gpuwatchd.sources.nvmlapi import Direct, sysfs_bus_id
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 log = logging.getLogger("gpuwatchd.sources.nvml")
 
@@ -25,6 +33,7 @@ class NvLinks:
     """NvmlSource's NVLink count per GPU and its links' expectations."""
 
     config: SourceConfig
+    _gpus: list[_Gpu]
     _nv: Any
     _direct: Direct | None
     _nvswitch_links: set[int]
@@ -49,6 +58,8 @@ class NvLinks:
         link = entry.scope
         if active:
             gpu.nvlink_seen.add(link)
+            if link not in gpu.nvlink_peer:
+                gpu.nvlink_peer[link] = self._remote_gpu(gpu, link)
             if gpu.nvlink_remote is None:
                 gpu.nvlink_remote = self._remote_type(gpu, link)
                 if gpu.nvlink_remote == getattr(self._nv, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2):
@@ -62,6 +73,31 @@ class NvLinks:
             or link in configured
         )
         out.append(Sample(NVLINK_EXPECTED.name, entry.labels, 1.0 if expected else 0.0))
+        peer = gpu.nvlink_peer.get(link)
+        if expected and not active and peer is not None:
+            gpu.nvlink_down_peers.add(peer)
+
+    def _nvlink_down_peer(self, gpu: _Gpu, out: list[Sample]) -> None:
+        """After a poll's link states: the GPU the inactive expected links reached."""
+        if gpu.nvlink_down_peers:
+            out.append(Sample(NVLINK_DOWN_PEER.name, gpu.labels, min(gpu.nvlink_down_peers)))
+            gpu.nvlink_down_peers.clear()
+
+    def _remote_gpu(self, gpu: _Gpu, link: int) -> int | None:
+        """The index of the GPU an active link reaches; None for an NVSwitch, or where the
+        driver cannot tell (asked once per link)."""
+        nv = self._nv
+        function = getattr(nv, "nvmlDeviceGetNvLinkRemotePciInfo", None)
+        if function is None:
+            return None
+        try:
+            remote = sysfs_bus_id(_text(function(gpu.handle, link).busId))
+        except nv.NVMLError as e:
+            if e.value == nv.NVML_ERROR_GPU_IS_LOST:
+                raise _GpuLost from e
+            log.debug("nvml: GPU %d: NVLink %d remote: %s", gpu.index, link, self._describe(e))
+            return None
+        return next((g.index for g in self._gpus if g.bus_id == remote and g is not gpu), None)
 
     def _remote_type(self, gpu: _Gpu, link: int) -> int:
         """What an active link reaches (NVML_NVLINK_DEVICE_TYPE_*); UNKNOWN (0xFF) if the

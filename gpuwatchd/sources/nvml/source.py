@@ -383,6 +383,7 @@ class NvmlSource(Polling, NvLinks, Source):
                 unsupported.add(entry)
                 why = self._describe(nv.NVMLError(code))
                 self._log_once(entry.what, f"field {entry.what} ({entry.field.metric})", gpu, why)
+        self._nvlink_down_peer(gpu, out)
         if full:
             gpu.kept[SLOW_FIELDS_KEY] = slow
         out.extend(gpu.kept[SLOW_FIELDS_KEY])
