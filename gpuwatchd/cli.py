@@ -112,6 +112,12 @@ def _reread(config_file: Path | None, **overrides: Any) -> Config | None:
     help=f"serve a simulated node: {SCENARIO_HELP}",
 )
 @click.option(
+    "--at",
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="with --simulate: start that many seconds into the scenario (at its fault)",
+)
+@click.option(
     "--web.config.file",
     "web_config_file",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -123,6 +129,7 @@ def run(
     config_file: Path | None,
     listen: str | None,
     scenario_name: str | None,
+    at: float | None,
     web_config_file: Path | None,
     log_level: str,
 ) -> None:
@@ -135,8 +142,14 @@ def run(
     overrides: dict[str, Any] = dict(listen=listen, web_config_file=web_config_file)
     config = _load(config_file, **overrides)
     scenario = _scenario(scenario_name) if scenario_name else None
+    if at is not None and scenario is None:
+        raise click.UsageError("--at: only with --simulate")
+    if at is not None and scenario is not None and at >= scenario.duration:
+        raise click.UsageError(
+            f"--at {at:g}: after the end of scenario {scenario.name!r} ({scenario.duration:g} s)"
+        )
     try:
-        daemon = Daemon(config, scenario)
+        daemon = Daemon(config, scenario, at or 0.0)
     except RulesError as e:
         raise click.ClickException(f"rules not loaded:\n{e}") from e
     except WebConfigError as e:
@@ -370,10 +383,18 @@ def doctor(
     from gpuwatchd.sim.scenario import load_scenario
 
     _setup_logging("error")
+    if at is not None and not scenario_name:
+        raise _CannotRun("--at: only with --simulate (a real node is diagnosed now)")
     try:
         config = load_config(config_file)
         if scenario_name:
-            report = diagnose_simulated(load_scenario(scenario_name), config, at)
+            scenario = load_scenario(scenario_name)
+            if at is not None and at > scenario.duration:
+                raise _CannotRun(
+                    f"--at {at:g}: after the end of scenario {scenario.name!r} "
+                    f"({scenario.duration:g} s)"
+                )
+            report = diagnose_simulated(scenario, config, at)
         else:
             report = diagnose_node(config, window)
     except (ConfigError, RulesError) as e:
@@ -383,3 +404,61 @@ def doctor(
     else:
         click.echo(format_report(report))
     sys.exit(report.exit_code)
+
+
+@main.command()
+@click.argument("job")
+@click.option(
+    "--prometheus",
+    "prometheus_url",
+    envvar="GPUWATCHD_PROMETHEUS_URL",
+    default="http://localhost:9090",
+    show_default=True,
+    help="Prometheus (or Thanos, Mimir) query API base URL; env GPUWATCHD_PROMETHEUS_URL",
+)
+@click.option(
+    "--since",
+    default="7d",
+    show_default=True,
+    help="start of the window to look for the job in: Unix time, ISO 8601, or a duration "
+    "back from --until (6h, 7d)",
+)
+@click.option("--until", help="end of the window (default: now); the same forms")
+@click.option(
+    "--step",
+    type=click.FloatRange(min=0.001),
+    help="seconds between samples per GPU (default: the scrape interval)",
+)
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option("--markdown", is_flag=True, help="print the report as Markdown")
+def report(
+    job: str,
+    prometheus_url: str,
+    since: str,
+    until: str | None,
+    step: float | None,
+    as_json: bool,
+    markdown: bool,
+) -> None:
+    """GPU-hours JOB lost per starvation cause, with the fix, from Prometheus.
+
+    JOB is a Slurm job id or torchrun run id (the owner series' job_id), else a
+    Kubernetes pod (POD or NAMESPACE/POD). Exit 0 with the report, 1 if Prometheus
+    cannot answer or owns nothing of the job in the window. Details: docs/report.md.
+    """
+    import time
+
+    from gpuwatchd.report import ReportError, build_report, parse_time
+    from gpuwatchd.report_format import as_json as to_json
+    from gpuwatchd.report_format import as_text
+    from gpuwatchd.report_prometheus import Prometheus
+
+    if as_json and markdown:
+        raise click.UsageError("--json and --markdown exclude each other")
+    try:
+        end = parse_time(until, time.time())
+        start = parse_time(since, end - 7 * 86400, now=end)
+        built = build_report(Prometheus(prometheus_url), job, start, end, step)
+    except ReportError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(to_json(built) if as_json else as_text(built, markdown=markdown), nl=as_json)

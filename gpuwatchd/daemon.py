@@ -22,6 +22,7 @@ from gpuwatchd.rules import (
     Transition,
     load_rules,
 )
+from gpuwatchd.rules.engine import FIRING
 from gpuwatchd.scheduler import LANES, Poller, ThreadedScheduler, name_os_thread
 from gpuwatchd.sources import Context, Source, load_builtin_sources
 from gpuwatchd.status_page import StatusPage
@@ -160,16 +161,32 @@ class Pipeline:
                 log.warning("source %s: close failed: %s", source.name, e)
 
 
+causes_log = logging.getLogger("gpuwatchd.causes")
+
+
+def log_transitions(transitions: list[Transition]) -> None:
+    """The journal's account of the causes: each firing with its evidence (a warning, as
+    the page it raises), each stop. Pending and not-evaluable changes stay off it."""
+    for t in transitions:
+        if t.new == FIRING:
+            causes_log.warning("GPU %s: %s firing: %s", t.gpu, t.cause, t.detail)
+        elif t.old == FIRING:
+            causes_log.info("GPU %s: %s resolved (now %s)", t.gpu, t.cause, t.new)
+
+
 class Daemon:
     """`gpuwatchd run`: threads for the sources, the evaluation loop and the HTTP server."""
 
-    def __init__(self, config: Config, scenario: Scenario | None = None) -> None:
+    def __init__(
+        self, config: Config, scenario: Scenario | None = None, start_at: float = 0.0
+    ) -> None:
+        """`scenario`: serve a simulated node, from `start_at` seconds into it."""
         self.config = config
         self.node: SimNode | None = None
         if scenario is not None:
             from gpuwatchd.sim.node import SimNode
 
-            self.node = SimNode(scenario, virtual=False, loop=True)
+            self.node = SimNode(scenario, virtual=False, loop=True, start_at=start_at)
         to_wall = None  # a simulated node's clock is monotonic already
         if self.node is not None:
             context, now = self.node.context(), self.node.clock.now
@@ -179,7 +196,7 @@ class Daemon:
             now, to_wall = clock, clock.to_wall
         try:
             self.pipeline = Pipeline(config, context, now, to_wall)
-        except Exception:  # a bad rule file: leave no simulated node behind
+        except BaseException:  # a bad rule file: leave no simulated node behind
             if self.node is not None:
                 self.node.close()
             raise
@@ -187,12 +204,18 @@ class Daemon:
         host, port = config.listen_address()
         pipeline = self.pipeline
         hostname = context.extras.get("hostname")  # a simulated node's; else this machine's
-        status = StatusPage(
+        self.status = StatusPage(
             pipeline.store, pipeline.pollers, now, pipeline.engine, hostname, to_wall
         )
-        self.server = MetricsServer(
-            pipeline.exporter, host, port, status, web_config_file=config.web_config_file
-        )
+        try:
+            self.server = MetricsServer(
+                pipeline.exporter, host, port, self.status, web_config_file=config.web_config_file
+            )
+        except BaseException:  # a port in use, a bad web config: nothing left behind either
+            pipeline.close()
+            if self.node is not None:
+                self.node.close()
+            raise
         self.notifier = Notifier(config.evaluation_interval)  # systemd: READY=1, watchdog
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._evaluate_forever, name="evaluate", daemon=True)
@@ -213,7 +236,9 @@ class Daemon:
     def evaluate_once(self) -> None:
         now = self.pipeline.now()
         self.scheduler.check_hung(now)  # a stuck poll: down, then a fresh thread
-        self.pipeline.evaluate_rules()
+        transitions = self.pipeline.evaluate_rules()
+        log_transitions(transitions)
+        self.status.record(transitions)
         exporter = self.pipeline.exporter
         exporter.refresh()  # the rules' families; the sources' when a scrape comes:
         exporter.render_ahead(now, self.config.evaluation_interval)  # or just before one

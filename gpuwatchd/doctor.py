@@ -30,6 +30,7 @@ from gpuwatchd.daemon import Pipeline
 from gpuwatchd.rules.engine import HOLDS, NOT_EVALUABLE, Finding
 from gpuwatchd.sim.scenario import Expectation, Scenario
 from gpuwatchd.sources import Context
+from gpuwatchd.status_page import Where, gpu_places
 from gpuwatchd.store import Store
 
 DIMENSIONS = ("pcie", "input", "compute", "communication", "driver", "system")
@@ -298,6 +299,9 @@ class Report:
     dimensions: list[DimensionReport]
     findings: list[Finding]
     host: list[HostCheck] = field(default_factory=list)
+    # rules that read the in-process probe: not evaluable is normal where none reports
+    needs_probe: frozenset[str] = frozenset()
+    where: dict[str, str] = field(default_factory=dict)  # GPU -> PCI address, pid, job
 
     @property
     def holding(self) -> list[Finding]:
@@ -354,6 +358,7 @@ class Report:
                 {"gpus": gpus, **{k: v for k, v in asdict(f).items() if k not in ("gpu", "uuid")}}
                 for gpus, f in finding_groups(self.findings)
             ],
+            "where": self.where,
             "not_checked": self.not_checked,
             "result": self.verdict,
             "exit_code": self.exit_code,
@@ -445,7 +450,11 @@ def build_report(pipeline: Pipeline, node: str) -> Report:
         ]
         dimensions.append(report)
     host = host_checks(latest, pipeline.config)
-    return Report(node, gpus, no_gpu, down, dimensions, findings, host)
+    rules = pipeline.engine.rules.rules
+    needs_probe = frozenset(r.name for r in rules if "probe" in r.expr.sources)
+    places = gpu_places(pipeline.store.latest(now))
+    where = {f.gpu: text for f in findings if (text := places.get(f.uuid, Where()).text())}
+    return Report(node, gpus, no_gpu, down, dimensions, findings, host, needs_probe, where)
 
 
 def diagnose_node(
@@ -536,13 +545,21 @@ def _finding_lines(report: Report) -> list[str]:
     holding = report.holding
     quiet = [gpu for gpu in report.gpus if gpu not in {f.gpu for f in holding}]
     unknown: dict[str, list[str]] = {}
+    no_probe: dict[str, list[str]] = {}
     for f in report.findings:
         if f.status == NOT_EVALUABLE:
-            unknown.setdefault(f.gpu, []).append(f.cause)
+            into = no_probe if f.cause in report.needs_probe else unknown
+            into.setdefault(f.gpu, []).append(f.cause)
     pairs = [(f.gpu, f"{f.cause} ({f.dimension}, {f.severity}): {f.detail}") for f in holding]
     pairs += [(gpu, "no cause holds") for gpu in quiet]
     pairs += [(gpu, f"not evaluable: {', '.join(causes)}") for gpu, causes in unknown.items()]
-    return [f"  {gpu_list(gpus)}: {text}" for gpus, text in group_by_text(pairs)]
+    pairs += [
+        (gpu, f"need the in-process probe (docs/probe.md), not reporting here: {', '.join(c)}")
+        for gpu, c in no_probe.items()
+    ]
+    lines = [f"  {gpu_list(gpus)}: {text}" for gpus, text in group_by_text(pairs)]
+    starved = sorted({f.gpu for f in holding if f.gpu in report.where}, key=_gpu_order)
+    return lines + [f"  where GPU {gpu} is: {report.where[gpu]}" for gpu in starved]
 
 
 def format_report(report: Report) -> str:

@@ -1,9 +1,11 @@
 """The status page at `/`: this node, its GPUs, what starves each one now, the sources.
 
-One server-rendered HTML page with inline CSS and no script, readable on a phone. It is
-built per request from what the rule engine, the store and the pollers already hold in
-memory and never calls a source, so a hung GPU or a source that is down renders like
-anything else. Every value that comes from the node or a rule file is HTML-escaped.
+One server-rendered HTML page with inline CSS and no script, readable on a phone, that
+reloads itself every `REFRESH_SECONDS`. It is built per request from what the rule
+engine, the store and the pollers already hold in memory and never calls a source, so a
+hung GPU or a source that is down renders like anything else; the causes that stopped
+firing lately come from the transitions the daemon hands it (`record`). Every value that
+comes from the node or a rule file is HTML-escaped.
 """
 
 from __future__ import annotations
@@ -11,19 +13,34 @@ from __future__ import annotations
 import html
 import re
 import socket
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd import __version__
 from gpuwatchd.metrics import PREFIX
-from gpuwatchd.rules.engine import FIRING, NOT_EVALUABLE, PENDING, AlertState, RuleEngine
+from gpuwatchd.rules.engine import (
+    FIRING,
+    NOT_EVALUABLE,
+    PENDING,
+    AlertState,
+    RuleEngine,
+    Transition,
+)
 from gpuwatchd.rules.ruleset import Rule
 from gpuwatchd.scheduler import Poller
 from gpuwatchd.store import Store
 
 _INFO, _LOST = PREFIX + "gpu_info", PREFIX + "gpu_lost"
+_PID, _JOB, _OWNER = (PREFIX + n for n in ("gpu_process_pid", "gpu_process_job", "gpu_owner_info"))
+STALL = "nccl_stall"  # its GPUs wait for a culprit rank of the same job
+# why a rule reading the in-process probe has no value: normal where no job uses it
+NO_PROBE = "needs the in-process probe, which no process on this GPU reports to"
 _SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
+REFRESH_SECONDS = 30  # the page reloads itself: a screen left open stays current
+RECENT = 20  # resolved causes kept for the page
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,37 @@ class Cause:
 
 
 @dataclass(frozen=True)
+class Where:
+    """Where a GPU is and who runs on it: what the on-call types next."""
+
+    bus_id: str = ""  # PCI address
+    pid: str = ""  # its main process
+    job: str = ""  # the launch its process belongs to (gpu_process_job: a pid)
+    owner: str = ""  # the scheduler's job ("slurm job 4242", a pod)
+
+    def text(self) -> str:
+        """"PCI 0000:47:00.0, pid 6004, slurm job 4242" (what is known)."""
+        parts = [f"PCI {self.bus_id}"] if self.bus_id else []
+        parts += [f"pid {self.pid}"] if self.pid else []
+        return ", ".join(parts + ([self.owner] if self.owner else []))
+
+
+def gpu_places(samples: Iterable[tuple[tuple[str, tuple[str, ...]], float]]) -> dict[str, Where]:
+    """Where each GPU is and who runs on it, by uuid, from the latest samples: gpu_info's
+    PCI address, the main process and its job, the owner's scheduler job or pod."""
+    found: dict[str, dict[str, str]] = {}
+    for (name, labels), value in samples:
+        if name == _INFO:
+            found.setdefault(labels[1], {})["bus_id"] = labels[3]
+        elif name in (_PID, _JOB):
+            found.setdefault(labels[1], {})["pid" if name == _PID else "job"] = f"{value:.0f}"
+        elif name == _OWNER and (labels[3] or labels[8]):  # scheduler, job_id, ..., pod
+            owner = f"{labels[2]} job {labels[3]}" if labels[3] else f"pod {labels[7]}/{labels[8]}"
+            found.setdefault(labels[1], {})["owner"] = owner
+    return {uuid: Where(**fields) for uuid, fields in found.items()}
+
+
+@dataclass(frozen=True)
 class Gpu:
     index: str
     uuid: str
@@ -47,6 +95,20 @@ class Gpu:
     lost: bool
     firing: tuple[Cause, ...]
     pending: tuple[Cause, ...]
+    where: Where = Where()
+
+
+@dataclass(frozen=True)
+class CauseGroup:
+    """One cause firing on one or more GPUs: the page shows it once."""
+
+    name: str
+    severity: str
+    dimension: str
+    gpus: tuple[str, ...]
+    summary: str  # the first GPU's evidence
+    remedy: str
+    waited_for_by: tuple[str, ...] = ()  # GPUs of its job stalled in a collective (culprit)
 
 
 @dataclass(frozen=True)
@@ -67,6 +129,17 @@ class Unevaluable:
 
 
 @dataclass(frozen=True)
+class Resolved:
+    """A cause that fired on a GPU and has stopped."""
+
+    gpu: str
+    cause: str
+    fired_at: float
+    resolved_at: float
+    summary: str
+
+
+@dataclass(frozen=True)
 class NodeStatus:
     hostname: str
     version: str
@@ -76,6 +149,8 @@ class NodeStatus:
     unevaluable: tuple[Unevaluable, ...]
     rules: str  # how many rules, from where
     rules_reload_ok: bool
+    resolved: tuple[Resolved, ...] = ()  # newest first
+    groups: tuple[CauseGroup, ...] = ()  # the firing causes, the culprit first
 
 
 class StatusPage:
@@ -97,6 +172,20 @@ class StatusPage:
         self.engine = engine
         self.hostname = hostname or socket.gethostname()
         self._models: dict[str, str] = {}  # by uuid: a lost GPU, or NVML down, keeps its model
+        self._firing: dict[tuple[str, str], Transition] = {}  # (uuid, cause) -> it fired
+        self._resolved: deque[Resolved] = deque(maxlen=RECENT)
+        self._lock = threading.Lock()  # record() runs in the evaluation loop, pages in the server
+
+    def record(self, transitions: Iterable[Transition]) -> None:
+        """Remember when causes started firing, and keep the last RECENT that stopped."""
+        with self._lock:
+            for t in transitions:
+                key = (t.uuid, t.cause)
+                if t.new == FIRING:
+                    self._firing[key] = t
+                elif t.old == FIRING and (fired := self._firing.pop(key, None)) is not None:
+                    resolved = Resolved(t.gpu, t.cause, fired.at, t.at, fired.detail)
+                    self._resolved.appendleft(resolved)
 
     def __call__(self) -> bytes:
         return render(self.status()).encode()
@@ -108,6 +197,11 @@ class StatusPage:
         shift = 0.0 if self.to_wall is None else self.to_wall(steady) - steady
         now = steady + shift
         gpus, unevaluable = self._gpus(steady, shift)
+        with self._lock:
+            resolved = tuple(
+                Resolved(r.gpu, r.cause, r.fired_at + shift, r.resolved_at + shift, r.summary)
+                for r in self._resolved
+            )
         engine = self.engine
         rules = "no rule engine"
         if engine is not None:
@@ -121,10 +215,13 @@ class StatusPage:
             unevaluable=unevaluable,
             rules=rules,
             rules_reload_ok=engine is None or engine.reload_ok,
+            resolved=resolved,
+            groups=group_causes(gpus),
         )
 
     def _gpus(self, now: float, shift: float) -> tuple[tuple[Gpu, ...], tuple[Unevaluable, ...]]:
         indexes, lost = self._identities()
+        where = self._where()
         # the engine's evaluation thread replaces `rules` and `states` on a reload: read
         # each once, and only with .get, so a concurrent cycle never breaks an iteration
         rules = self.engine.rules.rules if self.engine is not None else ()
@@ -134,11 +231,17 @@ class StatusPage:
         for uuid, index in sorted(indexes.items(), key=lambda item: (_number(item[1]), item[0])):
             firing, pending, reasons = _causes(rules, states, uuid, now, shift)
             model = self._models.get(uuid, "")
-            gpus.append(Gpu(index, uuid, model, uuid in lost, firing, pending))
+            gpus.append(Gpu(index, uuid, model, uuid in lost, firing, pending, where(uuid)))
             for cause, reason in reasons:
                 unevaluable.setdefault((cause, reason), []).append(index)
         grouped = tuple(Unevaluable(c, r, tuple(g)) for (c, r), g in unevaluable.items())
         return tuple(gpus), grouped
+
+    def _where(self) -> Callable[[str], Where]:
+        """A GPU's PCI address, main process, job and owner, by uuid, from the store."""
+        store = self.store
+        places = gpu_places(s for source in store.sources() for s in store.source_latest(source))
+        return lambda uuid: places.get(uuid, Where())
 
     def _identities(self) -> tuple[dict[str, str], set[str]]:
         """Index by uuid of every GPU known, and the uuids last reported lost.
@@ -184,7 +287,8 @@ def _causes(
         elif kind == PENDING:
             pending.append(_cause(rule, state, now, shift))
         elif kind == NOT_EVALUABLE:
-            unevaluable.append((rule.name, state.reason))
+            reason = NO_PROBE if "probe" in rule.expr.sources else state.reason
+            unevaluable.append((rule.name, reason))
     return _worst_first(firing), _worst_first(pending), unevaluable
 
 
@@ -201,6 +305,33 @@ def _cause(rule: Rule, state: AlertState, now: float, shift: float) -> Cause:
         summary=state.summary,
         remedy=" ".join(spec.remedy.split()),
     )
+
+
+def group_causes(gpus: Sequence[Gpu]) -> tuple[CauseGroup, ...]:
+    """Each firing cause once, over the GPUs it fires on. A cause on a GPU whose job has
+    other GPUs stalled in a collective is the rank they wait for: it comes first, then the
+    worst severity, then the most GPUs."""
+    by_cause: dict[str, list[Gpu]] = {}
+    for gpu in gpus:
+        for cause in gpu.firing:
+            by_cause.setdefault(cause.name, []).append(gpu)
+    stalled = by_cause.get(STALL, [])
+    groups = []
+    for name, hit in by_cause.items():
+        first = next(c for c in hit[0].firing if c.name == name)
+        jobs = {gpu.where.job for gpu in hit if gpu.where.job} if name != STALL else set()
+        waiting = tuple(g.index for g in stalled if g.where.job in jobs and g not in hit)
+        groups.append(
+            CauseGroup(
+                name, first.severity, first.dimension, tuple(g.index for g in hit),
+                first.summary, first.remedy, waiting,
+            )  # fmt: skip
+        )
+    return tuple(sorted(groups, key=_group_order))
+
+
+def _group_order(group: CauseGroup) -> tuple[bool, int, int]:
+    return (not group.waited_for_by, _SEVERITY_RANK.get(group.severity, 3), -len(group.gpus))
 
 
 def _worst_first(causes: list[Cause]) -> tuple[Cause, ...]:
@@ -226,6 +357,7 @@ PAGE = """<!doctype html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
+<meta http-equiv="refresh" content="{refresh}">
 <title>{title}</title>
 <style>{style}</style>
 </head>
@@ -265,6 +397,11 @@ code, .uuid { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, monospace;
 .gpu.warning { border-left-color: var(--warning); }
 .gpu.info { border-left-color: var(--info); }
 .cause { margin-top: .75rem; padding-top: .6rem; border-top: 1px solid var(--line); }
+.group { background: var(--card); border: 1px solid var(--line); border-radius: 6px;
+  border-left: 6px solid var(--info); padding: .75rem 1rem; margin-bottom: .75rem; }
+.group.critical { border-left-color: var(--critical); }
+.group.warning { border-left-color: var(--warning); }
+.where { color: var(--muted); font-size: .9rem; overflow-wrap: anywhere; }
 .when { color: var(--muted); font-size: .9rem; }
 .remedy { padding: .4rem .6rem; background: #f1f3f4; border-radius: 4px; }
 .pending { margin-top: .6rem; font-size: .9rem; }
@@ -297,13 +434,17 @@ def render(node: NodeStatus) -> str:
         (
             _header(node),
             _verdict(node),
+            _cause_groups(node),
             _gpu_grid(node),
             _unevaluable(node),
+            _resolved(node),
             _sources_table(node),
             _footer(node),
         )
     )
-    return PAGE.format(title=_e(f"{title} · gpuwatchd"), style=STYLE, body=body)
+    return PAGE.format(
+        title=_e(f"{title} · gpuwatchd"), style=STYLE, body=body, refresh=REFRESH_SECONDS
+    )
 
 
 def _header(node: NodeStatus) -> str:
@@ -328,10 +469,10 @@ def _verdict(node: NodeStatus) -> str:
     elif not starved:
         text = f"No GPU starved ({_count(len(node.gpus), 'GPU')})"
     else:
-        links = ", ".join(
-            f'<a href="#gpu-{_e(gpu.index)}">GPU {_e(gpu.index)}</a>: '
-            + ", ".join(_e(c.name) for c in gpu.firing)
-            for gpu in starved
+        links = "; ".join(
+            f'<a href="#cause-{_e(g.name)}">{_e(g.name)}</a> on {_gpu_list(g.gpus)}'
+            + (" (the rank the others wait for)" if g.waited_for_by else "")
+            for g in node.groups
         )
         text = f"{len(starved)} of {_count(len(node.gpus), 'GPU')} starved: {links}"
         level = _worst(c for gpu in starved for c in gpu.firing)
@@ -339,34 +480,83 @@ def _verdict(node: NodeStatus) -> str:
     return f'<p id="verdict" class="verdict {_e(level)}">{text}{note}</p>'
 
 
+def _gpu_list(indexes: Sequence[str], links: bool = False) -> str:
+    """"GPU 3", "GPUs 0, 1, 2" (each a link to its card, with `links`)."""
+    shown = (f'<a href="#gpu-{_e(i)}">{_e(i)}</a>' if links else _e(i) for i in indexes)
+    return ("GPU " if len(indexes) == 1 else "GPUs ") + ", ".join(shown)
+
+
+def _cause_groups(node: NodeStatus) -> str:
+    """Each firing cause once, the culprit first: seven GPUs spinning in one hung
+    collective are one cause, and the rank they wait for leads."""
+    if not node.groups:
+        return ""
+    cards = "\n".join(_cause_group(group) for group in node.groups)
+    return f'<section id="causes"><h2>Causes</h2>\n{cards}\n</section>'
+
+
+def _cause_group(group: CauseGroup) -> str:
+    culprit = ""
+    if group.waited_for_by:
+        culprit = (
+            '<p class="culprit"><span class="badge critical">culprit</span> its job\'s '
+            f"{_gpu_list(group.waited_for_by, links=True)} wait in a collective for this "
+            "rank</p>"
+        )
+    return (
+        f'<article class="group {_e(group.severity)}" id="cause-{_e(group.name)}">'
+        f"<h3><span>{_e(group.name)}</span> <span>{_gpu_list(group.gpus, links=True)}</span></h3>"
+        f'<span class="badge {_e(group.severity)}">{_e(group.severity)}</span> '
+        f'<span class="badge dimension">{_e(group.dimension)}</span>{culprit}'
+        f'<p class="summary">{_prose(group.summary)}</p>'
+        f'<p class="remedy"><strong>Remedy:</strong> {_prose(group.remedy)}</p></article>'
+    )
+
+
 def _gpu_grid(node: NodeStatus) -> str:
-    cards = "\n".join(_gpu_card(gpu, node.now) for gpu in node.gpus)
+    shared = {g.name for g in node.groups if len(g.gpus) > 1}
+    cards = "\n".join(_gpu_card(gpu, node.now, shared) for gpu in node.gpus)
     return f'<section id="gpus"><h2>GPUs</h2><div class="gpus">\n{cards}\n</div></section>'
 
 
-def _gpu_card(gpu: Gpu, now: float) -> str:
+def _gpu_card(gpu: Gpu, now: float, shared: set[str]) -> str:
     state = "lost" if gpu.lost else "starved" if gpu.firing else "ok"
     level = _worst(gpu.firing) if gpu.firing else ""
     model = _e(gpu.model) if gpu.model else '<span class="muted">model unknown</span>'
     parts = [
         f'<section class="gpu {state} {_e(level)}" id="gpu-{_e(gpu.index)}">',
         f'<h3><span>GPU {_e(gpu.index)}</span><span class="badge {state}">{state}</span></h3>',
-        f'<p class="model">{model}</p><p class="uuid">{_e(gpu.uuid)}</p>',
-        *(_firing(gpu, cause, now) for cause in gpu.firing),
+        f'<p class="model">{model}</p><p class="uuid">{_e(gpu.uuid)}</p>{_where(gpu.where)}',
+        *(_firing(gpu, cause, now, cause.name in shared) for cause in gpu.firing),
         *(_pending(cause, now) for cause in gpu.pending),
         "</section>",
     ]
     return "".join(parts)
 
 
-def _firing(gpu: Gpu, cause: Cause, now: float) -> str:
+def _where(where: Where) -> str:
+    """PCI address, process, job and owner: where to look, and whose it is."""
+    parts = [f"PCI <code>{_e(where.bus_id)}</code>"] if where.bus_id else []
+    parts += [f"pid {_e(where.pid)}"] if where.pid else []
+    parts += [f"job of pid {_e(where.job)}"] if where.job and where.job != where.pid else []
+    parts += [_e(where.owner)] if where.owner else []
+    return f'<p class="where">{" · ".join(parts)}</p>' if parts else ""
+
+
+def _firing(gpu: Gpu, cause: Cause, now: float, shared: bool) -> str:
+    """A cause on the GPU: its own evidence; the remedy here, or with the cause's group
+    where it fires on other GPUs too."""
+    remedy = (
+        f'<p class="remedy"><a href="#cause-{_e(cause.name)}">Remedy with the cause</a></p>'
+        if shared
+        else f'<p class="remedy"><strong>Remedy:</strong> {_prose(cause.remedy)}</p>'
+    )
     return (
         f'<article class="cause firing" id="gpu-{_e(gpu.index)}-{_e(cause.name)}">'
         f"<h4>{_e(cause.name)}</h4>{_badges(cause)}"
         f'<p class="when">firing for {_duration(now - cause.fires_at)}, since '
         f"{_time(cause.fires_at)}</p>"
-        f'<p class="summary">{_prose(cause.summary)}</p>'
-        f'<p class="remedy"><strong>Remedy:</strong> {_prose(cause.remedy)}</p></article>'
+        f'<p class="summary">{_prose(cause.summary)}</p>{remedy}</article>'
     )
 
 
@@ -387,18 +577,41 @@ def _badges(cause: Cause) -> str:
 
 
 def _unevaluable(node: NodeStatus) -> str:
-    """Rules that cannot say yes or no: a GPU shown ok may be ok only as far as we can see."""
-    if not node.unevaluable:
+    """Rules that cannot say yes or no: a GPU shown ok may be ok only as far as we can see.
+    Those waiting for the probe are listed apart: not a fault where no job uses it."""
+    faults = [u for u in node.unevaluable if u.reason != NO_PROBE]
+    waiting = sorted({u.cause for u in node.unevaluable if u.reason == NO_PROBE})
+    parts = []
+    if faults:
+        items = "".join(
+            f"<li><strong>{_e(u.cause)}</strong> on GPU {_e(', '.join(u.gpus))}: "
+            f"{_e(u.reason)}</li>"
+            for u in faults
+        )
+        rules = _count(len({u.cause for u in faults}), "rule")
+        parts.append(
+            f'<details id="unevaluable"><summary>{rules} could not be evaluated: why'
+            f"</summary><ul>{items}</ul></details>"
+        )
+    if waiting:
+        parts.append(
+            f'<p id="probe-rules" class="muted">{_e(", ".join(waiting))}: read the in-process '
+            "probe, which no process reports to here (docs/probe.md)</p>"
+        )
+    return "".join(parts)
+
+
+def _resolved(node: NodeStatus) -> str:
+    """The causes that stopped firing lately: what happened while nobody looked."""
+    if not node.resolved:
         return ""
     items = "".join(
-        f"<li><strong>{_e(u.cause)}</strong> on GPU {_e(', '.join(u.gpus))}: {_e(u.reason)}</li>"
-        for u in node.unevaluable
+        f'<li><strong>{_e(r.cause)}</strong> on GPU {_e(r.gpu)}: fired {_time(r.fired_at)} for '
+        f"{_duration(r.resolved_at - r.fired_at)}, resolved {_duration(node.now - r.resolved_at)}"
+        f' ago <span class="muted">({_prose(r.summary)})</span></li>'
+        for r in node.resolved
     )
-    rules = _count(len({u.cause for u in node.unevaluable}), "rule")
-    return (
-        f'<details id="unevaluable"><summary>{rules} could not be evaluated: why'
-        f"</summary><ul>{items}</ul></details>"
-    )
+    return f'<section id="resolved"><h2>Recently resolved</h2><ul>{items}</ul></section>'
 
 
 def _sources_table(node: NodeStatus) -> str:

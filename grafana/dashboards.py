@@ -3,9 +3,10 @@
     python -m grafana.dashboards          # or: python grafana/dashboards.py
     python -m grafana.dashboards --check  # exit 1 if a committed file is out of date
 
-writes grafana/fleet.json and grafana/node.json (sorted keys, stable panel ids), so a
-regenerated file differs from the committed one only where the code changed.
-tests/test_grafana.py keeps them equal and runs every query against a real Prometheus.
+writes grafana/fleet.json, grafana/node.json and grafana/job.json (sorted keys, stable
+panel ids), so a regenerated file differs from the committed one only where the code
+changed. tests/test_grafana.py (test_report_grafana.py for job.json) keeps them equal and
+runs every query against a real Prometheus.
 
 Queries follow two rules: every target returns data on a healthy node (zeros rather
 than nothing: `sum by (cause) (gpuwatchd_starvation_active)`, not `== 1`), except the
@@ -911,9 +912,106 @@ def node() -> dash.Dashboard:
     return d
 
 
+# --- one job (gpuwatchd report's numbers) -----------------------------------------------
+
+JOB_UID = "gpuwatchd-job"
+# deploy/prometheus/jobs.yaml, group gpuwatchd.jobs.accounting: each sample is the
+# GPU-hours of one minute, so sum_over_time over the time range is the range's GPU-hours,
+# the totals `gpuwatchd report` prints for the same window (docs/report.md).
+THE_JOB = 'job_id="$job_id"'
+JOB_OWNER = f'gpuwatchd_gpu_owner_info{{{THE_JOB}}}'
+
+
+def job_total(rule: str, by: str = "") -> str:
+    grouping = f" by ({by})" if by else ""
+    return f"sum{grouping} (sum_over_time({rule}{{{THE_JOB}}}[$__range]))"
+
+
+HELD = job_total("job_id:gpuwatchd_gpu_hours:sampled1m")
+
+
+def job_summary() -> dash.Row:
+    starved = job_total("job_id:gpuwatchd_starvation_gpu_hours:sampled1m")
+    return row("Job $job_id over the time range", [
+        big_number(
+            "GPU-hours of the job", """GPU-hours the job held over the dashboard's time
+            range: its owned GPUs sampled every minute (job_id:gpuwatchd_gpu_hours:sampled1m
+            from deploy/prometheus/jobs.yaml). Set the time range to the job's run; gpuwatchd
+            report prints the same number.""",
+            query(HELD, instant=True), GPU_HOURS),
+        big_number(
+            "GPU-hours lost to starvation", """GPU-hours during which at least one
+            starvation cause fired on a GPU of the job, over the time range
+            (job_id:gpuwatchd_starvation_gpu_hours:sampled1m).""",
+            query(starved, instant=True), GPU_HOURS),
+        big_number(
+            "Share of the job's GPU time starved", """GPU time lost to any cause over the
+            GPU time the job held, over the time range: the headline of gpuwatchd report.""",
+            query(f"{starved} / {HELD}", instant=True), RATIO, red_from=0.1),
+        big_number(
+            "GPUs of the job", """GPUs that gpuwatchd_gpu_owner_info names as the job's at
+            any time in the range, on every node it ran on.""",
+            query(f"count(group by (job, instance, uuid) "
+                  f"(max_over_time({JOB_OWNER}[$__range])))", instant=True), COUNT),
+        bars(
+            "GPU-hours lost per cause", """GPU-hours each starvation cause cost the job over
+            the time range (job_id_cause:gpuwatchd_starvation_gpu_hours:sampled1m), largest
+            first; causes that never fired show zero. Two causes at once each count.""",
+            query(f"sort_desc({job_total(CAUSE_GPU_HOURS, 'cause')})", "{{cause}}",
+                  instant=True),
+            GPU_HOURS, width=12, height=10),
+        bars(
+            "Share of GPU time lost per dimension", """Per dimension (pcie, input, compute,
+            communication, driver, system), the share of the job's GPU time during which a
+            cause of that dimension fired; two causes of one dimension at once count
+            once (job_id_dimension:gpuwatchd_starvation_gpu_hours:sampled1m).""",
+            query(f"sort_desc({job_total(DIMENSION_GPU_HOURS, 'dimension')} / scalar({HELD}))",
+                  "{{dimension}}", instant=True),
+            RATIO, width=12, height=10),
+        graph(
+            "GPUs of the job starved, per cause", """How many of the job's GPUs each cause
+            starved, minute by minute (the accounting rule times 60), stacked: when in the
+            run each cause struck and how widely.""",
+            [query(f"sum by (cause) ({CAUSE_GPU_HOURS}{{{THE_JOB}}}) * 60 > 0", "{{cause}}")],
+            COUNT, stack=True, width=24),
+        bars(
+            "Worst GPUs of the job", """The 10 GPUs of the job starved the largest share
+            of the time range (gpuwatchd_gpu_starved joined with the owner, averaged over
+            the range): a node or rank that stands out is where to look first.""",
+            query("sort_desc(topk(10, avg by (node, gpu) (avg_over_time((gpuwatchd_gpu_starved"
+                  f" * on (job, instance, uuid) group_left () {JOB_OWNER})[$__range:]))))",
+                  "{{node}} GPU {{gpu}}", instant=True),
+            RATIO, width=12, height=10),
+        grid(
+            "What the daemon saw, and the fix", """Each cause that fired on a GPU of the
+            job in the time range, per node and GPU, with the evidence the daemon froze when
+            it started firing (summary) and the remedy (gpuwatchd_starvation_info joined
+            with the owner). Empty when nothing fired.""",
+            [query("max by (node, gpu, cause, dimension, summary, remedy) (max_over_time(("
+                   f"gpuwatchd_starvation_info * on (job, instance, uuid) group_left () "
+                   f"{JOB_OWNER})[$__range:]))", instant=True)],
+            columns=["node", "gpu", "cause", "dimension", "summary", "remedy"],
+            width=12, height=10),
+    ])
+
+
+CAUSE_GPU_HOURS = "job_id_cause:gpuwatchd_starvation_gpu_hours:sampled1m"
+DIMENSION_GPU_HOURS = "job_id_dimension:gpuwatchd_starvation_gpu_hours:sampled1m"
+
+
+def job() -> dash.Dashboard:
+    d = new_dashboard(
+        "gpuwatchd / Job", JOB_UID,
+        "One job's GPU-hours, what starved them and the fix: gpuwatchd report's numbers.",
+    ).time("now-24h", "now").with_variable(datasource_variable())
+    d = d.with_variable(label_variable(
+        "job_id", "Job ID", 'gpuwatchd_gpu_owner_info{job_id!=""}', multi=False))
+    return d.with_row(job_summary())
+
+
 # --- JSON ------------------------------------------------------------------------------
 
-DASHBOARDS = {"fleet.json": fleet, "node.json": node}
+DASHBOARDS = {"fleet.json": fleet, "node.json": node, "job.json": job}
 
 
 def _prune(value: Any) -> Any:

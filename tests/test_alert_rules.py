@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
 RECORDING = DEPLOY / "prometheus" / "recording.yaml"
 JOBS = DEPLOY / "prometheus" / "jobs.yaml"  # recording and alerting rules across nodes
 UNIT_TESTS = sorted((ROOT / "tests" / "prometheus").glob("*.test.yaml"))
+RUNBOOK_BASE = "https://github.com/gpuwatchd/gpuwatchd/blob/main/"  # the repository's docs
 
 
 def run(*args: str | Path, cwd: Path = ROOT) -> str:
@@ -49,6 +51,19 @@ def test_promtool_checks_the_rule_files():
 
 def test_promtool_checks_the_example_prometheus_config():
     run(require_tool("promtool"), "check", "config", "scrape.yaml", cwd=DEPLOY / "prometheus")
+
+
+def test_every_rule_file_is_wired_where_users_follow():
+    """scrape.yaml's rule_files, the README's install steps and docs/alerting.md name every
+    rule file deploy/prometheus ships (jobs.yaml's page was once loaded nowhere)."""
+    shipped = {p.name for p in (DEPLOY / "prometheus").glob("*.yaml") if p.name != "scrape.yaml"}
+    config = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yaml").read_text())
+    assert set(config["rule_files"]) == shipped
+    readme = (ROOT / "README.md").read_text()
+    alerting = (ROOT / "docs" / "alerting.md").read_text()
+    for name in shipped:
+        assert f"deploy/prometheus/{name}" in readme, name
+        assert f"`{name}`" in alerting, name
 
 
 @pytest.mark.parametrize("path", UNIT_TESTS, ids=lambda p: p.name)
@@ -94,7 +109,9 @@ def test_every_alert_has_a_severity_and_a_runbook_section():
         assert on_series or alert.get("labels", {}).get("severity"), f"{name}: no severity"
         annotations = alert["annotations"]
         assert {"summary", "remedy", "runbook_url"} <= set(annotations), name
-        doc, _, anchor = annotations["runbook_url"].partition("#")
+        url = annotations["runbook_url"]
+        assert url.startswith(RUNBOOK_BASE), f"{name}: not an absolute link into the docs"
+        doc, _, anchor = url.removeprefix(RUNBOOK_BASE).partition("#")
         assert anchor == name.lower(), name
         text = (ROOT / doc).read_text()
         anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
@@ -106,7 +123,28 @@ def test_pages_are_only_what_a_person_must_act_on_now():
     critical = {r["name"] for r in default_rules["rules"] if r["severity"] == "critical"}
     assert critical == {"gpu_lost", "nccl_stall", "pcie_link_degraded"}
     static = {n for n, a in alerts().items() if a.get("labels", {}).get("severity") == "critical"}
-    assert static == {"GpuXidResetRequired", "GpuNvmlHung", "GpuJobNcclStall"}
+    assert static == {
+        "GpuXidResetRequired", "GpuNvmlHung", "GpuJobNcclStall", "GpuNcclStallCulprit"
+    }
+
+
+def test_cause_alerts_say_where_in_a_short_summary_and_the_evidence_apart():
+    causes = [r for r in rules(ALERTS) if r["expr"].startswith("gpuwatchd_starvation_active{")]
+    assert len(causes) == 9
+    for alert in [*causes, alerts()["GpuNcclStallCulprit"]]:
+        annotations = alert["annotations"]
+        assert "starvation_info" in annotations["description"], alert["alert"]
+    for alert in causes:
+        summary = alert["annotations"]["summary"]
+        assert "pci_bus_id" in summary and "job_id" in summary, alert["alert"]
+
+
+def test_the_kubernetes_rules_take_another_runbook_base():
+    out = run(sys.executable, DEPLOY / "kubernetes" / "generate.py", "--runbook-base",
+              "https://wiki.example/gpu/")  # fmt: skip
+    urls = re.findall(r"runbook_url: (\S+)", out)
+    assert urls and all(u.startswith("https://wiki.example/gpu/docs/") for u in urls), urls
+    assert "https://wiki.example/gpu/docs/alerting.md#gpuncclstallculprit" in urls
 
 
 def test_amtool_checks_the_example_route():

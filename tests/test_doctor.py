@@ -114,16 +114,22 @@ def test_pcie_gen3_under_load_by_default_finds_the_degraded_link_on_gpu_3_only(p
         assert lines[dim].split()[1] == "ok", lines[dim]
     assert {row[1] for row in host_rows(out).values()} == {"ok"}
     assert "result: a cause holds: pcie_link_degraded on GPU 3 (exit 1)" in out
+    assert re.search(r"\n  where GPU 3 is: PCI \S+:\S+, pid 4242\n", out), out  # where to look
 
 
 def test_findings_shared_by_gpus_print_once_with_their_list(pcie):
     findings = pcie.output.split("per-GPU findings:\n")[1].split("\n\n")[0].splitlines()
     assert findings[0].startswith("  GPU 3: pcie_link_degraded")
     assert findings[1] == "  GPUs 0-2, 4-7: no cause holds"
-    # the same rules are not evaluable on all eight GPUs (no probe reports): one line
-    (unknown,) = [line for line in findings if "not evaluable" in line]
-    assert unknown.startswith("  GPUs 0-7: not evaluable: ")
-    assert len(findings) == 3
+    # the rules that read the probe wait for it on all eight GPUs (none reports): one
+    # line that says so, not a fault
+    (unknown,) = [line for line in findings if "probe" in line]
+    assert unknown == (
+        "  GPUs 0-7: need the in-process probe (docs/probe.md), not reporting here: "
+        "input_pipeline_stall, pin_memory_disabled, memory_fragmentation, slow_cuda_start"
+    )
+    assert not [line for line in findings if "not evaluable" in line]
+    assert findings[3].startswith("  where GPU 3 is: PCI ") and len(findings) == 4
 
 
 def test_gpu_lists():
@@ -199,6 +205,16 @@ def test_json_has_the_same_content(pcie):
 def test_bad_scenario_exits_2():
     result = doctor("--simulate", "no-such-scenario")
     assert result.exit_code == 2
+
+
+def test_at_past_the_end_or_without_a_scenario_exits_2():
+    """No diagnosis of a moment the scenario never reaches (it used to run silently to its
+    end), and none of a moment on a real node."""
+    result = doctor("--simulate", "healthy-8gpu", "--at", "99999")
+    assert result.exit_code == 2
+    assert "--at 99999: after the end of scenario 'healthy-8gpu' (1800 s)" in result.output
+    result = doctor("--at", "5")
+    assert result.exit_code == 2 and "only with --simulate" in result.output
 
 
 # -- no GPU, and the host checks -------------------------------------------------------------

@@ -6,14 +6,21 @@ it over HTTP and checks every metric family for all 8 GPUs against the scenario.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from importlib import resources
 
 import pytest
-from daemon_process import running_daemon
+from daemon_process import SCENARIO_PACKAGE, running_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpuwatchd.sim.node import _TMPFS
 from gpuwatchd.sim.scenario import Timeline, load_scenario
 from gpuwatchd.sources import BUILTIN
 
@@ -131,3 +138,39 @@ def test_healthz_and_openmetrics(daemon):
     with urllib.request.urlopen(request, timeout=5) as response:
         assert response.headers["Content-Type"].startswith("application/openmetrics-text")
         assert response.read().endswith(b"# EOF\n")
+
+
+def test_at_starts_the_simulated_node_at_its_fault():
+    """`run --simulate pcie-gen3-under-load --at 400`: GPU 3's link is at Gen3 from the
+    first scrape (it drops at 300 s), not after five minutes of waiting."""
+    with running_daemon("pcie-gen3-under-load", "--at", "400") as url:
+        deadline = time.monotonic() + 30
+        while True:
+            got = scrape(url).get("gpuwatchd_gpu_pcie_link_generation", [])
+            gens = {s.labels["gpu"]: s.value for s in got}
+            if len(gens) == 8:
+                break
+            assert time.monotonic() < deadline, gens
+            time.sleep(0.2)
+    assert gens["3"] == 3 and gens["0"] == 4
+
+
+def test_a_failed_start_leaves_no_simulated_node_behind(tmp_path):
+    """A port in use (or a bad web config) stops the start after the simulated node's
+    tree was made: the tree is removed, not left in /dev/shm."""
+    name = f"leak-check-{os.getpid()}"
+    text = (resources.files(SCENARIO_PACKAGE) / "idle-8gpu.yaml").read_text()
+    scenario = tmp_path / f"{name}.yaml"
+    scenario.write_text(text.replace("name: idle-8gpu", f"name: {name}", 1))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "gpuwatchd", "run", "--simulate", str(scenario),
+             "--listen", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode != 0 and "cannot listen" in result.stderr, result.stderr
+    root = _TMPFS or tempfile.gettempdir()
+    assert [p for p in os.listdir(root) if name in p] == []

@@ -143,6 +143,9 @@ def test_the_node_its_gpus_and_the_links(pcie_node):
     assert len(models) == 8
     for ref in p.engine.gpus.values():
         assert ref.uuid in dom[f"gpu-{ref.gpu}"] and models[ref.uuid] in dom[f"gpu-{ref.gpu}"]
+    # no process reports to the probe here: its rules wait for it, apart from any fault
+    assert dom["probe-rules"].startswith("input_pipeline_stall, memory_fragmentation")
+    assert "unevaluable" not in dom.text
 
 
 def test_a_firing_cause_shows_its_evidence_remedy_severity_and_age(pcie_node):
@@ -156,8 +159,8 @@ def test_a_firing_cause_shows_its_evidence_remedy_severity_and_age(pcie_node):
     assert spec.severity in cause and spec.dimension in cause
     assert re.search(r"firing for \d+s, since \d\d:\d\d:\d\d UTC", cause)
     assert "starved" in dom.classes["gpu-3"] and spec.severity in dom.classes["gpu-3"]
-    assert dom["verdict"].startswith(f"1 of 8 GPUs starved: GPU 3: {CAUSE}")
-    assert "#gpu-3" in dom.links
+    assert dom["verdict"].startswith(f"1 of 8 GPUs starved: {CAUSE} on GPU 3")
+    assert f"#cause-{CAUSE}" in dom.links and dom[f"cause-{CAUSE}"].startswith(f"{CAUSE} GPU 3")
     others = [dom[f"gpu-{g}"] for g in "0124567"]
     assert all("firing" not in text and "pending" not in text for text in others)
 
@@ -260,7 +263,7 @@ def test_a_lost_gpu_and_a_down_source_render():
     dom = cycle([info("0", "A100"), lost("0", 0), lost("1", 1)])  # NVML: GPU 1 is lost
     assert "lost" in dom.classes["gpu-1"] and "A100 <b>80GB</b>" in dom["gpu-1"]  # remembered
     assert "the driver reports the GPU lost" in dom["gpu-1-gpu_lost"]
-    assert dom["verdict"].startswith("1 of 2 GPUs starved: GPU 1: gpu_lost")
+    assert dom["verdict"].startswith("1 of 2 GPUs starved: gpu_lost on GPU 1")
     dom = cycle(SourceError("<script>driver gone</script>"))
     assert dom["source-nvml"] == "nvml down SourceError: <script>driver gone</script> 1s ago"
     assert "GPU-0" in dom["gpu-0"] and "GPU-1" in dom["gpu-1"]  # still listed
@@ -280,6 +283,88 @@ def test_every_value_is_escaped():
     dom = Dom(page)  # and every text and attribute reads back as it was
     assert dom["hostname"] == evil and dom[f"source-{evil}"].startswith(evil)
     assert evil in dom[f"gpu-{evil}-{evil}"] and "<code>&lt;img" in page
+
+
+def test_a_hang_is_one_cause_and_the_rank_it_waits_for_comes_first():
+    """nccl-hang-one-rank-8xh100: seven ranks spin, rank 3 never entered the collective.
+    The page shows nccl_stall once over its seven GPUs, and straggler_gpu on GPU 3 first,
+    as the culprit; each card says where the GPU is and whose process runs on it."""
+    sim = Simulation(load_scenario("nccl-hang-one-rank-8xh100"), Config(evaluation_interval=5))
+    try:
+        p = sim.pipeline
+        page = StatusPage(p.store, p.pollers, p.now, p.engine, sim.scenario.node.hostname)
+        while sim.node.clock.elapsed() < 600:
+            sim.step()
+            firing = {(s.state, cause) for (_, cause), s in p.engine.states.items()}
+            if {(FIRING, "nccl_stall"), (FIRING, "straggler_gpu")} <= firing:
+                break
+            sim.node.clock.advance(5)
+        dom = Dom(page().decode())
+    finally:
+        sim.close()
+    stalled = "GPUs 0, 1, 2, 4, 5, 6, 7"
+    assert dom["verdict"] == (
+        f"8 of 8 GPUs starved: straggler_gpu on GPU 3 (the rank the others wait for); "
+        f"nccl_stall on {stalled}"
+    )
+    causes = dom["causes"]
+    assert causes.index("straggler_gpu GPU 3") < causes.index(f"nccl_stall {stalled}")
+    assert f"culprit its job's {stalled} wait in a collective for this rank" in (
+        dom["cause-straggler_gpu"]
+    )
+    assert "NCCL_DEBUG=INFO" in dom["cause-nccl_stall"]  # the remedy, once
+    assert "Remedy with the cause" in dom["gpu-0-nccl_stall"]
+    assert "NCCL_DEBUG" not in dom["gpu-0-nccl_stall"]
+    assert re.search(r"PCI \S+:\S+ · pid 4004 · job of pid 4000", dom["gpu-3"]), dom["gpu-3"]
+
+
+RULE = """rules:
+  - name: cause_x
+    dimension: compute
+    severity: warning
+    expr: {expr}
+    for: 0s
+    summary: util {{{{ gpu_utilization_ratio * 100 }}}}%
+    remedy: none
+"""
+
+
+def test_the_daemon_logs_causes_and_the_page_lists_the_resolved(tmp_path, caplog):
+    """journalctl shows each cause firing (with its evidence) and resolving; the page keeps
+    the causes that stopped lately, and reloads itself."""
+    from gpuwatchd.config import load_config
+    from gpuwatchd.daemon import Daemon
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULE.format(expr="gpu_utilization_ratio < 0.5"))  # idle: it holds
+    config = tmp_path / "config.yaml"
+    config.write_text(f"rules_file: {rules}\nlisten: 127.0.0.1:0\n")
+    daemon = Daemon(load_config(config), load_scenario("idle-8gpu"))
+    try:
+        caplog.set_level("INFO", logger="gpuwatchd.causes")
+        for poller in daemon.pipeline.pollers:  # the scheduler's threads are not started
+            poller.poll()
+        daemon.evaluate_once()
+        fired = [r for r in caplog.records if "firing" in r.getMessage()]
+        assert len(fired) == 8 and fired[0].levelname == "WARNING"
+        assert fired[0].getMessage() == "GPU 0: cause_x firing: util 0%"
+        rules.write_text(RULE.format(expr="gpu_utilization_ratio > 0.5"))
+        for _ in range(3):  # noticed, loaded on the loader thread, swapped in
+            daemon.evaluate_once()
+            assert daemon.pipeline.rules_watcher.wait_idle(10)
+        daemon.evaluate_once()
+        resolved = [r.getMessage() for r in caplog.records if "resolved" in r.getMessage()]
+        assert "GPU 3: cause_x resolved (now inactive)" in resolved and len(resolved) == 8
+        page = daemon.status().decode()
+    finally:
+        daemon.server.stop()  # never started: closes its socket
+        daemon.pipeline.close()
+        assert daemon.node is not None
+        daemon.node.close()
+    assert '<meta http-equiv="refresh" content="30">' in page
+    dom = Dom(page)
+    assert dom["resolved"].count("cause_x on GPU") == 8
+    assert "cause_x on GPU 0: fired" in dom["resolved"] and "(util 0%)" in dom["resolved"]
 
 
 def test_a_failing_page_answers_500_and_the_server_goes_on():
@@ -390,7 +475,7 @@ def test_chromium_shows_the_firing_cause_on_a_phone_and_a_desktop(tmp_path):
     assert "firing for" in cause and "Gen3 x16 of Gen4 x16" in cause
     assert " ".join(spec["remedy"].split()).replace("`", "") in cause
     assert spec["severity"] in cause and spec["dimension"] in cause
-    assert dom["verdict"].startswith(f"1 of 8 GPUs starved: GPU 3: {CAUSE}")
+    assert dom["verdict"].startswith(f"1 of 8 GPUs starved: {CAUSE} on GPU 3")
     assert dom["hostname"] == "sim-hgx-a100"
     for source in ("nvml", "pcie", "dcgm", "cpu"):
         assert dom[f"source-{source}"].startswith(f"{source} up")

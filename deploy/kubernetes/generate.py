@@ -6,10 +6,14 @@
 
 Run `python deploy/kubernetes/generate.py` after changing a source;
 tests/test_kubernetes.py fails while a copy differs from what this writes.
+`--runbook-base URL` prints the PrometheusRule with the alerts' runbook links under URL
+instead (your docs: a file for an overlay), and writes nothing.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ PROMETHEUS_RULES = [
     ROOT / "deploy" / "prometheus" / f for f in ("recording.yaml", "alerts.yaml", "jobs.yaml")
 ]
 DEFAULT_RULES = ROOT / "gpuwatchd" / "rules" / "default.yaml"
+RUNBOOK_BASE = "https://github.com/gpuwatchd/gpuwatchd/blob/main/"  # the rules' links
 
 
 def header(*sources: Path) -> str:
@@ -40,10 +45,14 @@ def _string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _string)
 
 
-def prometheus_rule() -> str:
+def prometheus_rule(runbook_base: str = RUNBOOK_BASE) -> str:
     groups = []
     for source in PROMETHEUS_RULES:
         groups += yaml.safe_load(source.read_text())["groups"]
+    for rule in (r for group in groups for r in group["rules"]):
+        url = rule.get("annotations", {}).get("runbook_url")
+        if url:
+            rule["annotations"]["runbook_url"] = runbook_base + url.removeprefix(RUNBOOK_BASE)
     rule: dict[str, Any] = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
@@ -61,5 +70,11 @@ def daemon_rules() -> str:
 GENERATED = {"prometheusrule.yaml": prometheus_rule, "rules.yaml": daemon_rules}
 
 if __name__ == "__main__":
-    for name, render in GENERATED.items():
-        (HERE / name).write_text(render())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runbook-base", help="print the PrometheusRule with this docs base")
+    args = parser.parse_args()
+    if args.runbook_base:
+        sys.stdout.write(prometheus_rule(args.runbook_base.rstrip("/") + "/"))
+    else:
+        for name, render in GENERATED.items():
+            (HERE / name).write_text(render())

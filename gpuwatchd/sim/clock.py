@@ -9,14 +9,17 @@ class SimClock:
     """Seconds since the scenario started, and the matching wall-clock time.
 
     Virtual: time moves only when `advance` is called, so a 30-minute scenario replays
-    in as long as the CPU needs. Real: time is the process's monotonic clock.
+    in as long as the CPU needs. Real: time is the process's monotonic clock. `start_at`
+    starts the scenario that many seconds in (the wall clock still reads now).
     """
 
-    def __init__(self, virtual: bool, start_wall: float | None = None) -> None:
+    def __init__(
+        self, virtual: bool, start_wall: float | None = None, start_at: float = 0.0
+    ) -> None:
         self.virtual = virtual
-        self.start_wall = time.time() if start_wall is None else start_wall
-        self._start_mono = time.monotonic()
-        self._elapsed = 0.0
+        self.start_wall = (time.time() if start_wall is None else start_wall) - start_at
+        self._start_mono = time.monotonic() - start_at
+        self._elapsed = start_at
 
     def elapsed(self) -> float:
         if self.virtual:

@@ -48,10 +48,12 @@ class SimNode:
     replays run as fast as the CPU allows.
     """
 
-    def __init__(self, scenario: Scenario, virtual: bool, loop: bool = False) -> None:
+    def __init__(
+        self, scenario: Scenario, virtual: bool, loop: bool = False, start_at: float = 0.0
+    ) -> None:
         self.scenario = scenario
         self.timeline = Timeline(scenario, loop=loop)
-        self.clock = SimClock(virtual=virtual)
+        self.clock = SimClock(virtual=virtual, start_at=start_at)
         self.root = Path(tempfile.mkdtemp(prefix=f"gpuwatchd-sim-{scenario.name}-", dir=_TMPFS))
         costs = FREE if virtual else DRIVER_COSTS
         nvml = scenario.node.nvml
