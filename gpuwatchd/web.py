@@ -3,32 +3,49 @@
 One asyncio event loop on its own thread serves every connection, so an idle or slow
 client costs a socket and a few KB, never a thread. What a cluster network can throw at
 it is bounded (`Limits`):
-- connections: at most `max_connections`, TLS handshakes included; at the cap the
-  connection idle the longest is closed to make room, so a scraper always gets in;
+- connections: at most `max_connections`, TLS handshakes included; at the cap one is
+  closed to make room, so a scraper always gets in: a connection whose reply the client
+  is not reading first (the longest stuck first), then the one idle the longest, and those
+  that have given a right password only when no other is left (issue 23);
 - time: a connection without a complete request for `idle_timeout` is closed (this also
   bounds headers sent slowly), a TLS handshake gets `handshake_timeout`, a response the
-  client does not read within `send_timeout` is dropped;
+  client does not read within `send_timeout` is dropped, and a connection whose reply
+  took over `slow_reply` to send is closed after it, so a pipeline of requests that are
+  never read holds at most one reply (aiohttp parses at most 32 ahead);
+- bytes: at most `send_buffer` of kernel buffer and one reply per connection, and
+  `max_unsent` of replies waiting on their clients in all: past it, the connection
+  stuck the longest is dropped;
 - bodies: no endpoint takes one. aiohttp's parser (llhttp) frames every request itself
   and answers a malformed length with 400; a body over `max_body` or chunked is refused
   with 413 before a byte of it is read and the connection is closed, so nothing that
   follows is parsed as another request;
 - slow work (the status page, the DCGM pause, bcrypt) runs on a few threads, never on
   the loop: a scrape returns the exposition's cached bytes and waits on nothing.
-TLS, basic auth, extra headers and a rate limit come from exporter-toolkit's web config
-file (gpuwatchd/webconfig.py). `/api/...` changes state: POST only, refused unless basic
-auth is configured, rate-limited, and every call is logged with its caller. `/healthz`
+- passwords: one bcrypt check at a time, waiters served round robin by client address
+  (a user already verified from that address first), at most `bcrypt_per_client` waiting
+  per address (gpuwatchd/weblimits.py).
+TLS, basic auth, extra headers and a rate limit (per client address, spent only by
+requests that passed authentication) come from exporter-toolkit's web config file
+(gpuwatchd/webconfig.py). `/api/...` changes state: POST only, refused unless basic auth
+is configured and the user is one of its `api_users`, rate-limited, and every call is
+logged with its caller. `/healthz`
 without credentials answers anyone, with its status only, for probes (docs/security.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
 import math
 import socket
+import sys
+import termios
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +60,7 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 
 from gpuwatchd.status_page import StatusPage
 from gpuwatchd.webconfig import BasicAuth, WebConfig, load_web_config, peer_sans, ssl_context
+from gpuwatchd.weblimits import ClientBuckets, FairTurns, TokenBucket
 
 if TYPE_CHECKING:
     from gpuwatchd.exporter import Exporter
@@ -60,13 +78,17 @@ class Limits:
     idle_timeout: float = 75.0  # over a 1-minute scrape interval, so keep-alive is reused
     handshake_timeout: float = 10.0
     send_timeout: float = 30.0
+    slow_reply: float = 2.0  # a reply that took longer: the connection is closed after it
+    max_unsent: int = 32 << 20  # bytes of replies waiting on their clients, all together
     backlog: int = 1024
-    send_buffer: int = 1 << 20  # bytes of kernel send buffer per connection
+    # kernel send buffer per connection (Linux doubles it): one exposition in one send()
+    send_buffer: int = 256 << 10
     max_body: int = 4096
     max_header: int = 8190  # one header line; aiohttp also caps their number (128)
     api_burst: int = 3  # /api/: 3 calls at once, then one every api_interval seconds
     api_interval: float = 20.0
-    bcrypt_waiting: int = 8  # password checks queued behind the one running; more: 429
+    bcrypt_waiting: int = 64  # password checks queued behind the one running; more: 429
+    bcrypt_per_client: int = 2  # of them from one client address
     api_timeout: float = 10.0  # DCGM may hang: the caller gets 504, a worker thread waits
 
 
@@ -77,31 +99,23 @@ def wants_openmetrics(accept: str | None) -> bool:
     )
 
 
-class TokenBucket:
-    """`burst` tokens, one more every `interval` seconds (Go's rate.Limiter semantics)."""
-
-    def __init__(self, interval: float, burst: int) -> None:
-        self.interval, self.burst = interval, burst
-        self.tokens, self.last = float(burst), time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.last) / self.interval)
-        self.last = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
-
-
 class _Connection(RequestHandler):
     """aiohttp's connection, plus what the cap needs: when it last did something."""
 
-    __slots__ = ("busy", "first_request_due", "last_active", "requests")
+    __slots__ = (
+        "authenticated",
+        "busy",
+        "first_request_due",
+        "last_active",
+        "requests",
+        "sending_since",
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.busy = False  # inside our handler: never evicted
+        self.busy = False  # inside our handler: evicted only while sending
+        self.sending_since: float | None = None  # a reply is being sent since
+        self.authenticated = False  # has given a right password: evicted last
         self.last_active = time.monotonic()
         self.requests = 0
         self.first_request_due: asyncio.TimerHandle | None = None
@@ -121,6 +135,32 @@ class _Connection(RequestHandler):
         if self.first_request_due is not None:  # a flood leaves no timers behind
             self.first_request_due.cancel()
         super().connection_lost(exc)
+
+    @property
+    def stuck_since(self) -> float:
+        """When the reply now waiting on the client to read it began; 0 if none waits.
+        (`sending_since` alone would count a reply already in the kernel's buffer.)"""
+        if self.sending_since is None or self.transport is None:
+            return 0.0
+        return self.sending_since if self.transport.get_write_buffer_size() else 0.0
+
+    def unsent(self) -> int:
+        """Bytes of replies the client has not taken: in our buffer, then the kernel's
+        (SIOCOUTQ: sent but not acknowledged, or not sent: the client's window is shut)."""
+        if self.transport is None:
+            return 0
+        queued = 0
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                outq = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                queued = int.from_bytes(outq, sys.byteorder, signed=True)
+        return self.transport.get_write_buffer_size() + queued
+
+    def evict(self) -> None:
+        if self.sending_since is not None and self.transport is not None:
+            self.transport.abort()  # close() would wait for the client to read the reply
+        self.force_close()
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
@@ -199,10 +239,11 @@ class MetricsServer:
         self._sans = set(tls.client_allowed_sans or ()) if tls else set()
         self._auth = BasicAuth(self.config.users) if self.config.users else None
         rate = self.config.rate_limit
-        self._limiter = TokenBucket(rate.interval, rate.burst) if rate.interval else None
+        self._limiter = ClientBuckets(rate.interval, rate.burst) if rate.interval else None
         self._api_bucket = TokenBucket(limits.api_interval, limits.api_burst)
         self._api_refusals, self._accept_errors = _Throttled(), _Throttled()
-        self._bcrypt_waiting = 0
+        self._password_turns = FairTurns(limits.bcrypt_per_client, limits.bcrypt_waiting)
+        self._verified: OrderedDict[tuple[str | None, str], None] = OrderedDict()
         self._page: tuple[float, asyncio.Future[bytes]] | None = None
         self._handshakes: dict[asyncio.Task[None], float] = {}
         self._routes: dict[str, tuple[tuple[str, ...], Callable[..., Awaitable[web.Response]]]] = {
@@ -219,7 +260,7 @@ class MetricsServer:
         self._loop = asyncio.new_event_loop()
         self._stopping = asyncio.Event()
         self._workers = ThreadPoolExecutor(2, thread_name_prefix="http-work")
-        self._bcrypt = ThreadPoolExecutor(1, thread_name_prefix="http-bcrypt")  # one at a time
+        self._bcrypt_thread = ThreadPoolExecutor(1, thread_name_prefix="http-bcrypt")
         self._thread = threading.Thread(target=self._serve, name="http", daemon=True)
         self._describe(web_config_file)
 
@@ -255,7 +296,7 @@ class MetricsServer:
             self._socket.close()
             self._loop.close()
         self._workers.shutdown(wait=False, cancel_futures=True)
-        self._bcrypt.shutdown(wait=False, cancel_futures=True)
+        self._bcrypt_thread.shutdown(wait=False, cancel_futures=True)
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -320,15 +361,34 @@ class MetricsServer:
         return len(self._handshakes) + len(self._server.open_connections())
 
     def _make_room(self) -> bool:
-        """Close the connection idle the longest (a handshake counts by its start)."""
-        candidates: list[tuple[float, Callable[[], object]]] = [
-            (c.last_active, c.force_close) for c in self._server.open_connections() if not c.busy
+        """Close one connection: a client's that has not given a right password before one
+        that has; of those, the one holding the most bytes of replies its client has not
+        taken (the slowest reader), else the one idle the longest (a handshake counts by
+        its start). One inside a handler, not sending (a password check, the DCGM call),
+        is left alone."""
+        candidates: list[tuple[tuple[bool, bool, float], Callable[[], object]]] = [
+            ((c.authenticated, not unsent, -unsent or c.last_active), c.evict)
+            for c in self._server.open_connections()
+            if not c.busy or c.sending_since is not None
+            for unsent in (c.unsent(),)
         ]
-        candidates += [(started, task.cancel) for task, started in self._handshakes.items()]
+        candidates += [((False, True, at), task.cancel) for task, at in self._handshakes.items()]
         if not candidates:
             return False
         min(candidates, key=lambda candidate: candidate[0])[1]()
         return True
+
+    def _drop_stuck_writers(self) -> None:
+        """Past `max_unsent` bytes of replies that clients do not take, drop the clients
+        stuck the longest (their bytes are the daemon's memory)."""
+        stuck = [c for c in self._server.open_connections() if c.stuck_since]
+        unsent = {c: c.transport.get_write_buffer_size() for c in stuck}  # type: ignore[union-attr]
+        total = sum(unsent.values())
+        for c in sorted(stuck, key=lambda c: c.stuck_since):
+            if total <= self.limits.max_unsent:
+                break
+            total -= unsent[c]
+            c.evict()
 
     # -- requests ----------------------------------------------------------------------
 
@@ -347,25 +407,34 @@ class MetricsServer:
             connection.last_active = time.monotonic()
 
     async def _send(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
-        """Send now, bounded: a client that does not read cannot hold the response."""
+        """Send now, bounded: a client that does not read cannot hold the response, and
+        one slow to take it gets no further reply on this connection (its pipeline would
+        hold one reply after another)."""
 
         async def send() -> None:
             await response.prepare(request)
             await response.write_eof()
 
+        connection: _Connection = request.protocol  # type: ignore[assignment]
+        self._drop_stuck_writers()
+        started = connection.sending_since = time.monotonic()
         try:
             await asyncio.wait_for(send(), self.limits.send_timeout)
         except asyncio.TimeoutError:
             if request.transport is not None:
                 request.transport.abort()  # close() would wait for the unread bytes
             raise ConnectionResetError("the client did not read the response") from None
+        finally:
+            connection.sending_since = None
+        if time.monotonic() - started > self.limits.slow_reply:
+            response.force_close()  # aiohttp closes the connection once this reply is out
 
     async def _route(self, request: web.BaseRequest) -> web.Response:
         # A liveness probe cannot hold a secret (a kubelet's httpGet headers are plain text
         # in the pod spec), so /healthz without credentials answers anyone, with only its
         # status: one word, nothing about the node (see _healthz).
         probe = request.path == "/healthz" and "Authorization" not in request.headers
-        refused = self._refuse(request, rate_limited=not probe)
+        refused = self._refuse(request)
         if refused is not None:
             return refused
         user = None
@@ -374,6 +443,10 @@ class MetricsServer:
             if isinstance(user_or_refusal, web.Response):
                 return user_or_refusal
             user = user_or_refusal
+        # the rate limit counts per client and only what passed authentication, so neither
+        # another client nor anonymous requests spend a scraper's tokens (issue 23)
+        if not probe and self._limiter is not None and not self._limiter.take(request.remote):
+            return _text(429, "too many requests\n")
         methods, endpoint = self._routes.get(request.path, ((), None))
         if endpoint is None:
             return _text(404, "not found\n")
@@ -383,12 +456,8 @@ class MetricsServer:
             )
         return await endpoint(request, user)
 
-    def _refuse(self, request: web.BaseRequest, rate_limited: bool = True) -> web.Response | None:
-        """Refusals that need no work: a body, the global rate limit, a certificate's SANs.
-
-        The anonymous /healthz is not `rate_limited`: it costs what a 429 costs, and a
-        flood that used up the tokens would otherwise fail the probes and restart the pod.
-        """
+    def _refuse(self, request: web.BaseRequest) -> web.Response | None:
+        """Refusals that need no work: a body, a certificate's SANs."""
         if (
             "Transfer-Encoding" in request.headers
             or (request.content_length or 0) > self.limits.max_body
@@ -399,8 +468,6 @@ class MetricsServer:
             )
             response.force_close()  # the unread body must not be parsed as a request
             return response
-        if rate_limited and self._limiter is not None and not self._limiter.take():
-            return _text(429, "too many requests\n")
         if self._sans and not self._sans & peer_sans(_peer_certificate(request)):
             response = _text(403, "client certificate has none of the allowed SANs\n")
             response.force_close()
@@ -415,20 +482,34 @@ class MetricsServer:
             credentials = None
         if credentials is not None:
             user, password = credentials.login, credentials.password
-            if self._auth.cached(user, password):
-                return user
-            if self._bcrypt_waiting >= self.limits.bcrypt_waiting:
+            ok = self._auth.cached(user, password) or await self._bcrypt(request, user, password)
+            if ok is None:
                 return _text(
                     429, "too many password checks at once; try again\n", **{"Retry-After": "1"}
                 )
-            self._bcrypt_waiting += 1
-            try:
-                loop = asyncio.get_running_loop()
-                if await loop.run_in_executor(self._bcrypt, self._auth.check, user, password):
-                    return user
-            finally:
-                self._bcrypt_waiting -= 1
+            if ok:
+                request.protocol.authenticated = True  # type: ignore[attr-defined]
+                return user
         return _text(401, "unauthorized\n", **{"WWW-Authenticate": "Basic"})
+
+    def _lane(self, request: web.BaseRequest, user: str) -> int:
+        """0 for a user already verified from this address (served first), else 1."""
+        return 0 if (request.remote, user) in self._verified else 1
+
+    async def _bcrypt(self, request: web.BaseRequest, user: str, password: str) -> bool | None:
+        """bcrypt on its thread, when this client's turn comes; None: no place to wait."""
+        assert self._auth is not None
+        source, lane = request.remote, self._lane(request, user)
+        if self._password_turns.full(source, lane):
+            return None
+        async with self._password_turns.turn(source, lane):
+            loop = asyncio.get_running_loop()
+            ok = await loop.run_in_executor(self._bcrypt_thread, self._auth.check, user, password)
+        if ok:
+            self._verified[(source, user)] = None
+            while len(self._verified) > 1024:
+                self._verified.popitem(last=False)
+        return ok
 
     # -- endpoints -----------------------------------------------------------------------
 
@@ -439,10 +520,18 @@ class MetricsServer:
             log.exception("rendering the exposition failed; serving the last one")
             current = self.exporter.current
         if wants_openmetrics(request.headers.get("Accept")):
-            return web.Response(
-                body=current.openmetrics, headers={"Content-Type": OPENMETRICS_TYPE}
-            )
-        return web.Response(body=current.text, headers={"Content-Type": TEXT_TYPE})
+            body, kind = current.openmetrics, OPENMETRICS_TYPE
+        else:
+            body, kind = current.text, TEXT_TYPE
+        # gzip where the scraper accepts it, as Prometheus does: an 8-GPU body shrinks
+        # ~13x; compressed in the loop (~1-2 ms), no executor thread
+        response = web.Response(
+            body=body,
+            headers={"Content-Type": kind, "Vary": "Accept-Encoding"},
+            zlib_executor_size=len(body) + 1,
+        )
+        response.enable_compression()
+        return response
 
     async def _healthz(self, request: web.BaseRequest, user: str | None) -> web.Response:
         """Healthy while the evaluation loop is alive and scrapes render; sources being down
@@ -490,6 +579,15 @@ class MetricsServer:
                 403,
                 "refused: /api/ changes the daemon's state and needs basic auth; set "
                 "basic_auth_users in the web config file (--web.config.file)\n",
+            )
+        if user not in self.config.api_users:  # a scrape credential only reads
+            self._api_refusals.warning(
+                "web: refused %s from %s: not one of api_users", request.path, caller
+            )
+            return _text(
+                403,
+                f"refused: user {user} may read but not change state; list it in api_users "
+                "in the web config file (--web.config.file)\n",
             )
         if not self._api_bucket.take():
             self._api_refusals.warning(

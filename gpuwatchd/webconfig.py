@@ -10,6 +10,8 @@ as in the toolkit. Differences, each refused or noted rather than silently chang
   that mode, so access is the same.
 - `curve_preferences` and `http_server_config.http2` are accepted and ignored (OpenSSL's
   groups; HTTP/1.1 only).
+- `rate_limit` is a bucket per client address, spent only by authenticated requests.
+- `api_users` is gpuwatchd's own key: the users who may change state (issue 23).
 """
 
 from __future__ import annotations
@@ -220,6 +222,18 @@ class WebConfig(_Strict):
     http_server_config: HTTPServerConfig = HTTPServerConfig()
     basic_auth_users: dict[str, Annotated[str, BeforeValidator(_bcrypt_hash)]] | None = None
     rate_limit: RateLimit = RateLimit()
+    # gpuwatchd's own key (the toolkit has no roles): the users of basic_auth_users who
+    # may call /api/ (change state); every other user only reads. Absent: nobody may.
+    api_users: list[str] = []
+
+    @model_validator(mode="after")
+    def _api_users_known(self) -> WebConfig:
+        unknown = [user for user in self.api_users if user not in self.users]
+        if unknown:
+            raise ValueError(
+                f"api_users: expected names of basic_auth_users, got {', '.join(unknown)}"
+            )
+        return self
 
     @property
     def tls(self) -> TLSServerConfig | None:
@@ -338,19 +352,22 @@ class BasicAuth:
 
     A success is cached per (user, hash, password) so a scrape does not pay bcrypt (~70 ms
     at cost 10) each time; failures are not cached, so guessing cannot evict them. An
-    unknown user is checked against a fixed hash to take as long as a known one.
+    unknown user is checked against a hash made here at the highest cost of the file's
+    own hashes, so the time of an answer does not tell whether the user exists.
     """
 
-    _UNKNOWN = "$2b$10$k9vLnVcqQ/5utwhE/k8n2eC9Fv23hDO3ZdZ0A79AE/Pzh42F7w5ge"  # "fakepassword"
     CACHE_SIZE = 100
 
     def __init__(self, users: dict[str, str]) -> None:
         self.users = users
+        cost = max((int(hashed.split("$")[2]) for hashed in users.values()), default=10)
+        cost = min(max(cost, 4), 31)  # bcrypt's range; a hash outside it matches nothing
+        self.unknown = bcrypt.hashpw(os.urandom(16).hex().encode(), bcrypt.gensalt(cost)).decode()
         self._ok: dict[bytes, None] = {}
         self._lock = threading.Lock()
 
     def key(self, user: str, password: str) -> bytes:
-        hashed = self.users.get(user, self._UNKNOWN)
+        hashed = self.users.get(user, self.unknown)
         return hashlib.sha256("\0".join((user, hashed, password)).encode()).digest()
 
     def cached(self, user: str, password: str) -> bool:
@@ -361,7 +378,7 @@ class BasicAuth:
         """bcrypt's verdict (slow: run it off the event loop), remembered if it is yes."""
         hashed = self.users.get(user)
         try:
-            ok = bcrypt.checkpw(password.encode(), (hashed or self._UNKNOWN).encode())
+            ok = bcrypt.checkpw(password.encode(), (hashed or self.unknown).encode())
         except ValueError:  # over bcrypt's 72 bytes: no hash can match it (as in Go)
             ok = False
         if ok and hashed is not None:

@@ -165,6 +165,24 @@ def test_http_endpoints_serve_cached_bytes(setup):
         assert get(base + "/healthz")[0] == 503
 
 
+def test_scrapes_are_gzipped_for_a_scraper_that_accepts_it(setup):
+    """Prometheus asks with Accept-Encoding: gzip (a 300 KB 8-GPU body becomes ~25 KB);
+    a client that does not gets the plain bytes."""
+    import gzip
+
+    with serving(setup) as base:
+        request = urllib.request.Request(base + "/metrics", headers={"Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert response.headers["Content-Encoding"] == "gzip"
+            assert response.headers["Vary"] == "Accept-Encoding"
+            body = gzip.decompress(response.read())
+        assert body == get(base + "/metrics")[2]
+        assert b'gpuwatchd_gpu_temperature_celsius{gpu="0",uuid="GPU-a"} 61.0' in body
+        request = urllib.request.Request(base + "/metrics", headers={"Accept-Encoding": "identity"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert response.headers["Content-Encoding"] is None
+
+
 def test_hung_source_reported_down_once_and_recovers(setup, caplog):
     clock, source, poller, exporter = setup
     entered, release = threading.Event(), threading.Event()

@@ -215,7 +215,14 @@ def test_only_prometheus_reaches_the_metrics_port() -> None:
     assert policy["policyTypes"] == ["Ingress", "Egress"] and policy["egress"] == []
     (rule,) = policy["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 9766}]
-    assert rule["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    # a pod label any tenant can set in its own namespace: only in the monitoring namespace,
+    # named by the label the API server sets (issue 23)
+    assert rule["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
 
 
 def test_service_and_servicemonitor_reach_the_pods() -> None:

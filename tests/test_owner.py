@@ -229,6 +229,38 @@ def test_cgroup_paths_from_documentation(path: str, expected: Placement) -> None
     assert place(path) == expected
 
 
+DELEGATED = "/user.slice/user-1000.slice/user@1000.service/app.slice"  # the tenant's own
+
+
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        # issue 23: a tenant names cgroups in its delegated subtree after a victim's job
+        (f"{DELEGATED}/uid_7319/job_748468/step_0", Placement()),
+        (f"{DELEGATED}/slurm/uid_7319/job_748468/step_0", Placement()),
+        (f"{DELEGATED}/system.slice/slurmstepd.scope/job_748468/step_0", Placement()),
+        (f"{DELEGATED}/kubepods.slice/kubepods-pod{POD}.slice/payload", Placement()),
+        # or nests them inside its own job or pod: the scheduler's (outer) one counts
+        (
+            "/system.slice/slurmstepd.scope/job_5/step_0/user/task_0/uid_7319/job_748468/step_0",
+            Placement("slurm", job_id="5", step="0"),
+        ),
+        (
+            f"/kubepods/besteffort/pod{POD_UID}/{ID}/kubepods/pod{CRIO_V2_POD}/{ID}",
+            Placement("kubernetes", pod_uid=POD_UID, container=ID),
+        ),
+    ],
+)
+def test_scheduler_paths_count_only_from_the_root(path: str, expected: Placement) -> None:
+    assert place(path) == expected
+
+
+def test_a_delegated_cgroup_named_after_a_job_is_not_charged_to_it(tmp_path: Path) -> None:
+    """Through the attribution: alice (uid 1000) in `…/uid_7319/job_748468/step_0`."""
+    add_process(tmp_path, 100, f"0::{DELEGATED}/uid_7319/job_748468/step_0\n")
+    assert owner_of(tmp_path, 100) == Owner("process", user="alice")
+
+
 def test_garbage_cgroup_is_a_bare_process() -> None:
     for text in ("", "random garbage\n", "/job_hello/\n", "0::\n", "1:cpu\n"):
         assert parse_cgroup(text) == Placement()

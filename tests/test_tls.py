@@ -184,7 +184,11 @@ def test_the_dcgm_pause_verb_over_tls(tmp_path, ca):
 
     from gpuwatchd.cli import main
 
-    config = {"tls_server_config": server_files(tmp_path, ca), "basic_auth_users": {"alice": HASH}}
+    config = {
+        "tls_server_config": server_files(tmp_path, ca),
+        "basic_auth_users": {"alice": HASH},
+        "api_users": ["alice"],
+    }
     with serving(config, where=tmp_path) as (server, source):
         secret = tmp_path / "password"
         secret.write_text(PASSWORD)

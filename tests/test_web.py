@@ -161,7 +161,7 @@ def test_pause_with_basic_auth_checks_the_password_logs_the_caller_and_is_rate_l
     checkpw = webconfig.bcrypt.checkpw
     monkeypatch.setattr(webconfig.bcrypt, "checkpw", lambda *a: checks.append(1) or checkpw(*a))
     caplog.set_level(logging.INFO, logger="gpuwatchd.web")
-    config = {"basic_auth_users": {"alice": HASH}}
+    config = {"basic_auth_users": {"alice": HASH}, "api_users": ["alice"]}
     limits = Limits(api_burst=2, api_interval=3600)
     with serving(config, limits, where=tmp_path) as (server, source):
         pause = "/api/dcgm/pause?seconds=60"
@@ -190,7 +190,7 @@ def test_pause_with_basic_auth_checks_the_password_logs_the_caller_and_is_rate_l
 
 def test_a_hung_dcgm_pause_answers_504_and_scrapes_go_on(tmp_path):
     release = threading.Event()
-    config = {"basic_auth_users": {"alice": HASH}}
+    config = {"basic_auth_users": {"alice": HASH}, "api_users": ["alice"]}
     with serving(config, Limits(api_timeout=0.5), where=tmp_path) as (server, source):
         source.pause_profiling = lambda seconds: release.wait(10)  # type: ignore[method-assign]
         result = []
@@ -287,7 +287,7 @@ def test_the_dcgm_pause_verb_authenticates(tmp_path):
 
     from gpuwatchd.cli import main
 
-    config = {"basic_auth_users": {"alice": HASH}}
+    config = {"basic_auth_users": {"alice": HASH}, "api_users": ["alice"]}
     with serving(config, where=tmp_path) as (server, source):
         url = "http://{}:{}".format(*server.address)
         secret = tmp_path / "password"

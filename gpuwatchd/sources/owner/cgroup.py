@@ -11,6 +11,14 @@ Paths are taken component by component, so the same rule reads a path seen from 
 and one seen from inside a cgroup namespace (a daemon in a container without the host's
 cgroup namespace reads `0::/../../kubepods-…-pod<UID>.slice/cri-containerd-<ID>.scope`):
 `..` components are skipped.
+
+A scheduler's directories count only where the scheduler makes them, from the root of
+the hierarchy: Slurm's `/slurm[_<node>]/uid_U/job_J` (v1) and
+`/system.slice/[<node>_]slurmstepd.scope/job_J` (v2), Kubernetes' `kubepods…` tree.
+Anywhere else they are a tenant's own: systemd delegates `user@UID.service` (and a
+container may own its subtree), so a tenant can name a cgroup
+`…/uid_<victim>/job_<J>/step_0` or `…/kubepods-pod<UID>.slice` and must not be charged
+as that job or pod (issue 23).
 """
 
 from __future__ import annotations
@@ -41,6 +49,14 @@ _RUNTIMES = {
 _JOB = re.compile(r"job_([0-9]{1,12})")
 _STEP = re.compile(r"step_([0-9A-Za-z_.+-]{1,32})")  # 0, 1, …, batch, extern, interactive
 _UID_DIR = re.compile(r"uid_([0-9]{1,10})")
+_SLURM_V1_ROOT = re.compile(r"slurm(?:_[0-9A-Za-z_.-]{1,64})?")  # /slurm_<node>: multiple slurmd
+# what may lie between the root and a pod: kubepods' QoS levels (both drivers), kind's
+# kubelet-prefixed slices, containerd's service on v1 with systemd (root-owned, none of them
+# delegated)
+_POD_ANCESTOR = re.compile(
+    r"kubelet\.slice|(?:kubelet-)?kubepods(?:-[a-z]+)?(?:\.slice)?|burstable|besteffort"
+    r"|system\.slice|containerd\.service"
+)
 _RANK = {"process": 0, "container": 1, "kubernetes": 2, "slurm": 3}
 
 
@@ -87,39 +103,39 @@ def place(path: str) -> Placement:
 def _slurm(parts: list[str]) -> Placement | None:
     """v1: /slurm/uid_U/job_J/step_S[/task_T]; cgroup/v2 plugin:
     /system.slice/[<node>_]slurmstepd.scope/job_J/step_S/{user/task_T,slurm}."""
-    for i, part in enumerate(parts[1:], 1):
-        job = _JOB.fullmatch(part)
-        parent = parts[i - 1]
-        if job is None or not (
-            parent == "slurm" or parent.endswith("slurmstepd.scope") or _UID_DIR.fullmatch(parent)
-        ):
-            continue
-        step = _STEP.fullmatch(parts[i + 1]) if i + 1 < len(parts) else None
-        uid = _UID_DIR.fullmatch(parent)
-        return Placement(
-            "slurm",
-            job_id=job[1],
-            step=step[1] if step else "",
-            uid=int(uid[1]) if uid else None,
-        )
-    return None
+    if len(parts) >= 3 and _SLURM_V1_ROOT.fullmatch(parts[0]):
+        uid = _UID_DIR.fullmatch(parts[1])
+        if uid is None:
+            return None
+    elif len(parts) >= 3 and parts[0] == "system.slice" and parts[1].endswith("slurmstepd.scope"):
+        uid = None
+    else:
+        return None
+    job = _JOB.fullmatch(parts[2])
+    if job is None:
+        return None
+    step = _STEP.fullmatch(parts[3]) if len(parts) > 3 else None
+    return Placement(
+        "slurm", job_id=job[1], step=step[1] if step else "", uid=int(uid[1]) if uid else None
+    )
 
 
 def _kubernetes(parts: list[str]) -> Placement | None:
-    """The innermost pod in the path and the container cgroup right under it."""
-    found: Placement | None = None
+    """The pod the kubepods tree holds from the root, and the container cgroup under it
+    (a pod-like name any deeper is the pod's own business, never another pod)."""
     for i, part in enumerate(parts):
         # containerd 1.4 on v1 with systemd: <pod slice>:cri-containerd:<ID>
         slice_, _, colon = part.partition(":")
         pod = _SYSTEMD_POD.fullmatch(slice_)
         if pod is None and any(a.startswith("kubepods") for a in parts[:i]):
             pod = _CGROUPFS_POD.fullmatch(part)
-        if pod is None:
-            continue
-        below = colon or (parts[i + 1] if i + 1 < len(parts) else "")
-        uid = pod[1].replace("_", "-")
-        found = Placement("kubernetes", pod_uid=uid, container=_runtime_id(below))
-    return found
+        if pod is not None:
+            below = colon or (parts[i + 1] if i + 1 < len(parts) else "")
+            uid = pod[1].replace("_", "-")
+            return Placement("kubernetes", pod_uid=uid, container=_runtime_id(below))
+        if not _POD_ANCESTOR.fullmatch(part):
+            return None
+    return None
 
 
 def _container(parts: list[str]) -> Placement | None:

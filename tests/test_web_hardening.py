@@ -1,0 +1,223 @@
+"""The web front against a client without a password (issue 23, findings 1, 2, 6 and 7).
+
+Real TLS clients (trustme certificates) and raw sockets on loopback against a real
+MetricsServer. Attackers connect from 127.0.0.2, the scraper from 127.0.0.1: two hosts as
+the server sees them. No sleeps: each step waits on what the server visibly did.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import socket
+import ssl
+import threading
+from pathlib import Path
+
+import pytest
+import trustme
+from servers import wait_until
+from webfront import HASH, PASSWORD, serving
+
+from gpuwatchd import webconfig
+from gpuwatchd.web import Limits
+from gpuwatchd.webconfig import BasicAuth, WebConfigError, load_web_config
+
+ATTACKER = ("127.0.0.2", 0)
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+def tls_config(where: Path, ca: trustme.CA, **extra) -> dict:
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(where / "server.pem"))
+    cert.private_key_pem.write_to_path(str(where / "server.key"))
+    tls = {"cert_file": str(where / "server.pem"), "key_file": str(where / "server.key")}
+    return {"tls_server_config": tls, "basic_auth_users": {"prometheus": HASH}, **extra}
+
+
+def client_context(ca: trustme.CA) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def connection(server, context=None, source=None) -> http.client.HTTPConnection:
+    if context is None:
+        return http.client.HTTPConnection(*server.address, timeout=10, source_address=source)
+    return http.client.HTTPSConnection(
+        *server.address, context=context, timeout=10, source_address=source
+    )
+
+
+def get(conn: http.client.HTTPConnection, path="/metrics", headers=None, method="GET") -> int:
+    conn.request(method, path, headers=headers or {})
+    response = conn.getresponse()
+    response.read()
+    return response.status
+
+
+def once(server, path="/metrics", headers=None, context=None, source=None, method="GET") -> int:
+    conn = connection(server, context, source)
+    try:
+        return get(conn, path, headers, method)
+    finally:
+        conn.close()
+
+
+# finding 1: busy connections ------------------------------------------------------------
+
+
+def test_clients_that_never_read_their_replies_do_not_lock_scrapers_out():
+    """Every slot held by a pipeline whose (4 MB) replies are never read: the old server
+    never evicted a connection mid-reply and refused every new one for 30 s."""
+    limits = Limits(max_connections=8)
+    with serving(limits=limits, series=60000) as (server, _):
+        pipeline = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 3
+        stuck = []
+        for _ in range(limits.max_connections):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the reply cannot fit
+            sock.bind(ATTACKER)
+            sock.settimeout(10)
+            sock.connect(server.address)
+            sock.sendall(pipeline)
+            stuck.append(sock)
+        try:
+            for sock in stuck:  # every reply has begun: each connection is mid-reply
+                assert sock.recv(1, socket.MSG_PEEK)
+            assert once(server) == 200  # a new connection: one stuck reader made room
+            assert once(server, "/healthz") == 200
+        finally:
+            for sock in stuck:
+                sock.close()
+
+
+def test_connections_with_a_right_password_are_evicted_last(tmp_path, ca):
+    """TLS + basic auth at the connection cap: anonymous clients that keep connecting
+    (and pass for the most recently active) close one another, not Prometheus' keep-alive
+    connection, which the old server closed as the one idle the longest."""
+    limits = Limits(max_connections=4)
+    context = client_context(ca)
+    with serving(tls_config(tmp_path, ca), limits, where=tmp_path) as (server, _):
+        scraper = connection(server, context)
+        anonymous = []
+        try:
+            assert get(scraper, headers=basic("prometheus", PASSWORD)) == 200
+            for _ in range(2 * limits.max_connections):
+                conn = connection(server, context, ATTACKER)
+                assert get(conn, "/healthz") == 200  # accepted, and active after the scraper
+                anonymous.append(conn)
+            assert get(scraper, headers=basic("prometheus", PASSWORD)) == 200  # the same one
+        finally:
+            scraper.close()
+            for conn in anonymous:
+                conn.close()
+
+
+# finding 2: the bcrypt queue -------------------------------------------------------------
+
+
+def test_wrong_passwords_from_one_host_do_not_keep_a_right_one_from_another_waiting(
+    tmp_path, ca, monkeypatch
+):
+    """20 wrong passwords from 127.0.0.2 hold the password check (the first one blocks
+    until released); the scraper's right password, not cached yet, is still checked. The
+    old server queued 8 checks for everyone and answered the scraper 429."""
+    entered, release = threading.Event(), threading.Event()
+    checkpw = webconfig.bcrypt.checkpw
+
+    def slow_wrong(password: bytes, hashed: bytes) -> bool:
+        if password != PASSWORD.encode():
+            entered.set()
+            release.wait(10)
+        return checkpw(password, hashed)
+
+    monkeypatch.setattr(webconfig.bcrypt, "checkpw", slow_wrong)
+    context = client_context(ca)
+    with serving(tls_config(tmp_path, ca), where=tmp_path) as (server, _):
+        answers: list[int] = []
+
+        def guess(n: int) -> None:
+            headers = basic("prometheus", f"guess{n}")
+            answers.append(once(server, headers=headers, context=context, source=ATTACKER))
+
+        guessers = [threading.Thread(target=guess, args=(n,)) for n in range(20)]
+        for thread in guessers:
+            thread.start()
+        # 1 check running and at most 8 waiting (the old queue) or 2 (per host): >= 11 refused
+        wait_until("the guesses to fill the queue", lambda: answers.count(429) >= 11, 10)
+        assert entered.is_set()
+        scraped: list[int] = []
+        scraper = threading.Thread(
+            target=lambda: scraped.append(
+                once(server, headers=basic("prometheus", PASSWORD), context=context)
+            )
+        )
+        scraper.start()
+        wait_until("the scraper to be answered or queued", lambda: scraped or _queued(server), 10)
+        release.set()
+        scraper.join(10)
+        for thread in guessers:
+            thread.join(10)
+        assert scraped == [200]
+        assert sorted(set(answers)) == [401, 429]
+
+
+def _queued(server) -> bool:
+    turns = getattr(server, "_password_turns", None)
+    return turns is not None and any(key[1] == "127.0.0.1" for key in turns._waiting)
+
+
+def test_an_unknown_user_costs_what_the_files_users_cost():
+    """The hash an unknown user is checked against has the cost of the file's own (the
+    old fixed cost-10 hash answered unknown users of a cost-12 file 4x faster)."""
+    assert HASH.startswith("$2b$04$")
+    assert BasicAuth({"alice": HASH}).unknown.startswith("$2b$04$")
+
+
+# finding 6: the rate limit ---------------------------------------------------------------
+
+
+def test_the_rate_limit_is_per_client_and_spent_only_after_authentication(tmp_path, ca):
+    config = tls_config(tmp_path, ca, rate_limit={"interval": "1h", "burst": 2})
+    context = client_context(ca)
+    right = basic("prometheus", PASSWORD)
+    with serving(config, where=tmp_path) as (server, _):
+        # anonymous requests and wrong passwords from 127.0.0.2 spend nobody's tokens
+        for headers in ({}, {}, {}, basic("prometheus", "wrong"), basic("prometheus", "x")):
+            assert once(server, headers=headers, context=context, source=ATTACKER) == 401
+        assert [once(server, headers=right, context=context) for _ in range(3)] == [200, 200, 429]
+        # 127.0.0.1 spent its own: 127.0.0.2 still has its burst
+        assert once(server, headers=right, context=context, source=ATTACKER) == 200
+
+
+# finding 7: a read-only role -------------------------------------------------------------
+
+
+def test_only_api_users_may_change_state(tmp_path, ca):
+    users = {"prometheus": HASH, "oncall": HASH}
+    config = tls_config(tmp_path, ca, basic_auth_users=users, api_users=["oncall"])
+    context = client_context(ca)
+    pause = "/api/dcgm/pause?seconds=3600"
+    with serving(config, where=tmp_path) as (server, source):
+        scraper = basic("prometheus", PASSWORD)
+        assert once(server, headers=scraper, context=context) == 200
+        assert once(server, pause, scraper, context, method="POST") == 403
+        assert source.pauses == []
+        assert once(server, pause, basic("oncall", PASSWORD), context, method="POST") == 200
+        assert source.pauses == [3600]
+
+
+def test_api_users_must_be_basic_auth_users(tmp_path):
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  prometheus: '{HASH}'\napi_users: [oncall]\n")
+    with pytest.raises(WebConfigError, match="api_users: expected names of basic_auth_users"):
+        load_web_config(path)
