@@ -9,8 +9,10 @@ changed. tests/test_grafana.py (test_report_grafana.py for job.json) keeps them 
 runs every query against a real Prometheus.
 
 Queries follow two rules: every target returns data on a healthy node (zeros rather
-than nothing: `sum by (cause) (gpuwatchd_starvation_active)`, not `== 1`), except the
-firing-causes tables, whose info series exists only while a cause fires; and every
+than nothing), except those over the cause families, which exist only for a GPU and
+cause in that state (issue 24: a healthy node exports none): counts per GPU add zeros
+from gpuwatchd_gpu_starved (`count_per_gpu`), lists of causes are empty while none
+fires; and every
 series is selected by the scrape's `job` and the `node` label a relabelling gives each
 target (docs/dashboards.md). The recording rules of deploy/prometheus/recording.yaml
 keep `cluster`, `job` and `instance` only, so the fleet view joins them to
@@ -295,8 +297,8 @@ def fleet_now() -> dash.Row:
             RATIO, red_from=0.05),
         bars(
             "Starved GPUs now, by cause", """Per starvation cause, how many of the selected
-            GPUs it fires on now (sum of gpuwatchd_starvation_active), largest first. Every
-            cause is listed, at 0 while it fires nowhere.""",
+            GPUs it fires on now (sum of gpuwatchd_starvation_active), largest first. Only
+            causes that fire somewhere are listed: none, a fed fleet.""",
             query(f"sort_desc(sum by (cause) (gpuwatchd_starvation_active{{{FLEET}}}))",
                   "{{cause}}", instant=True), COUNT, width=8, height=12),
         grid(
@@ -595,6 +597,11 @@ def per_gpu(metric: str, how: str = "max", extra: str = "") -> str:
     return f"{how} by (gpu) (gpuwatchd_{metric}{{{selector}}})"
 
 
+def count_per_gpu(metric: str) -> str:
+    """How many series of a sparse cause family each GPU has, 0 where it has none."""
+    return f"{per_gpu(metric, 'count')} or {per_gpu('gpu_starved')} * 0"
+
+
 def rate_per_gpu(metric: str) -> str:
     return f"sum by (gpu) (rate(gpuwatchd_{metric}{{{GPU}}}[$__rate_interval]))"
 
@@ -613,25 +620,26 @@ STATES = {  # the cause matrix's values
 
 
 def node_causes() -> dash.Row:
-    states = (
-        f"max by (gpu, cause) (2 * gpuwatchd_starvation_active{{{GPU}}})"
-        f" + max by (gpu, cause) (gpuwatchd_starvation_pending{{{GPU}}})"
-        f" + 3 * max by (gpu, cause) (gpuwatchd_starvation_not_evaluable{{{GPU}}})"
+    states = (  # a GPU x cause is in one state at a time, and only then has a series
+        f"max by (gpu, cause) (2 * gpuwatchd_starvation_active{{{GPU}}}"
+        f" or gpuwatchd_starvation_pending{{{GPU}}}"
+        f" or 3 * gpuwatchd_starvation_not_evaluable{{{GPU}}})"
     )
     firing = timeline(
         "Causes firing per GPU", """Per GPU, how many starvation causes fire
         (sum of gpuwatchd_starvation_active): green while none does, red with the count
         while one or more do. The per-GPU matrices below say which.""",
-        [query(per_gpu("starvation_active", "sum"), "GPU {{gpu}}")],
+        [query(count_per_gpu("starvation_active"), "GPU {{gpu}}")],
         {0: ("none", "green")}, width=24, height=6,
     ).thresholds(dash.ThresholdsConfig().mode(model.ThresholdsMode.ABSOLUTE).steps([
         model.Threshold(value=None, color="green"), model.Threshold(value=1, color="red"),
     ])).show_value(common.VisibilityMode.AUTO)
     matrix = timeline(
-        "Causes on GPU $gpu", """Every starvation rule on this GPU over time, one row per
-        cause: ok (green), pending (yellow: its condition holds, waiting out its `for`),
-        firing (red), or not evaluable (grey: an input is missing, e.g. no DCGM profiling
-        or no probe). Repeated for each selected GPU.""",
+        "Causes on GPU $gpu", """The starvation rules on this GPU that were not ok in the
+        time range, one row per cause: pending (yellow: its condition holds, waiting out
+        its `for`), firing (red), or not evaluable (grey: an input is missing, e.g. no
+        DCGM profiling or no probe); gaps are ok (the daemon exports a cause only while
+        it is in one of those states). Repeated for each selected GPU.""",
         [query(states, "{{cause}}")], STATES, height=14,
     ).repeat("gpu").repeat_direction("h")
     table_ = grid(
@@ -891,7 +899,7 @@ def node_self() -> dash.Row:
             "Rules not evaluable per GPU", """How many starvation rules cannot be evaluated
             on each GPU (an input is missing: no DCGM profiling, no probe, a source down).
             Those causes can be neither confirmed nor ruled out.""",
-            [query(per_gpu("starvation_not_evaluable", "sum"), "GPU {{gpu}}")], COUNT),
+            [query(count_per_gpu("starvation_not_evaluable"), "GPU {{gpu}}")], COUNT),
     ])
 
 

@@ -429,7 +429,7 @@ def test_wall_clock_steps_change_no_measurement(node, tmp_path):
             m.get("starvation_seconds_total", gpu=gpu, uuid=u, cause="busy"),
         )  # fmt: skip
 
-    assert busy(serving(n)) == (0, 0)  # pending: it must hold for 2 minutes
+    assert busy(serving(n)) == (None, 0)  # pending (no active series): it holds 2 minutes
     errors = {s: serving(n).source(s)[1] for s in ("nvml", "dcgm", "cpu", "interrupts")}
 
     n.jump = 3600.0  # an hour forward
@@ -440,7 +440,7 @@ def test_wall_clock_steps_change_no_measurement(node, tmp_path):
         up, after, last = m.source(name)
         assert (up, after) == (1, before), name
     assert fresh(m.source("nvml")[2], n, within=2)  # on the new wall clock
-    assert busy(m) == (0, 0)  # still pending: 63 s of its 2 minutes, not an hour
+    assert busy(m) == (None, 0)  # still pending: 63 s of its 2 minutes, not an hour
     n.run(60)
     active, seconds = busy(serving(n))
     assert active == 1 and seconds is not None and 0 < seconds <= 5

@@ -92,15 +92,23 @@ def test_pending_that_stops_holding_goes_back_to_inactive_and_for_zero_fires_at_
     assert instant.step(1, gpu_utilization_ratio=[0.1, 0]) == INACTIVE
 
 
-def test_derived_series_for_every_gpu_and_rule():
-    node = Node(rule("gpu_utilization_ratio > 0.5"))
-    for t in range(0, 50, 10):
+def test_derived_series_only_for_causes_in_a_state():
+    """Sparse: a series per GPU x rule only while it fires, is pending or not evaluable
+    (a healthy node exports none); the seconds counter from the first pending on."""
+    node = Node(rule("gpu_utilization_ratio > 0.5", for_="10s"))
+    node.step(0, gpu_utilization_ratio=[0.9, 0.1])  # pending on GPU 0 (its `for`)
+    rows = node.engine.rows()
+    assert dict(rows["gpuwatchd_starvation_pending"]) == {("0", "GPU-a", "cause_x"): 1}
+    assert rows["gpuwatchd_starvation_active"] == [] and rows["gpuwatchd_starvation_info"] == []
+    assert dict(rows["gpuwatchd_starvation_seconds_total"]) == {("0", "GPU-a", "cause_x"): 0}
+    for t in range(10, 50, 10):
         node.step(t, gpu_utilization_ratio=[0.9, 0.1])
     rows = node.engine.rows()
     active = dict(rows["gpuwatchd_starvation_active"])
-    assert active[("0", "GPU-a", "cause_x", "compute", "warning")] == 1
-    assert active[("1", "GPU-b", "cause_x", "compute", "warning")] == 0
-    assert dict(rows["gpuwatchd_starvation_seconds_total"])[("0", "GPU-a", "cause_x")] == 40
+    assert active == {("0", "GPU-a", "cause_x", "compute", "warning"): 1}  # GPU 1: none
+    assert rows["gpuwatchd_starvation_pending"] == []
+    assert dict(rows["gpuwatchd_starvation_seconds_total"]) == {("0", "GPU-a", "cause_x"): 30}
+    assert rows["gpuwatchd_rule_evaluation_errors_total"] == []  # no error: no series
     assert dict(rows["gpuwatchd_gpu_starved"]) == {("0", "GPU-a"): 1, ("1", "GPU-b"): 0}
     assert dict(rows["gpuwatchd_rules"]) == {(): 1}
     assert dict(rows["gpuwatchd_rules_last_reload_successful"]) == {(): 1}
@@ -118,10 +126,7 @@ def test_a_rule_reading_a_source_that_is_down_is_not_evaluable():
     assert node.step(0, gpu_utilization_ratio=[0.9, 0.1]) == NOT_EVALUABLE
     rows = node.engine.rows()
     assert dict(rows["gpuwatchd_starvation_not_evaluable"])[("0", "GPU-a", "cause_x")] == 1
-    assert (
-        dict(rows["gpuwatchd_starvation_active"])[("0", "GPU-a", "cause_x", "compute", "warning")]
-        == 0
-    )
+    assert rows["gpuwatchd_starvation_active"] == []
     assert "dcgm" in node.engine.states[("GPU-a", "cause_x")].reason
 
 
@@ -387,8 +392,7 @@ def test_division_by_zero_is_not_evaluable_and_an_error_is_counted(monkeypatch):
     node.engine.evaluate(10)
     assert node.state(0, "other") == NOT_EVALUABLE
     assert dict(node.engine.rows()["gpuwatchd_rule_evaluation_errors_total"]) == {
-        ("div",): 0,
-        ("other",): 2,
+        ("other",): 2,  # a rule without errors exports none
     }
 
 

@@ -60,8 +60,8 @@ class Dom(HTMLParser):
         attr = {k: v or "" for k, v in attrs}
         if tag == "a":
             self.links.append(attr.get("href", ""))
-        if tag == "meta" and "name" in attr:
-            self.meta[attr["name"]] = attr.get("content", "")
+        if tag == "meta" and ("name" in attr or "http-equiv" in attr):
+            self.meta[attr.get("name") or attr["http-equiv"]] = attr.get("content", "")
         if tag in VOID:
             return
         if "id" in attr:
@@ -481,6 +481,11 @@ def test_chromium_shows_the_firing_cause_on_a_phone_and_a_desktop(tmp_path):
         assert dom[f"source-{source}"].startswith(f"{source} up")
     assert {"/metrics", "/healthz", "#gpu-3"} <= set(dom.links)
     assert dom.meta["viewport"].startswith("width=device-width")
+    assert dom.meta["refresh"] == "30"  # a screen left open stays current
+    # the cause once, with its remedy; where GPU 3 is and whose process runs on it
+    assert dom[f"cause-{CAUSE}"].startswith(f"{CAUSE} GPU 3") and "BIOS" in dom[f"cause-{CAUSE}"]
+    assert re.search(r"PCI \S+:\S+ · pid \d+", dom["gpu-3"]), dom["gpu-3"]
+    assert "read the in-process probe" in dom["probe-rules"]
 
 
 if __name__ == "__main__":  # regenerate docs/status-page.png: python tests/test_status_page.py PATH

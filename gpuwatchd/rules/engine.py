@@ -42,9 +42,12 @@ log = logging.getLogger(__name__)
 INACTIVE, PENDING, FIRING, NOT_EVALUABLE = "inactive", "pending", "firing", "not_evaluable"
 UNKNOWN = "unknown"  # a summary's value that had none (never "?" on a page)
 
+# The cause families are sparse (issue 24): a GPU x rule series exists only while it is
+# in that state (a healthy node exports none), the counter from the cause's first
+# pending on. Every series is paid for by every node's Prometheus.
 ACTIVE = gauge(
     "starvation_active",
-    "1 while the cause fires on the GPU, else 0; a series for every GPU and rule.",
+    "1 while the cause fires on the GPU; absent otherwise.",
     (*GPU_LABELS, "cause", "dimension", "severity"),
 )
 INFO = gauge(
@@ -55,21 +58,26 @@ INFO = gauge(
 )
 PENDING_METRIC = gauge(
     "starvation_pending",
-    "1 while the cause's expression holds but its `for` has not passed yet.",
+    "1 while the cause's expression holds but its `for` has not passed yet; absent otherwise.",
     (*GPU_LABELS, "cause"),
 )
 NOT_EVALUABLE_METRIC = gauge(
     "starvation_not_evaluable",
-    "1 while the rule cannot be evaluated on the GPU (an input it needs is absent).",
+    "1 while the rule cannot be evaluated on the GPU (an input it needs is absent); absent "
+    "otherwise.",
     (*GPU_LABELS, "cause"),
 )
 SECONDS = counter(
-    "starvation_seconds_total", "Time the cause has fired on the GPU.", (*GPU_LABELS, "cause")
+    "starvation_seconds_total",
+    "Time the cause has fired on the GPU; from the cause's first pending on (0 until it "
+    "fires, so no firing second is lost to a series' first sample).",
+    (*GPU_LABELS, "cause"),
 )
 STARVED = gauge("gpu_starved", "1 while any cause fires on the GPU.", GPU_LABELS)
 ERRORS = counter(
     "rule_evaluation_errors_total",
-    "Evaluations of the rule that failed with an error (not: inputs absent).",
+    "Evaluations of the rule that failed with an error (not: inputs absent); from its "
+    "first error on.",
     ("cause",),
 )
 RELOAD_OK = gauge(
@@ -112,6 +120,7 @@ class AlertState:
     missing: tuple[str, ...] = ()  # the summary's values that had none
     reads: Reads | None = None  # what the last evaluation read; None: evaluate next cycle
     outcome: bool | str = False  # its result: holds, or why it was not evaluable
+    counted: bool = False  # has been pending or firing: its seconds counter is exported
 
 
 @dataclass(frozen=True)
@@ -349,6 +358,7 @@ class RuleEngine:
         old = state.state
         if holds:
             state.keep_firing_since = None
+            state.counted = True
             if state.state in (INACTIVE, NOT_EVALUABLE):
                 state.state, state.active_at = PENDING, now
             active_at = now if state.active_at is None else state.active_at
@@ -422,20 +432,24 @@ class RuleEngine:
         for gpu in self.gpus.values():
             starved = 0.0
             for rule in self.rules.rules:
-                state = self.states.get((gpu.uuid, rule.name)) or AlertState()
+                state = self.states.get((gpu.uuid, rule.name))
+                if state is None or state.state == INACTIVE:
+                    continue
                 base = (gpu.gpu, gpu.uuid, rule.name)
-                firing = float(state.state == FIRING)
-                starved = max(starved, firing)
                 spec = rule.spec
-                out[ACTIVE.name].append(((*base, spec.dimension, spec.severity), firing))
-                if firing:
+                if state.state == FIRING:
+                    starved = 1.0
+                    out[ACTIVE.name].append(((*base, spec.dimension, spec.severity), 1.0))
                     labels = (*base, spec.dimension, spec.severity, state.summary, rule.remedy)
                     out[INFO.name].append((labels, 1.0))
-                out[PENDING_METRIC.name].append((base, float(state.state == PENDING)))
-                out[NOT_EVALUABLE_METRIC.name].append((base, float(state.state == NOT_EVALUABLE)))
+                elif state.state == PENDING:
+                    out[PENDING_METRIC.name].append((base, 1.0))
+                elif state.state == NOT_EVALUABLE:
+                    out[NOT_EVALUABLE_METRIC.name].append((base, 1.0))
             out[STARVED.name].append(((gpu.gpu, gpu.uuid), starved))
         for rule in self.rules.rules:
-            out[ERRORS.name].append(((rule.name,), float(self.errors.get(rule.name, 0))))
+            if errors := self.errors.get(rule.name, 0):
+                out[ERRORS.name].append(((rule.name,), float(errors)))
         out[RELOAD_OK.name].append(((), float(self.reload_ok)))
         if self.reload_time is not None:
             out[RELOAD_TIME.name].append(((), self.reload_time))
@@ -447,7 +461,8 @@ class RuleEngine:
         for gpu in self.gpus.values():
             for rule in self.rules.rules:
                 state = self.states.get((gpu.uuid, rule.name))
-                rows.append(((gpu.gpu, gpu.uuid, rule.name), state.seconds_total if state else 0.0))
+                if state is not None and state.counted:
+                    rows.append(((gpu.gpu, gpu.uuid, rule.name), state.seconds_total))
         return {SECONDS.name: rows}
 
     def firing(self) -> list[tuple[str, str, str]]:
