@@ -39,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-from gpuwatchd.config import parse_duration
+from gpuwatchd.config import FileError, parse_duration, read_text_file
 
 
 class WebConfigError(Exception):
@@ -246,12 +246,14 @@ class WebConfig(_Strict):
 
 def load_web_config(path: Path) -> WebConfig:
     """Read and validate `path`; file paths inside become relative to its directory."""
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except OSError as e:
-        raise WebConfigError(f"{path}: cannot read: {e.strerror}") from e
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
+    try:  # a regular file only (a FIFO would hang the start), 1 MiB, UTF-8
+        data = yaml.safe_load(read_text_file(Path(path))) or {}
+    except FileError as e:
+        raise WebConfigError(f"{path}: {e}") from e
+    except yaml.YAMLError as e:
         raise WebConfigError(f"{path}: not valid YAML: {e}") from e
+    except RecursionError as e:  # PyYAML's composer recurses per nesting level
+        raise WebConfigError(f"{path}: not valid YAML: nested too deeply") from e
     if not isinstance(data, dict):
         raise WebConfigError(f"{path}: expected a mapping at the top level")
     try:

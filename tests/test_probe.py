@@ -437,9 +437,28 @@ def test_bad_reports_are_logged_once_per_pid(nodes: Any, caplog: Any) -> None:
         wire.send(100, b"{not json")
         node.poll(t)
     assert [r.getMessage() for r in caplog.records].count(
-        "probe: dropped a report from pid 100 (malformed): Expecting property name enclosed "
-        "in double quotes: line 1 column 2 (char 1)"
+        "probe: dropped reports from 1 new sender(s) this poll (malformed 1); the first, pid "
+        "100 (malformed): Expecting property name enclosed in double quotes: line 1 column 2 "
+        "(char 1)"
     ) == 1
+
+
+def test_bad_reports_from_many_forked_pids_make_one_line_per_poll(nodes: Any, caplog: Any) -> None:
+    """Issue 23, item 8: each forked process sending a bad report made a warning of its
+    own (1,068 a second); now one line per poll says how many, by kind."""
+    wire = Datagrams()
+    node = nodes(two_jobs(), wire, max_report_bytes=256)
+    for pid in range(5000, 5500):
+        wire.send(pid, b"{not json")
+    for pid in range(6000, 6010):
+        wire.send(pid, {**GOOD, "pad": "x" * 300})
+    m = node.poll(1)
+    assert m.node("probe_reports_total", "malformed") == 500
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gpuwatchd.sources.probe"]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(
+        "probe: dropped reports from 510 new sender(s) this poll (malformed 500, too_large 10)"
+    )
 
 
 def test_rate_limit_per_pid(nodes: Any) -> None:
@@ -479,10 +498,32 @@ def test_a_pid_on_no_gpu_is_counted_not_placed(nodes: Any) -> None:
     wire = Datagrams()
     node = nodes(two_jobs(), wire)
     (node.sim.root / "proc" / "777").mkdir()
+    stat = (node.sim.root / "proc" / "100" / "stat").read_bytes().replace(b"100 (", b"777 (", 1)
+    (node.sim.root / "proc" / "777" / "stat").write_bytes(stat)
     wire.send(777, GOOD)
     m = node.poll(1)
     assert m.node("probe_processes") == 1 and m.node("probe_unplaced_processes") == 1
     assert not any(labels for labels in m.by_name.get(P + "probe_pid", {}))
+
+
+def test_a_report_does_not_land_on_the_next_process_with_its_pid(nodes: Any) -> None:
+    """Issue 23, item 8: a report is the process's that sent it (pid + start time); once
+    the pid is another process's, the old report is gone, not put on the new one's GPU."""
+    wire = Datagrams()
+    node = nodes(two_jobs(), wire)
+    wire.send(200, GOOD)
+    assert node.poll(1).gpu("probe_pid", 2) == 200
+    node.sim.clock.advance(1)
+    node.sim.tick()
+    path = node.sim.root / "proc" / "200" / "stat"
+    head, _, tail = path.read_bytes().rpartition(b")")
+    fields = tail.split(b" ")
+    fields[20] = str(int(fields[20]) + 500).encode()  # pid 200 exited, a new one started
+    path.write_bytes(head + b")" + b" ".join(fields))
+    m = Metrics(node.source.collect())
+    assert m.gpu("probe_pid", 2) is None and m.node("probe_processes") == 0
+    wire.send(200, GOOD)  # the new process's own report is its own
+    assert node.poll(3).gpu("probe_pid", 2) == 200
 
 
 def test_no_reports_no_nvml(nodes: Any) -> None:

@@ -3,6 +3,7 @@ socket's path and directory (issue 13, findings 5-7)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import pytest
 from gpuwatchd.config import ProbeConfig
 from gpuwatchd.sources import SourceError
 from gpuwatchd.sources.base import Context
-from gpuwatchd.sources.probe import Inbox, ProbeSocket, ProbeSource
+from gpuwatchd.sources.probe import DrainBudget, Inbox, ProbeSocket, ProbeSource
 from tests.test_probe import GOOD, Datagrams, Metrics, Node, two_jobs
 
 # -- finding 5: numbers a report may carry ----------------------------------------------
@@ -199,6 +200,55 @@ def assert_dropped(receiver: ProbeSocket, count: int) -> None:
         time.sleep(0.01)
 
 
+# -- issue 23, item 3: the drain's CPU under a flood ------------------------------------
+
+
+def test_a_flood_spends_the_drains_cpu_budget_then_the_kernel_holds_it(tmp_path: Path) -> None:
+    """Once its window's CPU is spent, the thread reads nothing until the next poll (or
+    the window's end): a flood costs the daemon a bounded share of its CPUQuota."""
+    path = tmp_path / "probe.sock"
+    spent = itertools.count(0, 10**6).__next__  # every look at the CPU: another 10^6 s
+    budget = DrainBudget(window=3600, cpu_clock=spent)
+    daemon = ProbeSocket(path, 8192, budget=budget)
+    try:
+        sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sender.sendto(b"first", str(path))
+        assert budget.resting.wait(10)  # one burst, then the budget is spent
+        sender.setblocking(False)
+        taken = 0
+        for _ in range(100):  # the flood: the kernel queues what it may, then refuses
+            try:
+                sender.sendto(b"flood", str(path))
+                taken += 1
+            except BlockingIOError:
+                pass
+        qlen = int(Path("/proc/sys/net/unix/max_dgram_qlen").read_text())
+        assert taken == qlen + 1  # the kernel refuses once more than qlen wait
+        assert len(daemon._inbox) == 1  # nothing read while it rests (read 100 before)
+        received = daemon.receive(1000)  # the poll: reads what the kernel held (bounded)
+        assert [d for _, d in received] == [b"first"] + [b"flood"] * taken
+    finally:
+        daemon.close()
+
+
+def test_a_uid_past_its_share_is_dropped_first_and_counted(tmp_path: Path) -> None:
+    path = tmp_path / "probe.sock"
+    budget = DrainBudget(cpu_share=1.0, per_uid=5, window=3600)  # CPU never spent
+    daemon = ProbeSocket(path, 8192, budget=budget)
+    try:
+        sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sender.settimeout(10)  # blocks while the kernel's queue is full
+        for i in range(20):
+            sender.sendto(b"%d" % i, str(path))
+        assert [d for _, d in daemon.receive(1000)] == [b"0", b"1", b"2", b"3", b"4"]
+        assert daemon.dropped == 15  # the queue_full count the source exports
+        for i in range(3):  # a poll renews every uid's share
+            sender.sendto(b"again %d" % i, str(path))
+        assert len(daemon.receive(1000)) == 3 and daemon.dropped == 15
+    finally:
+        daemon.close()
+
+
 # -- finding 7: the socket's directory and path -----------------------------------------
 
 
@@ -224,16 +274,20 @@ def test_a_directory_others_may_write_is_refused(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # anyone may replace the socket in it
-    with pytest.raises(SourceError, match=r"writable by other users .*sticky"):
+    with pytest.raises(SourceError, match=r"writable by other users"):
         ProbeSocket(shared / "probe.sock", 512)
     assert not (shared / "probe.sock").exists()
 
 
-def test_a_sticky_shared_directory_is_accepted(tmp_path: Path) -> None:
+def test_a_sticky_shared_directory_is_refused(tmp_path: Path) -> None:
+    """Like /tmp: others cannot remove the daemon's socket there, but any user can bind
+    the path first (while the daemon is down) and receive every tenant's reports."""
     shared = tmp_path / "tmp"
     shared.mkdir()
-    shared.chmod(0o1777)  # like /tmp: others cannot remove or replace our files
-    ProbeSocket(shared / "probe.sock", 512).close()
+    shared.chmod(0o1777)
+    with pytest.raises(SourceError, match=r"\(mode 1777\) is writable by other users"):
+        ProbeSocket(shared / "probe.sock", 512)
+    assert not (shared / "probe.sock").exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory away")

@@ -1344,3 +1344,17 @@ def test_writer_owner_layouts_read_back_by_the_owner_parser(node_factory) -> Non
         HostHardware.model_validate({"processes": [{"pid": 5, "owner": {}}]})
     with pytest.raises(ValueError, match="environment"):
         HostHardware.model_validate({"processes": [{"pid": 5, "environment": {"A=B": "1"}}]})
+
+
+def test_a_process_renaming_itself_keeps_one_info_series(node_factory) -> None:
+    """Issue 23, item 8: a name read per poll made a new gpu_process_info{name} series
+    each time the process renamed itself; the name is read once per pid + start time."""
+    node = node_factory(scenario([{"pid": 4242, "gpu_memory_mib": 30000}]))
+    assert node.poll(100.0).labels("gpu_process_info", 3) == [("python", "")]
+    for i, t in enumerate((105.0, 110.0, 115.0)):
+        node.at(t)
+        stat = node.proc / "4242" / "stat"
+        stat.write_bytes(stat.read_bytes().replace(b"(python)", b"(renamed-%d)" % i))
+        m = Metrics(node.source.collect())
+        assert m.labels("gpu_process_info", 3) == [("python", "")]
+        assert m.gpu("gpu_process_pid", 3) == 4242

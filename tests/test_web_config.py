@@ -106,3 +106,34 @@ def test_paths_are_relative_to_the_file_and_private_keys_are_never_echoed(tmp_pa
     with pytest.raises(WebConfigError) as refused:
         load(path)
     assert "SECRET-KEY-TEXT" not in str(refused.value)
+
+
+def test_a_fifo_as_the_web_config_is_refused_at_once(tmp_path):
+    """Issue 23, item 8: reading a FIFO blocked the start until someone wrote to it."""
+    import os
+    import threading
+
+    fifo = tmp_path / "web.yml"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_web_config(fifo)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(e)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(30)  # the fixed code returns at once; the old one never did
+    if reader.is_alive():  # unblock the old code's reader so the thread ends
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert len(outcome) == 1 and isinstance(outcome[0], WebConfigError)
+    assert str(outcome[0]) == f"{fifo}: cannot read: not a regular file"
+
+
+def test_deeply_nested_yaml_as_the_web_config_is_a_clean_error(tmp_path):
+    deep = tmp_path / "web.yml"
+    deep.write_text("[" * 50_000)
+    with pytest.raises(WebConfigError, match="nested too deeply"):
+        load_web_config(deep)

@@ -31,6 +31,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -49,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gpuwatchd.config import ProbeConfig, SourceConfig
 from gpuwatchd.metrics import GPU_LABELS, Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.base import Context, Source, SourceError, read_small
 from gpuwatchd.sources.nvmlapi import quietly, start_nvml
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,8 @@ REPORTS = counter(
     "probe_reports_total",
     "Probe reports received, by result: accepted, or dropped as malformed (not JSON, not "
     "the schema, a number out of range), too_large, rate_limited (the pid's), queue_full "
-    "(the daemon's queue was full: from the uid queuing the most)",
+    "(the daemon's queue was full, from the uid queuing the most; or the uid was past its "
+    "share of a drain window)",
     ("result",),
 )
 PROCESSES = gauge("probe_processes", "Processes whose probe reports are current")
@@ -222,6 +224,69 @@ class Inbox:
         return out
 
 
+# The draining thread's bounds (issue 23, item 3). Unbounded, a flood kept it reading
+# at the whole of the unit's CPUQuota=50%: the polls, evaluation and web front starved.
+DRAIN_WINDOW = 0.1  # seconds: the budget's period (CPUQuota's, 100 ms), or until a poll
+DRAIN_CPU_SHARE = 0.1  # of one core: at most 10 ms of CPU per window, a fifth of the quota
+DRAIN_BURST = 64  # datagrams read between two looks at the CPU spent
+UID_SHARE = 256  # datagrams one uid may queue per window (a burst of 256 ranks); then dropped
+
+
+class DrainBudget:
+    """What the draining thread may spend per window (DRAIN_WINDOW, or until the next
+    poll, whichever ends first): `cpu_share` of a core, then it rests until the window
+    ends, the kernel meanwhile holding (and refusing) what is sent, for every sender
+    alike; and `per_uid` datagrams per uid, past which one is dropped before any work
+    is done on it. `cpu_clock` must be the draining thread's (time.thread_time)."""
+
+    def __init__(
+        self,
+        cpu_share: float = DRAIN_CPU_SHARE,
+        per_uid: int = UID_SHARE,
+        window: float = DRAIN_WINDOW,
+        cpu_clock: Callable[[], float] = time.thread_time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.per_uid = per_uid
+        self.window = window
+        self._cpu_limit = cpu_share * window
+        self._cpu_clock = cpu_clock
+        self._clock = clock
+        self._start = -math.inf
+        self._cpu_start = 0.0
+        self._counts: dict[int, int] = {}
+        self._renewed = threading.Event()
+        self.resting = threading.Event()  # set while the thread rests (for tests)
+
+    def begin(self) -> None:
+        """The draining thread, before a burst: a new window once the last has ended."""
+        if self._renewed.is_set() or self._clock() - self._start >= self.window:
+            self._renewed.clear()
+            if self._clock() - self._start >= self.window:
+                self._counts = {}
+            self._start, self._cpu_start = self._clock(), self._cpu_clock()
+
+    def admit(self, uid: int) -> bool:
+        queued = self._counts.get(uid, 0)
+        if queued >= self.per_uid:
+            return False
+        self._counts[uid] = queued + 1
+        return True
+
+    def spent(self) -> bool:
+        return self._cpu_clock() - self._cpu_start >= self._cpu_limit
+
+    def rest(self) -> None:
+        self.resting.set()
+        self._renewed.wait(max(0.0, self._start + self.window - self._clock()))
+        self.resting.clear()
+
+    def renew(self) -> None:
+        """A poll took the inbox: every uid's share and the CPU budget start again."""
+        self._counts = {}
+        self._renewed.set()
+
+
 class ProbeSocket:
     """The daemon's Unix datagram socket, drained by a thread as datagrams arrive.
 
@@ -232,7 +297,13 @@ class ProbeSocket:
     Inbox that the poll empties.
     """
 
-    def __init__(self, path: Path, max_bytes: int, capacity: int = INBOX_CAPACITY) -> None:
+    def __init__(
+        self,
+        path: Path,
+        max_bytes: int,
+        capacity: int = INBOX_CAPACITY,
+        budget: DrainBudget | None = None,
+    ) -> None:
         self.path = path
         self.max_bytes = max_bytes
         try:
@@ -246,6 +317,7 @@ class ProbeSocket:
         self._sock.setblocking(False)
         self._ancillary = socket.CMSG_SPACE(_UCRED.size)
         self._inbox = Inbox(capacity)
+        self._budget = budget or DrainBudget()
         self._lock = threading.Lock()
         self._closing = False
         self._wake: Callable[[], None] | None = None  # `notify`'s, until a datagram comes
@@ -256,7 +328,7 @@ class ProbeSocket:
 
     @property
     def dropped(self) -> int:
-        """Datagrams dropped because the inbox was full (the flooding uid's)."""
+        """Datagrams dropped: the inbox was full, or their uid had spent its share."""
         return self._inbox.dropped
 
     def _wait_and_drain(self) -> None:
@@ -265,13 +337,19 @@ class ProbeSocket:
         while not self._closing:
             if any(events & select.POLLNVAL for _, events in readable.poll()):
                 return  # closed under us
-            self._drain()
+            self._budget.begin()
+            self._drain(DRAIN_BURST)
+            if self._budget.spent():
+                self._budget.rest()  # the kernel queues (and refuses) meanwhile
 
-    def _drain(self) -> None:
-        """Move every datagram the kernel holds into the inbox. Under the lock, so that a
-        poll's `receive` sees every datagram whose send returned before it."""
+    def _drain(self, most: int) -> None:
+        """Move up to `most` datagrams the kernel holds into the inbox. Under the lock, so
+        that a poll's `receive` sees every datagram whose send returned before it. One
+        from a uid past its share of this window is dropped before any other work."""
         with self._lock:
-            while not self._closing:
+            for _ in range(most):
+                if self._closing:
+                    return
                 try:
                     # one byte more than allowed, to tell a too-large datagram from a full one
                     data, ancillary, flags, _ = self._sock.recvmsg(
@@ -283,6 +361,9 @@ class ProbeSocket:
                 for level, kind, payload in ancillary:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
                         pid, uid, _ = _UCRED.unpack_from(payload)
+                if not self._budget.admit(uid):
+                    self._inbox.dropped += 1  # under self._lock, as every put
+                    continue
                 if flags & socket.MSG_TRUNC:
                     data = data + b"\0"  # marks it too large whatever was read
                 self._inbox.put(uid, pid, data)
@@ -291,7 +372,11 @@ class ProbeSocket:
                     wake()
 
     def receive(self, limit: int) -> list[tuple[int, bytes]]:
-        self._drain()
+        """What waits, after what the kernel still holds (at most `limit` more: under a
+        flood its queue never empties). Each poll starts a new budget."""
+        self._drain(min(limit, INBOX_CAPACITY))
+        with self._lock:  # not in the middle of a burst's admissions
+            self._budget.renew()
         return self._inbox.take(limit)
 
     def notify(self, wake: Callable[[], None]) -> bool:
@@ -306,6 +391,7 @@ class ProbeSocket:
 
     def close(self) -> None:
         self._closing = True
+        self._budget.renew()  # ends a rest
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's poll
         self._thread.join(5)
@@ -346,9 +432,10 @@ def _safe_directory(directory: Path) -> None:
     """Create the socket's directory (0755, the daemon's), or check that an existing one
     (systemd's RuntimeDirectory=, a hostPath) belongs to the daemon's user or root and
     that no other user may write in it: whoever can write there can replace the socket
-    with a symbolic link. A directory writable by all with the sticky bit (/tmp) is safe:
-    others cannot remove or rename what the daemon creates in it. Checked through a
-    descriptor opened without following a symbolic link."""
+    with a symbolic link. The sticky bit (/tmp) does not make a shared directory safe:
+    another user can bind the path first, while the daemon is down, and receive every
+    tenant's reports, or squat it to keep the probe out. Checked through a descriptor
+    opened without following a symbolic link."""
     where = f"{directory} "
     try:
         os.mkdir(directory, 0o755)
@@ -375,11 +462,10 @@ def _safe_directory(directory: Path) -> None:
             os.fchmod(fd, 0o755)  # whatever the umask (systemd's UMask=0077)
             st = os.fstat(fd)
         group_writable = st.st_mode & stat.S_IWGRP and st.st_gid not in (os.getegid(), 0)
-        if (st.st_mode & stat.S_IWOTH or group_writable) and not st.st_mode & stat.S_ISVTX:
+        if st.st_mode & stat.S_IWOTH or group_writable:  # sticky or not
             raise OSError(
                 errno.EPERM,
-                where + f"(mode {stat.S_IMODE(st.st_mode):04o}) is writable by other users "
-                "without the sticky bit",
+                where + f"(mode {stat.S_IMODE(st.st_mode):04o}) is writable by other users",
             )
     finally:
         os.close(fd)
@@ -409,6 +495,7 @@ class _Pid:
     seen: float  # clock time of its latest accepted report
     tokens: float  # rate limit: reports it may still send now
     refilled: float
+    start: int | None  # the sender's start time (/proc/PID/stat): pid + start is one process
 
 
 @register
@@ -433,6 +520,7 @@ class ProbeSource(Source):
         self._pids: dict[int, _Pid] = {}
         self._results = dict.fromkeys(RESULTS, 0)
         self._warned: set[tuple[int, str]] = set()
+        self._new_drops: list[tuple[int, str, str]] = []  # this poll's, logged in one line
         self._unplaced: set[int] = set()
         self._nv: Any = None
         self._gpus: dict[int, tuple[Any, str]] = {}  # index -> (handle, uuid), once known
@@ -460,6 +548,7 @@ class ProbeSource(Source):
         for pid, data in received:
             self._accept(pid, data, now)
         self._results["queue_full"] = dropped
+        self._log_drops()
         self._expire(now)
         samples: list[Sample] = []
         placed = self._gpu_samples(samples) if self._pids else set()
@@ -506,7 +595,7 @@ class ProbeSource(Source):
             return
         if state is None:
             rate = self.settings.max_reports_per_second
-            self._pids[pid] = _Pid(report, now, 2 * rate - 1, now)
+            self._pids[pid] = _Pid(report, now, 2 * rate - 1, now, self._start_time(pid))
         else:
             state.report, state.seen = report, now
         self._results["accepted"] += 1
@@ -524,14 +613,44 @@ class ProbeSource(Source):
         self._results[result] += 1
         if (pid, result) not in self._warned:  # once per pid and kind: a loop can't flood logs
             self._warned.add((pid, result))
-            log.warning("probe: dropped a report from pid %d (%s): %s", pid, result, why)
+            self._new_drops.append((pid, result, why))
+
+    def _log_drops(self) -> None:
+        """One line per poll for the pids newly dropped: forked processes each sending a
+        bad report (a new pid each) made a warning each, 1,068 a second."""
+        drops, self._new_drops = self._new_drops, []
+        if not drops:
+            return
+        counts: dict[str, int] = {}
+        for _, result, _ in drops:
+            counts[result] = counts.get(result, 0) + 1
+        pid, result, why = drops[0]
+        log.warning(
+            "probe: dropped reports from %d new sender(s) this poll (%s); the first, pid %d "
+            "(%s): %s",
+            len(drops), ", ".join(f"{r} {n}" for r, n in sorted(counts.items())), pid,
+            result, why,
+        )  # fmt: skip
 
     def _expire(self, now: float) -> None:
+        """Forget a pid silent too long, exited, or now another process (the pid reused:
+        its report must not land on the new process's GPUs)."""
         for pid, state in list(self._pids.items()):
-            if now - state.seen > self.settings.expire_after or not os.path.isdir(
-                f"{self._proc}/{pid}"
+            start = self._start_time(pid)
+            if (
+                now - state.seen > self.settings.expire_after
+                or start is None
+                or (start != state.start)
             ):
                 del self._pids[pid]
+
+    def _start_time(self, pid: int) -> int | None:
+        """/proc/PID/stat's starttime (field 22, after the last ')'); None if gone."""
+        try:
+            fields = read_small(f"{self._proc}/{pid}/stat", 4096).rpartition(b")")[2].split()
+            return int(fields[19])
+        except (OSError, ValueError, IndexError):
+            return None
 
     def _forget_warnings(self) -> None:
         """Forget a warning once its pid has exited: a pid that only ever sends bad

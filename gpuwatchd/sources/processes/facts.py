@@ -48,6 +48,7 @@ class _Known:
     start: int
     at: float
     ticks: int
+    name: str  # comm when first read: gpu_process_info's label, one series per process
     threads: dict[int, tuple[int, int]] = field(default_factory=dict)  # tid -> (start, ticks)
     children: dict[int, tuple[int, int]] = field(default_factory=dict)
     other_children: set[int] = field(default_factory=set)  # children of non-main threads
@@ -129,10 +130,13 @@ class MainProcessReader:
             known = None  # the pid was reused
         dt = now - known.at if known is not None else 0.0
         rated = known is not None and dt > 0
-        facts = Facts(pid, stat.comm, stat.threads, stat.ppid)
+        # a process renaming itself (prctl PR_SET_NAME) every poll must not add a series
+        # each time: the name is the one it had when first read (pid + start time)
+        name = known.name if known is not None else stat.comm
+        facts = Facts(pid, name, stat.threads, stat.ppid)
         if self._uptime is not None:
             facts.age = max(0.0, self._uptime - stat.starttime / CLK_TCK)
-        state = _Known(stat.starttime, now, stat.ticks)
+        state = _Known(stat.starttime, now, stat.ticks, name)
         if known is not None:
             state.cudart, state.maps_read_at = known.cudart, known.maps_read_at
             state.other_children = known.other_children
