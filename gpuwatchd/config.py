@@ -146,7 +146,9 @@ class InterruptsConfig(SourceConfig):
 class CpuConfig(SourceConfig):
     """gpuwatchd.sources.cpu: /proc/stat, /proc/pressure/*, /proc/meminfo."""
 
-    per_core: bool = True  # gpuwatchd_cpu_busy_ratio{cpu} for every core
+    # gpuwatchd_cpu_busy_ratio{cpu} and _interrupt_ratio{cpu} for every core (a series per
+    # core and family: off by default, per NUMA node instead; node_exporter has per-CPU)
+    per_core: bool = False
     saturated_threshold: float = Field(0.9, gt=0, le=1)  # a core busier than this is saturated
     pressure: bool = True  # read /proc/pressure/* (PSI)
 

@@ -461,6 +461,7 @@ def diagnose_node(
     config: Config, window: float, sleep: Callable[[float], None] = time.sleep
 ) -> Report:
     """Poll every enabled source three times over `window` seconds, then diagnose."""
+    config = with_per_core(config)
     pipeline = Pipeline(config, Context(procfs=config.procfs, sysfs=config.sysfs), time.time)
     try:
         for i in range(3):
@@ -500,6 +501,14 @@ def expected_moment(scenario: Scenario) -> float:
     return max((start for start, _ in windows), key=lambda t: (holding(t), t))
 
 
+def with_per_core(config: Config) -> Config:
+    """The config with per-core CPU series on: a one-shot diagnosis names the saturated
+    core (no Prometheus pays for the series)."""
+    cpu = config.sources.cpu.model_copy(update={"per_core": True})
+    sources = config.sources.model_copy(update={"cpu": cpu})
+    return config.model_copy(update={"sources": sources})
+
+
 def diagnose_simulated(scenario: Scenario, config: Config, at: float | None) -> Report:
     """Play `scenario` in virtual time up to `at` (default: `expected_moment`), then
     diagnose."""
@@ -510,7 +519,7 @@ def diagnose_simulated(scenario: Scenario, config: Config, at: float | None) -> 
         at = expected_moment(scenario)
         firing = any(not e.never for e in scenario.expect)
         why = ", when its expected causes hold" if firing else ", its end (no cause expected)"
-    simulation = Simulation(scenario, config)
+    simulation = Simulation(scenario, with_per_core(config))
     try:
         result = simulation.run(until=at)
         node = f"simulated node {scenario.name!r} at {result.simulated_seconds:.0f}s{why}"

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from series import by_key
 
 from gpuwatchd.sim.scenario import Scenario, Timeline
+from gpuwatchd.sim.sysfs import SysfsWriter
 from gpuwatchd.sim.writers.cpu import CpuWriter, core_split, psi_fixed
 from gpuwatchd.sim.writers.cpufreq import CpufreqWriter
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter, nr_irqs
@@ -55,7 +56,8 @@ def tree(root: Path, stat: Path = NODE_EXPORTER / "stat", pressure: bool = True)
 
 
 def source_for(root: Path, **config: Any) -> CpuSource:
-    return CpuSource(CpuConfig(**config), Context(procfs=root))
+    """The source with per-core series (what most tests here look at; off by default)."""
+    return CpuSource(CpuConfig(**{"per_core": True, **config}), Context(procfs=root))
 
 
 def advance(text: str, per_cpu: dict[str, list[int]]) -> str:
@@ -299,7 +301,7 @@ def test_samples_match_the_declared_specs(tmp_path: Path) -> None:
     (freq / "scaling_cur_freq").write_text("1900000\n")
     now = [10.0]
     context = Context(procfs=root, sysfs=tmp_path / "sys", extras={"clock": lambda: now[0]})
-    source = CpuSource(CpuConfig(), context)
+    source = CpuSource(CpuConfig(per_core=True), context)
     source.collect()
     now[0] += 1
     (root / "stat").write_text(advance((root / "stat").read_text(), {"cpu0": [1, 0, 0, 1]}))
@@ -313,9 +315,33 @@ def test_samples_match_the_declared_specs(tmp_path: Path) -> None:
     assert by_key(samples)[("cpu_busy_frequency_ratio", ())] == 0.5
 
 
+def test_by_default_per_numa_node_not_per_core(tmp_path: Path) -> None:
+    """The default exports each NUMA node's mean busy ratio and its busiest interrupt
+    core (sysfs node*/cpulist), no per-core series; node 0 for all without NUMA."""
+    values = {"cpu_busy_percent": 10, "core_busy_percent": {1: 100, 6: 50},
+              "core_softirq_percent": {5: 30}}  # fmt: skip
+    proc, sys = tmp_path / "proc", tmp_path / "sys"
+    timeline = Timeline(scenario(values, numa_nodes=2))
+    SysfsWriter(sys, timeline).write(0.0)
+    assert (sys / "devices/system/node/node1/cpulist").read_text() == "4-7\n"
+    writer = CpuWriter(proc, timeline)
+    source = CpuSource(CpuConfig(), Context(procfs=proc, sysfs=sys))
+    flat = CpuSource(CpuConfig(), Context(procfs=proc, sysfs=tmp_path / "no-numa"))
+    for t in (0.0, 10.0):
+        writer.write(t)
+        got, got_flat = by_key(source.collect()), by_key(flat.collect())
+    assert not [k for k in got if k[0] in ("cpu_busy_ratio", "cpu_interrupt_ratio")]
+    assert got[("cpu_numa_busy_ratio", ("0",))] == pytest.approx((1.0 + 3 * 0.1) / 4, abs=0.003)
+    # core 5's softirq counts as busy (interrupt handlers run there): 0.1 0.3 0.5 0.1
+    assert got[("cpu_numa_busy_ratio", ("1",))] == pytest.approx(1.0 / 4, abs=0.03)
+    assert got[("cpu_numa_interrupt_ratio_max", ("1",))] >= 0.3  # core 5's softirq
+    assert got[("cpu_numa_interrupt_ratio_max", ("0",))] < 0.05
+    assert set(k[1] for k in got_flat if k[0] == "cpu_numa_busy_ratio") == {("0",)}
+
+
 def test_config_defaults_and_validation() -> None:
     config = CpuConfig()
-    assert (config.interval, config.per_core, config.saturated_threshold) == (5.0, True, 0.9)
+    assert (config.interval, config.per_core, config.saturated_threshold) == (5.0, False, 0.9)
     with pytest.raises(ValidationError):
         CpuConfig.model_validate({"saturated_threshold": 1.5})
     with pytest.raises(ValidationError, match="extra"):

@@ -389,6 +389,11 @@ class SysfsWriter:
                 tmp.unlink()
             os.symlink(target, tmp)
             os.replace(tmp, link)
+        node = self.timeline.scenario.node
+        for n in range(node.numa_nodes):  # which cores each NUMA node has
+            cpus = cpulist(numa_cpus(n, node.cpus, node.numa_nodes))
+            path = self.root / "devices/system/node" / f"node{n}" / "cpulist"
+            self.files.put(str(path), cpus + "\n")
         self._laid_out = True
 
     def _static(self, fn: PciFunction) -> dict[str, str]:

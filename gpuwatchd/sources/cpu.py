@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.config import CpuConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
-from gpuwatchd.sources import cpufreq, reclaim, register
+from gpuwatchd.sources import cpufreq, numa, reclaim, register
 from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file, read_text
 
 log = logging.getLogger(__name__)
@@ -241,6 +241,7 @@ class CpuSource(Source):
         gauge("memory_total_bytes", "MemTotal: usable physical memory."),
         *reclaim.METRICS,
         *cpufreq.METRICS,
+        *numa.METRICS,
     )
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
@@ -255,6 +256,7 @@ class CpuSource(Source):
         self._psi_missing_logged = False
         self._reclaim = reclaim.Reclaim(procfs, context.extras.get("clock", time.monotonic))
         self._frequency = cpufreq.CpuFrequency(os.fspath(context.sysfs))
+        self._numa = numa.numa_nodes(os.fspath(context.sysfs))  # read once: hot-plug is rare
 
     def _read_required(self, path: str) -> str:
         return read_kernel_file(path, "procfs", self.context.procfs)
@@ -299,6 +301,7 @@ class CpuSource(Source):
         most_irq: float | None = None
         saturated = 0
         busy_of: dict[int, float] = {}
+        ratios_of: dict[int, tuple[float, float]] = {}
         before = prev.cpus
         for cpu, times in stat.cpus.items():
             old = before.get(cpu)
@@ -309,6 +312,7 @@ class CpuSource(Source):
                 continue
             busy, irq = ratios[0], ratios[3]
             busy_of[cpu] = busy
+            ratios_of[cpu] = (busy, irq)
             if per_core:
                 labels = self._labels.get(cpu)
                 if labels is None:
@@ -326,6 +330,7 @@ class CpuSource(Source):
             samples.append(Sample("gpuwatchd_cpu_cores_saturated", (), float(saturated)))
         if most_irq is not None:
             samples.append(Sample("gpuwatchd_cpu_interrupt_ratio_max", (), most_irq))
+        samples += numa.aggregates(self._numa, ratios_of)
         return samples + self._frequency.samples(busy_of)
 
     def _pressure_samples(self) -> list[Sample]:
