@@ -802,9 +802,9 @@ def node_communication() -> dash.Row:
             BYTES_PER_S),
         graph(
             "NVLinks active per GPU", """Active NVLinks of each GPU
-            (sum of gpuwatchd_gpu_nvlink_active). A drop means links went down and traffic
+            (gpuwatchd_gpu_nvlinks_active). A drop means links went down and traffic
             falls back to fewer links or PCIe.""",
-            [query(per_gpu("gpu_nvlink_active", "sum"), "GPU {{gpu}}")], COUNT),
+            [query(per_gpu("gpu_nvlinks_active"), "GPU {{gpu}}")], COUNT),
         timeline(
             "InfiniBand port state", """Logical state of each InfiniBand/RoCE port: ACTIVE
             (green) carries traffic; DOWN, INIT or ARMED cut the node off its peers.""",

@@ -110,7 +110,7 @@ PER_GPU_FAMILIES = {
     "gpu_clock_event_reason_active", "gpu_pcie_link_generation", "gpu_pcie_link_generation_max",
     "gpu_pcie_link_width", "gpu_pcie_link_width_max", "gpu_pcie_tx_bytes_per_second",
     "gpu_pcie_rx_bytes_per_second", "gpu_pcie_replay_errors_total", "gpu_ecc_errors_total",
-    "gpu_persistence_mode", "gpu_ecc_mode", "gpu_nvlink_active", "gpu_nvlink_expected",
+    "gpu_persistence_mode", "gpu_ecc_mode", "gpu_nvlinks_active", "gpu_nvlinks_expected",
     "gpu_compute_processes", "gpu_process_memory_used_bytes", "gpu_nvml_hung_seconds",
     "gpu_power_default_limit_watts", "gpu_multiprocessors",
     "gpu_nvml_stale", "gpu_row_remap_pending", "gpu_row_remap_failed",
@@ -183,8 +183,8 @@ def test_healthy_node_every_family_with_its_units():
         assert got.value("gpu_ecc_mode", i) == 1
         assert got.value("gpu_row_remap_pending", i) == 0
         assert got.value("gpu_row_remap_failed", i) == 0
-        assert got.gpu("gpu_nvlink_active", i) == {(str(link),): 1.0 for link in range(12)}
-        assert got.gpu("gpu_nvlink_expected", i) == {(str(link),): 1.0 for link in range(12)}
+        assert got.value("gpu_nvlinks_active", i) == got.value("gpu_nvlinks_expected", i) == 12
+        assert got.gpu("gpu_nvlink_down", i) == {}  # only while a link is down
         assert got.value("gpu_compute_processes", i) == 1
         assert got.gpu("gpu_process_memory_used_bytes", i) == {("4242",): 71680 * MIB}
 
@@ -235,8 +235,8 @@ def test_clock_event_reasons_and_counters_follow_the_scenario():
     assert {r for (r,), v in reasons.items() if v} == {"sw_power_cap", "hw_slowdown"}
     assert got.value("gpu_pcie_replay_errors_total", 1) == 500
     assert got.value("gpu_ecc_errors_total", 1, "corrected") == 50
-    assert got.value("gpu_nvlink_active", 1, "2") == 0
-    assert got.value("gpu_nvlink_active", 1, "3") == 1
+    # link 2 down from before the first poll, on a board without NVSwitches: not expected
+    assert nvlinks(got, 1) == (11, 11, set())
     assert got.value("gpu_persistence_mode", 1) == 0
     assert got.value("gpu_row_remap_pending", 1) == 1 and got.value("gpu_row_remap_failed", 1) == 0
     assert got.value("gpu_compute_processes", 1) == 2
@@ -244,9 +244,9 @@ def test_clock_event_reasons_and_counters_follow_the_scenario():
 
 
 @pytest.mark.parametrize("model, absent, present", [
-    ("rtx-4090", {"gpu_nvlink_active", "gpu_ecc_mode", "gpu_ecc_errors_total",
+    ("rtx-4090", {"gpu_nvlinks_active", "gpu_ecc_mode", "gpu_ecc_errors_total",
                   "gpu_row_remap_pending"}, {"gpu_pcie_replay_errors_total"}),
-    ("l40s", {"gpu_nvlink_active"}, {"gpu_ecc_mode", "gpu_ecc_errors_total",
+    ("l40s", {"gpu_nvlinks_active"}, {"gpu_ecc_mode", "gpu_ecc_errors_total",
                                      "gpu_row_remap_pending"}),
 ])
 def test_unsupported_functions_drop_series_and_are_not_asked_again(model, absent, present):
@@ -793,19 +793,18 @@ def test_field_values_are_read_as_pynvml_reads_them():
 # --- which NVLinks should be up -------------------------------------------------------
 
 
-def nvlinks(got: Metrics, gpu: int) -> tuple[set[int], set[int]]:
-    """(active links, expected links) of a GPU."""
-    active = {int(k[0]) for k, v in got.gpu("gpu_nvlink_active", gpu).items() if v}
-    expected = {int(k[0]) for k, v in got.gpu("gpu_nvlink_expected", gpu).items() if v}
-    return active, expected
+def nvlinks(got: Metrics, gpu: int) -> tuple[float, float, set[int]]:
+    """(active links, expected links, the expected links that are down) of a GPU."""
+    counts = [got.gpu(f"gpu_nvlinks_{kind}", gpu).get((), 0.0) for kind in ("active", "expected")]
+    down = {int(k[0]) for k in got.gpu("gpu_nvlink_down", gpu)}
+    return counts[0], counts[1], down
 
 
 def test_a_pcie_card_without_a_bridge_has_links_none_of_which_is_expected():
     sim = Sim(scenario([{"name": "p", "duration": 100}], gpu_model="a100-pcie-80gb"))
     got = sim.polls(3)
     for gpu in (0, 1):
-        assert got.gpu("gpu_nvlink_active", gpu) == {(str(k),): 0.0 for k in range(12)}
-        assert got.gpu("gpu_nvlink_expected", gpu) == {(str(k),): 0.0 for k in range(12)}
+        assert nvlinks(got, gpu) == (0, 0, set())
     # no active link: nothing to ask what it reaches
     assert sim.fake.calls["nvmlDeviceGetNvLinkRemoteDeviceType"] == 0
 
@@ -814,10 +813,8 @@ def test_bridged_h100_pcie_expects_only_the_links_its_bridges_connect():
     sim = Sim(scenario([{"name": "p", "duration": 100}], gpu_model="h100-pcie",
                        nvlink="bridge", gpu_count=3))
     got = sim.polls(2)
-    wired = {0, 1, 2, 3, 6, 7, 8, 9, 12, 13, 14, 15}
-    assert nvlinks(got, 0) == nvlinks(got, 1) == (wired, wired)
-    assert nvlinks(got, 2) == (set(), set())  # the odd one out has no partner, no bridge
-    assert len(got.gpu("gpu_nvlink_expected", 0)) == 18
+    assert nvlinks(got, 0) == nvlinks(got, 1) == (12, 12, set())  # 12 of 18 links bridged
+    assert nvlinks(got, 2) == (0, 0, set())  # the odd one out has no partner, no bridge
 
 
 def test_a_link_seen_active_stays_expected_when_it_goes_down():
@@ -827,8 +824,7 @@ def test_a_link_seen_active_stays_expected_when_it_goes_down():
     ], gpu_model="h100-pcie", nvlink="bridge"))
     sim.polls(3)
     sim.clock.advance(5)
-    active, expected = nvlinks(sim.collect(), 1)
-    assert expected - active == {2, 3}
+    assert nvlinks(sim.collect(), 1) == (10, 12, {2, 3})
     # the remote type is a static fact: asked once per GPU, at its first active link
     for _ in range(5):
         sim.collect()
@@ -845,10 +841,9 @@ def test_on_an_nvswitch_board_links_down_before_the_start_are_expected():
         gpu_count=8, pcie_topology="switched", nvlink="nvswitch",
     ))
     got = sim.polls(2)
-    every = set(range(12))
-    assert nvlinks(got, 3) == (every - {7}, every)
-    assert nvlinks(got, 5) == (set(), every)  # the board wires it as every other GPU
-    assert nvlinks(got, 0) == (every, every)
+    assert nvlinks(got, 3) == (11, 12, {7})
+    assert nvlinks(got, 5) == (0, 12, set(range(12)))  # wired as every other GPU's
+    assert nvlinks(got, 0) == (12, 12, set())
 
 
 def test_on_a_gpu_to_gpu_board_a_link_never_seen_active_is_not_expected():
@@ -857,8 +852,7 @@ def test_on_a_gpu_to_gpu_board_a_link_never_seen_active_is_not_expected():
     sim = Sim(scenario([{"name": "p", "duration": 100, "gpus": [1],
                          "set": {"nvlink_down": [4]}}], nvlink="direct"))
     got = sim.polls(2)
-    active, expected = nvlinks(got, 1)
-    assert 4 not in active | expected and len(expected) == 11
+    assert nvlinks(got, 1) == (11, 11, set())  # link 4 neither active nor expected
 
 
 def test_remote_device_type_follows_the_board():
@@ -922,14 +916,13 @@ def test_nvml_reports_the_link_as_trained_and_the_maximum_of_both_ends():
     assert got.value("gpu_pcie_link_width_max", 0) == 16
 
 
-@pytest.mark.parametrize(("expected", "links"), [("all", set(range(12))), ((4, 5), {4, 5})])
-def test_configured_nvlinks_are_expected_though_never_seen(expected, links):
+@pytest.mark.parametrize("expected", ["all", (4, 5)])
+def test_configured_nvlinks_are_expected_though_never_seen(expected):
     scn = scenario([{"name": "p", "duration": 100, "gpus": [1], "set": {"nvlink_down": [4]}}],
                    nvlink="direct")
     sim = Sim(scn)
     sim.source = NvmlSource(NvmlConfig(expected_nvlinks=expected), sim.context)
-    active, expected_links = nvlinks(sim.polls(2), 1)
-    assert expected_links == active | links and 4 in expected_links - active
+    assert nvlinks(sim.polls(2), 1) == (11, 12, {4})  # 4: never seen, but configured
 
 
 def test_expected_nvlinks_config_errors_name_the_field():

@@ -105,8 +105,8 @@ def test_info_labels_and_per_label_families(daemon):
     reasons = got["gpuwatchd_gpu_clock_event_reason_active"]
     assert {s.labels["reason"] for s in reasons} >= {"gpu_idle", "sw_power_cap", "hw_slowdown"}
     assert all(s.value == 0 for s in reasons)  # training at full clocks: nothing active
-    nvlinks = got["gpuwatchd_gpu_nvlink_active"]
-    assert len(nvlinks) == 8 * 12 and all(s.value == 1 for s in nvlinks)
+    nvlinks = got["gpuwatchd_gpu_nvlinks_active"]
+    assert len(nvlinks) == 8 and all(s.value == 12 for s in nvlinks)
     ecc = got["gpuwatchd_gpu_ecc_errors"]
     assert {s.labels["type"] for s in ecc} == {"corrected", "uncorrected"}
     memory = got["gpuwatchd_gpu_process_memory_used_bytes"]

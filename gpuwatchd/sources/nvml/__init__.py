@@ -50,13 +50,15 @@ as before (where the driver lets them; one that blocks too is left alone in turn
 most one thread per GPU is ever stuck). Every other read is made once per poll as
 listed above: no call is added.
 
-An NVLink is expected up (`gpu_nvlink_expected`) once it has been seen active since
+An NVLink is expected up once it has been seen active since
 the daemon started, or when the board wires every link: a GPU whose active link reaches
 an NVSwitch (HGX/DGX baseboards connect all links of all GPUs to the switches; then so
 is every GPU of the node with as many links), or when the config's `expected_nvlinks`
 names it. A link never seen active is not otherwise: PCIe boards without an NVLink
 bridge report every link inactive, and bridged H100 PCIe cards 6 of their 18 by design.
 A link down before the daemon starts is thus known on an NVSwitch board or by config.
+Exported per GPU as counts (`gpu_nvlinks_active`, `gpu_nvlinks_expected`), and each
+expected link that is down by index (`gpu_nvlink_down{link}`, only while it is).
 
 NVML's event data carries no time, so an Xid is stamped when it is drained, with
 `context.extras["now"]` (a wall-clock callable; default time.time) so that a replay in

@@ -73,11 +73,17 @@ REMAP_FAILED = _gpu_gauge(
     "gpu_row_remap_failed",
     "1 if a memory row could not be remapped: a bank has no spare row left.",
 )
-NVLINK = _gpu_gauge("gpu_nvlink_active", "1 if this NVLink is active.", ("link",))
+# NVLinks per GPU as counts (a series per link and family cost 18 x 2 per H100), and the
+# links down by index only while they are (issue 24)
+NVLINK = _gpu_gauge("gpu_nvlinks_active", "NVLinks of the GPU that are active.")
 NVLINK_EXPECTED = _gpu_gauge(
-    "gpu_nvlink_expected",
-    "1 if this NVLink should be active: seen active since the daemon started, or wired by"
-    " an NVSwitch board.",
+    "gpu_nvlinks_expected",
+    "NVLinks of the GPU that should be active: seen active since the daemon started, or "
+    "wired by an NVSwitch board (or named by expected_nvlinks).",
+)
+NVLINK_DOWN = _gpu_gauge(
+    "gpu_nvlink_down",
+    "1 for each NVLink that should be active and is not; absent otherwise.",
     ("link",),
 )
 NVLINK_DOWN_PEER = _gpu_gauge(
@@ -137,6 +143,7 @@ SPECS = (
     REMAP_FAILED,
     NVLINK,
     NVLINK_EXPECTED,
+    NVLINK_DOWN,
     NVLINK_DOWN_PEER,
     PROCESSES,
     PROCESS_MEMORY,

@@ -18,7 +18,7 @@ from typing import Any
 
 from gpuwatchd.config import NvmlConfig, SourceConfig
 from gpuwatchd.metrics import Sample
-from gpuwatchd.sources.nvml.metrics import NVLINK_DOWN_PEER, NVLINK_EXPECTED
+from gpuwatchd.sources.nvml.metrics import NVLINK, NVLINK_DOWN, NVLINK_DOWN_PEER, NVLINK_EXPECTED
 from gpuwatchd.sources.nvml.reads import _Entry, _Gpu, _GpuLost
 from gpuwatchd.sources.nvmlapi import Direct, sysfs_bus_id
 
@@ -52,9 +52,10 @@ class NvLinks:
             return 0
         return int(count) if code == nv.NVML_SUCCESS and count is not None else 0
 
-    def _nvlink_expected(self, gpu: _Gpu, entry: _Entry, active: bool, out: list[Sample]) -> None:
-        """Whether this link should be up (see the module's docstring): no call per poll,
-        one nvmlDeviceGetNvLinkRemoteDeviceType per GPU at its first active link."""
+    def _nvlink_expected(self, gpu: _Gpu, entry: _Entry, active: bool) -> None:
+        """Count this link in the poll's tally, and whether it should be up (see the
+        module's docstring): no call per poll, one nvmlDeviceGetNvLinkRemoteDeviceType
+        per GPU at its first active link."""
         link = entry.scope
         if active:
             gpu.nvlink_seen.add(link)
@@ -72,16 +73,24 @@ class NvLinks:
             or configured == "all"
             or link in configured
         )
-        out.append(Sample(NVLINK_EXPECTED.name, entry.labels, 1.0 if expected else 0.0))
-        peer = gpu.nvlink_peer.get(link)
-        if expected and not active and peer is not None:
-            gpu.nvlink_down_peers.add(peer)
+        gpu.nvlink_tally[0] += active
+        gpu.nvlink_tally[1] += expected
+        if expected and not active:
+            gpu.nvlink_down.append(link)
 
-    def _nvlink_down_peer(self, gpu: _Gpu, out: list[Sample]) -> None:
-        """After a poll's link states: the GPU the inactive expected links reached."""
-        if gpu.nvlink_down_peers:
-            out.append(Sample(NVLINK_DOWN_PEER.name, gpu.labels, min(gpu.nvlink_down_peers)))
-            gpu.nvlink_down_peers.clear()
+    def _nvlink_counts(self, gpu: _Gpu, out: list[Sample]) -> None:
+        """After a poll's link states: the GPU's active and expected links, each link
+        down, and the GPU the down links reached (the lowest)."""
+        if not gpu.nvlinks:
+            return
+        active, expected = gpu.nvlink_tally
+        out.append(Sample(NVLINK.name, gpu.labels, float(active)))
+        out.append(Sample(NVLINK_EXPECTED.name, gpu.labels, float(expected)))
+        out += [Sample(NVLINK_DOWN.name, (*gpu.labels, str(link)), 1.0) for link in gpu.nvlink_down]
+        peers = [p for link in gpu.nvlink_down if (p := gpu.nvlink_peer.get(link)) is not None]
+        if peers:
+            out.append(Sample(NVLINK_DOWN_PEER.name, gpu.labels, float(min(peers))))
+        gpu.nvlink_tally, gpu.nvlink_down = [0, 0], []
 
     def _remote_gpu(self, gpu: _Gpu, link: int) -> int | None:
         """The index of the GPU an active link reaches; None for an NVSwitch, or where the

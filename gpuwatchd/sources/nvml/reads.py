@@ -87,7 +87,8 @@ class _Gpu:
         self.nvlink_seen: set[int] = set()  # links seen active since the daemon started
         self.nvlink_remote: int | None = None  # what the first active link reaches, asked once
         self.nvlink_peer: dict[int, int | None] = {}  # link -> the GPU it reaches (None: none)
-        self.nvlink_down_peers: set[int] = set()  # this poll: GPUs its inactive links faced
+        self.nvlink_tally: list[int] = [0, 0]  # this poll: links (active, expected)
+        self.nvlink_down: list[int] = []  # this poll: expected links that are inactive
         self.last_xid: float | None = None
         # a reader thread holds it while it calls NVML on this GPU: a reader given up on
         # (blocked in a call) keeps it, and the next readers leave the GPU alone

@@ -372,18 +372,18 @@ class NvmlSource(Polling, NvLinks, Source):
                 mine = out if entry.field.every == EVERY_POLL else slow
                 if entry.field.rate:
                     self._rate(gpu, entry, int(number), modulus, stamp, mine)
+                elif entry.field is NVLINK_STATE:  # counted per GPU (_nvlink_counts)
+                    self._nvlink_expected(gpu, entry, bool(number))
                 else:
                     value = number * entry.field.scale
                     mine.append(Sample(entry.field.metric, entry.labels, value))
-                    if entry.field is NVLINK_STATE:
-                        self._nvlink_expected(gpu, entry, bool(number), mine)
             elif code == nv.NVML_ERROR_GPU_IS_LOST:
                 raise _GpuLost
             elif code in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
                 unsupported.add(entry)
                 why = self._describe(nv.NVMLError(code))
                 self._log_once(entry.what, f"field {entry.what} ({entry.field.metric})", gpu, why)
-        self._nvlink_down_peer(gpu, out)
+        self._nvlink_counts(gpu, out)
         if full:
             gpu.kept[SLOW_FIELDS_KEY] = slow
         out.extend(gpu.kept[SLOW_FIELDS_KEY])
