@@ -235,8 +235,44 @@ class Scraper:
         return body
 
 
+class Churn:
+    """Series the exposition shows for the first time, by family, per job cycle: what
+    each job start, fault and its end cost a Prometheus in new series (issue 24)."""
+
+    def __init__(self) -> None:
+        self.seen: set[bytes] = set()
+        self.new: Counter[str] = Counter()
+        self.cycles: list[Counter[str]] = []
+
+    def scrape(self, body: bytes) -> None:
+        for line in body.split(b"\n"):
+            if line and not line.startswith(b"#"):
+                series = line.rpartition(b" ")[0]
+                if series not in self.seen:
+                    self.seen.add(series)
+                    self.new[series.partition(b"{")[0].decode()] += 1
+
+    def end_cycle(self) -> None:
+        self.cycles.append(self.new)
+        self.new = Counter()
+
+    def report(self, gpus: int) -> list[str]:
+        steady = self.cycles[1:]  # the first cycle creates the node's series
+        if not steady:
+            return []
+        total: Counter[str] = sum(steady, Counter())
+        per_cycle = sum(total.values()) / len(steady)
+        top = ", ".join(f"{name.removeprefix('gpuwatchd_')} {n / len(steady):.1f}"
+                        for name, n in total.most_common(8))  # fmt: skip
+        return [
+            f"- series churn: {per_cycle:.1f} new series per job cycle after the first "
+            f"({per_cycle / gpus:.2f} per GPU; a job start, a fault and its end each cycle); "
+            f"by family, per cycle: {top}"
+        ]
+
+
 TELLING = re.compile(
-    rb"^gpuwatchd_(source_up|gpu_lost|dcgm_state|starvation_active|ib_port_active)"
+    rb"^gpuwatchd_(source_up|gpu_lost|dcgm_state|starvation_active|ib_port_state)"
     rb"\{([^}]*)\} (\S+)$",
     re.M,
 )
@@ -248,8 +284,8 @@ def telling(metrics: bytes) -> str:
     said = []
     for name, labels, value in TELLING.findall(metrics):
         n, lab, v = name.decode(), labels.decode(), float(value)
-        if n in ("source_up", "ib_port_active") and v == 0:
-            said.append(f"{n}{{{lab}}} 0")
+        if n == "source_up" and v == 0 or n == "ib_port_state" and v != 4:  # 4: ACTIVE
+            said.append(f"{n}{{{lab}}} {v:g}")
         elif n in ("gpu_lost", "starvation_active") and v == 1:
             short = ",".join(x for x in lab.split(",") if not x.startswith(("uuid=", "severity=")))
             said.append(f"{n}{{{short}}} 1")
@@ -292,6 +328,7 @@ def main() -> None:
     clock = sim.node.clock
     fault_log: list[str] = []
     types: list[Counter[str]] = []
+    churn = Churn()
     try:
         end = args.hours * cycle
         while clock.elapsed() < end:
@@ -306,6 +343,7 @@ def main() -> None:
             if t % SCRAPE_EVERY == 0 or mid_fault:
                 body = scraper.get("/metrics")
                 scraper.bytes += len(body)
+                churn.scrape(body)
                 scraper.get("/healthz")
                 if mid_fault:  # what the daemon says of the fault
                     job = t // cycle
@@ -314,6 +352,7 @@ def main() -> None:
             if t % PAGE_EVERY == 0:
                 scraper.get("/")
             if t % cycle == cycle - 1:
+                churn.end_cycle()
                 gc.collect()
                 traced, top = None, ""
                 if args.tracemalloc:
@@ -352,6 +391,7 @@ def main() -> None:
         server.stop()
         sim.close()
     print(report(args, samples, wall, cpu, scraper, fault_log))
+    print("\n".join(churn.report(args.gpus)))
     if args.tracemalloc and baseline is not None and last is not None:
         print("\nlargest growth of traced memory by line, the last sample against the first:")
         for stat in last.compare_to(baseline, "lineno")[:10]:

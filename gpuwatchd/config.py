@@ -320,6 +320,10 @@ class Config(Strict):
     sysfs: Path = Path("/sys")
     rules_file: Path | None = None
     web_config_file: Path | None = None  # exporter-toolkit's format: TLS, basic auth
+    # also export the families marked `detail` in docs/metrics.md (the rules' evidence,
+    # configuration and constants: about 3x the series); the rules and the status page
+    # read them either way
+    detail_metrics: bool = False
     sources: SourcesConfig = SourcesConfig()
 
     def listen_address(self) -> tuple[str, int]:

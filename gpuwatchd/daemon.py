@@ -111,7 +111,13 @@ class Pipeline:
         self.rules_watcher = RuleFileWatcher(self.engine, config.rules_file, wall)
         specs = [*all_specs(self.sources), *RULE_METRICS]
         self.exporter = Exporter(
-            self.store, self.pollers, specs, now, self.engine.exposition(), to_wall
+            self.store,
+            self.pollers,
+            specs,
+            now,
+            self.engine.exposition(),
+            to_wall,
+            detail=config.detail_metrics,
         )
 
     def _source_up(self, name: str) -> bool:

@@ -38,18 +38,25 @@ def __getattr__(name: str) -> object:
 
 SELF_METRICS = (
     gauge("build_info", "gpuwatchd build; value is always 1", ("version",)),
-    gauge("source_up", "1 if the source's last poll succeeded and none is overdue", ("source",)),
-    gauge("source_duration_seconds", "How long the source's last poll took", ("source",)),
+    gauge(
+        "source_up",
+        "1 if the source's last poll succeeded and none is overdue",
+        ("source",),
+        budget=9,
+    ),
+    gauge("source_duration_seconds", "How long the source's last poll took", ("source",), budget=9),
     gauge(
         "source_last_success_timestamp_seconds",
         "Unix time of the source's last successful poll",
         ("source",),
+        budget=9,
     ),
     MetricSpec(
         "gpuwatchd_source_errors_total",
         "Failed or overdue polls per source",
         ("source",),
         "counter",
+        budget=9,
     ),
 )
 
@@ -83,8 +90,10 @@ class Exporter:
         now: Callable[[], float],
         derived: Iterable[Derived] = (),
         to_wall: Callable[[float], float] | None = None,
+        detail: bool = False,
     ) -> None:
         self.store = store
+        self.detail = detail  # show the `detail` families too (MetricSpec.export)
         self.pollers = pollers
         self.now = now
         self.to_wall = to_wall or (lambda t: t)  # `now`'s times as exported timestamps
@@ -115,7 +124,8 @@ class Exporter:
         """The part `name`, rendered again only if its version changed."""
         part = self._parts.get(name)
         if part is None or part[0] != version:
-            text, openmetrics = self._renderers[name].render(_families(specs, rows()))
+            families = _families(specs, rows(), self.detail)
+            text, openmetrics = self._renderers[name].render(families)
             part = self._parts[name] = (version, text, openmetrics)
         return part
 
@@ -131,19 +141,26 @@ class Exporter:
         if part is not None and changed is not None and not changed:
             part = self._parts[name] = (version, part[1], part[2])  # polled, no news
             return part
-        families = (
-            (
-                spec,
-                sorted(view.series[spec.name].items())
-                if changed is None or spec.name in changed
-                else None,
-            )
-            for spec in poller.source.metrics
-            if view.series.get(spec.name)
-        )
-        text, openmetrics = self._renderers[name].render(families)
+        text, openmetrics = self._renderers[name].render(self._shown(poller, view, changed))
         part = self._parts[name] = (version, text, openmetrics)
         return part
+
+    def _shown(
+        self, poller: Poller, view: _View, changed: set[str] | None
+    ) -> Iterator[tuple[MetricSpec, Rows | None]]:
+        """A source's families as the exposition shows them (MetricSpec.export); None for
+        a family shown in full that did not change (the renderer keeps its lines)."""
+        for spec in poller.source.metrics:
+            series = view.series.get(spec.name)
+            if not series or not spec.shown(self.detail):
+                continue
+            if spec.export == "nonzero":  # what shows may differ from the last render's
+                if rows := _nonzero(sorted(series.items())):
+                    yield spec, rows
+            elif changed is None or spec.name in changed:
+                yield spec, sorted(series.items())
+            else:
+                yield spec, None
 
     def _own_part(self, now: float) -> tuple[object, bytes, bytes]:
         """The daemon's own families, and the series of sources no poller polls."""
@@ -300,12 +317,21 @@ def _by_name(series: Iterable[tuple[SeriesKey, float]]) -> dict[str, Rows]:
     return rows
 
 
+def _nonzero(rows: Rows) -> Rows:
+    return [row for row in rows if row[1] != 0.0]
+
+
 def _families(
-    specs: Iterable[MetricSpec], rows: dict[str, Rows]
+    specs: Iterable[MetricSpec], rows: dict[str, Rows], detail: bool
 ) -> Iterator[tuple[MetricSpec, Rows]]:
-    """Every family with samples, in spec order, samples sorted by label values."""
+    """Every family with samples that the exposition shows (MetricSpec.export), in spec
+    order, samples sorted by label values."""
     for spec in specs:
         samples = rows.get(spec.name)
+        if not samples or not spec.shown(detail):
+            continue
+        samples.sort()
+        if spec.export == "nonzero":
+            samples = _nonzero(samples)
         if samples:
-            samples.sort()
             yield spec, samples

@@ -14,12 +14,40 @@ PREFIX = "gpuwatchd_"
 GPU_LABELS = ("gpu", "uuid")
 
 
+# What the exposition shows of a family (the store, the rules and the status page always
+# have all of it): every node's Prometheus pays for each series, so a family that is
+# mostly zeros, constant, or node_exporter's is not shown by default.
+#   always:  every series
+#   nonzero: the series whose value is not 0: a rare event's counter from its first event,
+#            a flag while it is set (absent reads as 0 where the GPU's other series exist)
+#   detail:  only with `detail_metrics: true` (rule evidence, configuration, constants)
+Export = Literal["always", "nonzero", "detail"]
+
+
 @dataclass(frozen=True)
 class MetricSpec:
     name: str  # full name, with the gpuwatchd_ prefix; counters end in _total
     help: str
     labels: tuple[str, ...] = ()
     type: Literal["gauge", "counter"] = "gauge"
+    export: Export = "always"
+    # series the family may show on a healthy 8-GPU node with the default config: per GPU
+    # where it has a `gpu` label, else per node (docs/metrics.md; tests/test_series_budget)
+    budget: int | None = None  # None: 1 where shown always, else 0
+
+    @property
+    def series_budget(self) -> int:
+        if self.budget is not None:
+            return self.budget
+        return 1 if self.export == "always" else 0
+
+    @property
+    def per_gpu(self) -> bool:
+        return "gpu" in self.labels or "gpu_bus_id" in self.labels
+
+    def shown(self, detail: bool) -> bool:
+        """Whether the exposition shows the family at all."""
+        return detail or self.export != "detail"
 
 
 class Sample(NamedTuple):
@@ -28,10 +56,22 @@ class Sample(NamedTuple):
     value: float
 
 
-def gauge(name: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
-    return MetricSpec(PREFIX + name, help, labels, "gauge")
+def gauge(
+    name: str,
+    help: str,
+    labels: tuple[str, ...] = (),
+    export: Export = "always",
+    budget: int | None = None,
+) -> MetricSpec:
+    return MetricSpec(PREFIX + name, help, labels, "gauge", export, budget)
 
 
-def counter(name: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+def counter(
+    name: str,
+    help: str,
+    labels: tuple[str, ...] = (),
+    export: Export = "always",
+    budget: int | None = None,
+) -> MetricSpec:
     assert name.endswith("_total"), name
-    return MetricSpec(PREFIX + name, help, labels, "counter")
+    return MetricSpec(PREFIX + name, help, labels, "counter", export, budget)

@@ -15,14 +15,36 @@ counters, `_ratio` for 0–1 values and `_cores` for CPU use that can exceed one
 Per-GPU series carry `gpu` (NVML index) and `uuid`; the `pcie` source labels by PCI
 address (`gpu_bus_id`, the same form as `gpuwatchd_gpu_info`'s `pci_bus_id`), so the
 two join on it.
+
+Every series is paid for by every node's Prometheus, so a family is **shown** in the
+exposition always, only its **nonzero** series (a rare event's counter from its first
+event, a flag while it is set: absent reads as 0 where the GPU's other series exist), or
+in **detail** only (`detail_metrics: true` in the config: the rules' evidence,
+configuration, constants, what node_exporter has). The rules, the status page and
+`doctor` read every family either way. The **budget** is the most series the family may
+show on a healthy 8-GPU node with the default config (`healthy-8gpu`), per GPU or per
+node; `tests/test_series_budget.py` fails when a change exceeds one, or the node's total
+of 60 series per GPU. Families labelled by device (disks, IB ports, processes) grow with
+the devices a node has.
 """
 
 
+def budget(spec: MetricSpec) -> str:
+    return f"{spec.series_budget}/{'GPU' if spec.per_gpu else 'node'}"
+
+
 def _table(title: str, specs: tuple[MetricSpec, ...]) -> list[str]:
-    lines = [f"\n## {title}\n", "| metric | type | labels | meaning |", "|---|---|---|---|"]
+    lines = [
+        f"\n## {title}\n",
+        "| metric | type | labels | shown | budget | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
     for spec in specs:
         help_text = spec.help.replace("|", "\\|")
-        lines.append(f"| `{spec.name}` | {spec.type} | {', '.join(spec.labels)} | {help_text} |")
+        lines.append(
+            f"| `{spec.name}` | {spec.type} | {', '.join(spec.labels)} | {spec.export} "
+            f"| {budget(spec)} | {help_text} |"
+        )
     return lines
 
 

@@ -287,7 +287,7 @@ def _causes(
         elif kind == PENDING:
             pending.append(_cause(rule, state, now, shift))
         elif kind == NOT_EVALUABLE:
-            reason = NO_PROBE if "probe" in rule.expr.sources else state.reason
+            reason = NO_PROBE if state.waits_for_probe else state.reason
             unevaluable.append((rule.name, reason))
     return _worst_first(firing), _worst_first(pending), unevaluable
 

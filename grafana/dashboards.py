@@ -585,9 +585,9 @@ GPU_OF_BUS = (
 )
 
 
-def pcie(metric: str, by: str = "gpu, role, device") -> str:
+def pcie(metric: str, by: str = "gpu, role, device", how: str = "max") -> str:
     return (
-        f"max by ({by}) (gpuwatchd_{metric}{{{NODE}}}"
+        f"{how} by ({by}) (gpuwatchd_{metric}{{{NODE}}}"
         f" * on (job, instance, gpu_bus_id) group_left (gpu) {GPU_OF_BUS})"
     )
 
@@ -600,6 +600,14 @@ def per_gpu(metric: str, how: str = "max", extra: str = "") -> str:
 def count_per_gpu(metric: str) -> str:
     """How many series of a sparse cause family each GPU has, 0 where it has none."""
     return f"{per_gpu(metric, 'count')} or {per_gpu('gpu_starved')} * 0"
+
+
+def or_none(expr: str, label: str, by: str = "gpu") -> str:
+    """`expr`, or 0 per GPU under `label`="none" where it has no series: a family shown
+    only while not 0 (docs/metrics.md) reads 0 on the panel, not "No data"."""
+    base = per_gpu("gpu_info", "sum") if by == "gpu" else f"sum(gpuwatchd_gpu_info{{{GPU}}})"
+    on = f"on ({by})" if by else "on ()"
+    return f'{expr} or {on} label_replace(0 * {base}, "{label}", "none", "", "")'
 
 
 def rate_per_gpu(metric: str) -> str:
@@ -654,38 +662,50 @@ def node_causes() -> dash.Row:
 
 
 def node_pcie() -> dash.Row:
-    per_function = "GPU {{gpu}} {{role}} {{device}}"
     return row("PCIe", [
         grid(
-            "PCIe links: generation and width vs maximum", """Every PCIe function on each
-            GPU's path to the CPU (role gpu: the GPU's own link; bridge: the switch and root
-            ports above it), its link's current generation and width next to the most it
-            supports, and whether it runs below them (degraded = 1). A degraded bridge
-            slows every GPU behind it.""",
-            [query(pcie(m), instant=True) for m in (
-                "pcie_link_generation", "pcie_link_generation_max", "pcie_link_width",
-                "pcie_link_width_max", "pcie_link_degraded")],
-            columns=["gpu", "role", "device"],
+            "PCIe links: generation and width vs maximum", """Each GPU's own PCIe link:
+            its current generation and width next to the most the GPU and slot support,
+            and how many functions on its path to the CPU (the GPU, the switch and root
+            ports above it) run below what both ends of their link support (degraded). A
+            degraded bridge slows every GPU behind it; idle GPUs train down on purpose.""",
+            [query(per_gpu(m), instant=True) for m in (
+                "gpu_pcie_link_generation", "gpu_pcie_link_generation_max",
+                "gpu_pcie_link_width", "gpu_pcie_link_width_max")]
+            + [query(f"{pcie('pcie_link_degraded', 'gpu', 'sum')} or {per_gpu('gpu_info')}"
+                     " * 0", instant=True)],
+            columns=["gpu"],
             display={
                 "Value #A": ("Generation", "none"),
                 "Value #B": ("Max generation", "none"),
                 "Value #C": ("Width (lanes)", "none"),
                 "Value #D": ("Max width", "none"),
-                "Value #E": ("Degraded", "none"),
+                "Value #E": ("Degraded functions", "none"),
             },
-            width=24, height=8,
+            width=12, height=8,
+        ),
+        grid(
+            "Degraded PCIe functions", """The functions on the GPUs' paths whose link runs
+            below what both its ends support (gpuwatchd_pcie_link_degraded; role gpu: the
+            GPU's own link, bridge: a switch or root port). The firing cause's summary
+            says at which generation and width; every function's link with
+            detail_metrics.""",
+            [query(pcie("pcie_link_degraded"), instant=True)],
+            columns=["gpu", "role", "device"],
+            display={"Value": ("Degraded", "none")},
+            width=12, height=8,
         ),
         graph(
-            "PCIe link generation per GPU and bridge", """Current PCIe generation of each
-            function on the GPUs' paths (gpuwatchd_pcie_link_generation). A step down
-            under load is a link that retrained lower (the table above gives the maximum);
-            idle GPUs train down on purpose.""",
-            [query(pcie("pcie_link_generation"), per_function)], COUNT),
+            "PCIe link generation per GPU", """Current PCIe generation of each GPU's
+            link (gpuwatchd_gpu_pcie_link_generation). A step down under load is a link
+            that retrained lower (the table gives the maximum); idle GPUs train down on
+            purpose.""",
+            [query(per_gpu("gpu_pcie_link_generation"), "GPU {{gpu}}")], COUNT),
         graph(
-            "PCIe link width per GPU and bridge", """Current PCIe lanes of each function
-            on the GPUs' paths (gpuwatchd_pcie_link_width); below the maximum in the table
-            above means a narrowed link (a bad slot, riser or seating).""",
-            [query(pcie("pcie_link_width"), per_function)], COUNT),
+            "PCIe link width per GPU", """Current PCIe lanes of each GPU's link
+            (gpuwatchd_gpu_pcie_link_width); below the maximum in the table means a
+            narrowed link (a bad slot, riser or seating).""",
+            [query(per_gpu("gpu_pcie_link_width"), "GPU {{gpu}}")], COUNT),
         graph(
             "PCIe throughput per GPU", """Bytes per second over each GPU's PCIe link as
             NVML measures it: host to GPU (input batches, weights) and GPU to host. A GPU
@@ -697,10 +717,12 @@ def node_pcie() -> dash.Row:
             "PCIe replays and AER errors", """Per second: link-level retransmissions
             (replays) NVML counts per GPU, and AER errors the kernel counts per severity on
             the GPU's path. Sustained replays mean a marginal link.""",
-            [query(rate_per_gpu("gpu_pcie_replay_errors_total"), "GPU {{gpu}} replays"),
-             query(f"sum by (gpu, severity) (rate(gpuwatchd_pcie_aer_errors_total{{{NODE}}}"
-                   "[$__rate_interval]) * on (job, instance, gpu_bus_id) group_left (gpu) "
-                   f"{GPU_OF_BUS})", "GPU {{gpu}} AER {{severity}}")],
+            [query(f"{rate_per_gpu('gpu_pcie_replay_errors_total')} or"
+                   f" {per_gpu('gpu_info')} * 0", "GPU {{gpu}} replays"),
+             query(or_none(f"sum by (gpu, severity) (rate(gpuwatchd_pcie_aer_errors_total"
+                           f"{{{NODE}}}[$__rate_interval]) * on (job, instance, gpu_bus_id)"
+                           f" group_left (gpu) {GPU_OF_BUS})", "severity"),
+                   "GPU {{gpu}} AER {{severity}}")],
             PER_S),
     ])
 
@@ -733,7 +755,8 @@ def node_compute() -> dash.Row:
             reason holds down (gpuwatchd_gpu_clock_event_reason_active): thermal, power
             caps and hardware slowdowns under load starve the GPU of clock; gpu_idle is
             normal when idle.""",
-            [query(host("gpu_clock_event_reason_active", "reason", "sum", 'gpu=~"$gpu"'),
+            [query(or_none(host("gpu_clock_event_reason_active", "reason", "sum",
+                                 'gpu=~"$gpu"'), "reason", by=""),
                    "{{reason}}")], COUNT),
     ])
 
@@ -771,11 +794,10 @@ def node_input() -> dash.Row:
             %util). A disk near 100 % while GPUs wait is storage-bound input.""",
             [query(host("disk_utilization_ratio", "device"), "{{device}}")], RATIO, max_val=1),
         graph(
-            "Disk await", """Average time a read and a write took on each disk, queueing
-            included (iostat r_await / w_await). Rising await with high utilization is a
-            saturated disk.""",
-            [query(host("disk_read_await_seconds", "device"), "{{device}} read"),
-             query(host("disk_write_await_seconds", "device"), "{{device}} write")],
+            "Disk await", """Average time an I/O took on each disk, queueing included
+            (iostat await; r_await and w_await with detail_metrics). Rising await with high
+            utilization is a saturated disk.""",
+            [query(host("disk_await_seconds", "device"), "{{device}}")],
             SECONDS),
     ])
 
@@ -831,10 +853,7 @@ def node_communication() -> dash.Row:
 
 
 def node_driver() -> dash.Row:
-    xid = (
-        f"sum by (gpu, xid) (gpuwatchd_gpu_xid_errors_total{{{GPU}}}) or on (gpu)"
-        f' label_replace(0 * {per_gpu("gpu_info", "sum")}, "xid", "none", "", "")'
-    )
+    xid = or_none(f"sum by (gpu, xid) (gpuwatchd_gpu_xid_errors_total{{{GPU}}})", "xid")
     return row("Driver", [
         graph(
             "Xid errors per GPU", """Xid errors the driver reported on each GPU since the
@@ -846,12 +865,12 @@ def node_driver() -> dash.Row:
             "ECC errors per GPU", """ECC errors over each GPU's lifetime: corrected
             (single-bit, fixed by ECC) and uncorrected (double-bit: drain and reset the
             GPU).""",
-            [query(f"sum by (gpu, type) (gpuwatchd_gpu_ecc_errors_total{{{GPU}}})",
-                   "GPU {{gpu}} {{type}}")], COUNT),
+            [query(or_none(f"sum by (gpu, type) (gpuwatchd_gpu_ecc_errors_total{{{GPU}}})",
+                           "type"), "GPU {{gpu}} {{type}}")], COUNT),
         timeline(
             "GPU lost", """Whether NVML reports each GPU lost (fallen off the bus): red
             needs a reboot and a hardware check.""",
-            [query(per_gpu("gpu_lost"), "GPU {{gpu}}")],
+            [query(f"{per_gpu('gpu_lost')} or {per_gpu('gpu_info')} * 0", "GPU {{gpu}}")],
             {0: ("ok", "green"), 1: ("lost", "red")}),
     ])
 
@@ -878,11 +897,11 @@ def node_system() -> dash.Row:
             a core.""",
             [query(host("interrupt_max_line_per_second", "class"), "{{class}}")], PER_S),
         graph(
-            "Pressure stall (PSI, 10 s)", """Share of the last 10 seconds some task stalled
-            waiting for CPU, I/O or memory (Linux PSI). Rising I/O pressure while GPUs wait
-            points at storage; CPU pressure at too few cores.""",
-            [query(host("pressure_ratio", "resource", extra='kind="some", window="10s"'),
-                   "{{resource}}")],
+            "Pressure stall (PSI)", """Share of time some task stalled waiting for CPU,
+            I/O or memory (Linux PSI, the rate of its stall time). Rising I/O pressure while
+            GPUs wait points at storage; CPU pressure at too few cores.""",
+            [query("sum by (resource) (rate(gpuwatchd_pressure_stalled_seconds_total"
+                   f'{{{NODE}, kind="some"}}[$__rate_interval]))', "{{resource}}")],
             RATIO, max_val=1),
     ])
 

@@ -17,6 +17,9 @@ import yaml
 
 from gpuwatchd.sim.scenario import SCENARIO_PACKAGE
 
+# `--config` for a daemon that exports every family, those shown only in detail too
+DETAIL = ("--config", str(Path(__file__).parent / "fixtures" / "config" / "detail_metrics.yaml"))
+
 
 @contextmanager
 def running_daemon(scenario: str, *extra: str) -> Iterator[str]:

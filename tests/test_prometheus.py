@@ -8,7 +8,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from daemon_process import require_tool, running_daemon
+from daemon_process import DETAIL, require_tool, running_daemon
 from servers import running_prometheus, wait_until
 
 
@@ -32,7 +32,7 @@ def test_prometheus_scrapes_every_gpu(tmp_path: Path):
 
 def test_promtool_lints_the_exposition():
     promtool = require_tool("promtool")
-    with running_daemon("healthy-8gpu") as metrics_url:
+    with running_daemon("healthy-8gpu", *DETAIL) as metrics_url:  # every family
         deadline = time.monotonic() + 30
         while True:
             with urllib.request.urlopen(metrics_url, timeout=5) as response:

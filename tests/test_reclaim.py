@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from daemon_process import DETAIL
 
 from gpuwatchd.cli import main
 from gpuwatchd.sources.reclaim import PAGE_SIZE, Reclaim, kthread_times, vmstat_value
@@ -81,7 +82,8 @@ def test_a_swapping_node_as_the_sources_read_it() -> None:
     """swapping-dataloader-workers-4xa100 at 400 s: 130 MB/s swapped in, kswapd at 0.85
     of a core, each rank's 8 workers at 350 major faults/s and its main process at 25."""
     result = CliRunner().invoke(
-        main, ["simulate", "swapping-dataloader-workers-4xa100", "--until", "400", "--metrics"]
+        main,
+        ["simulate", "swapping-dataloader-workers-4xa100", "--until", "400", "--metrics", *DETAIL],
     )
     assert result.exit_code == 0, result.output
 

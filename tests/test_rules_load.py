@@ -311,6 +311,8 @@ def test_sighup_reloads_the_rules_of_a_running_daemon(tmp_path: Path):
         daemon.reload(load_config(config_file))  # what `run` does for a SIGHUP
         daemon.evaluate_once()  # the file is read and compiled on the loader thread
         assert daemon.pipeline.rules_watcher.wait_idle(10)
+        for poller in daemon.pipeline.pollers:  # fresh inputs, however long that took:
+            poller.poll()  # the daemon's clock is real, its series go stale after 3 s
         daemon.evaluate_once()  # and the rules swapped in between two cycles
         assert [r.name for r in engine.rules.rules] == ["cause_z"]
         text = daemon.pipeline.exporter.latest().text.decode()  # what a scrape gets

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from importlib import resources
 
 import pytest
-from daemon_process import SCENARIO_PACKAGE, running_daemon
+from daemon_process import DETAIL, SCENARIO_PACKAGE, running_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatchd.sim.node import _TMPFS
@@ -28,7 +28,6 @@ MIB = 2**20
 GPU_FAMILIES = {
     # family: expected value on every GPU of healthy-8gpu (None: only presence is checked)
     "gpuwatchd_gpu_info": 1,
-    "gpuwatchd_gpu_lost": 0,
     "gpuwatchd_gpu_utilization_ratio": 0.95,
     "gpuwatchd_gpu_memory_utilization_ratio": 0.42,
     "gpuwatchd_gpu_memory_used_bytes": 71680 * MIB,
@@ -49,11 +48,18 @@ GPU_FAMILIES = {
     # 9.5 GB/s passes 2**32 bytes twice a second: the 32-bit counter aliases (as a real
     # H200's does), so the value depends on the poll's exact spacing
     "gpuwatchd_gpu_pcie_rx_bytes_per_second": None,
-    "gpuwatchd_gpu_pcie_replay_errors": 0,
     "gpuwatchd_gpu_persistence_mode": 1,
     "gpuwatchd_gpu_ecc_mode": 1,
     "gpuwatchd_gpu_compute_processes": 1,
 }
+# shown only while not 0 (docs/metrics.md): nothing of them on this healthy node
+ZERO_FAMILIES = (
+    "gpuwatchd_gpu_lost",
+    "gpuwatchd_gpu_pcie_replay_errors",
+    "gpuwatchd_gpu_clock_event_reason_active",  # training at full clocks: none holds
+    "gpuwatchd_gpu_ecc_errors",
+    "gpuwatchd_pcie_link_degraded",
+)
 
 
 def scrape(url: str) -> dict[str, list]:
@@ -64,7 +70,7 @@ def scrape(url: str) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[str]:
-    with running_daemon("healthy-8gpu") as url:
+    with running_daemon("healthy-8gpu", *DETAIL) as url:  # every family, detail too
         yield url
 
 
@@ -92,6 +98,7 @@ def test_every_gpu_family_has_the_scenarios_values(daemon):
                 assert s.value == pytest.approx(expected, rel=1e-6), (family, s)
     temps = [s.value for s in got["gpuwatchd_gpu_temperature_celsius"]]
     assert all(58 <= t <= 66 for t in temps)
+    assert not set(ZERO_FAMILIES) & set(got)
 
 
 def test_info_labels_and_per_label_families(daemon):
@@ -102,13 +109,8 @@ def test_info_labels_and_per_label_families(daemon):
     assert info["cuda_driver_version"] == "12.4"
     uuids = {s.labels["uuid"] for s in got["gpuwatchd_gpu_info"]}
     assert len(uuids) == 8
-    reasons = got["gpuwatchd_gpu_clock_event_reason_active"]
-    assert {s.labels["reason"] for s in reasons} >= {"gpu_idle", "sw_power_cap", "hw_slowdown"}
-    assert all(s.value == 0 for s in reasons)  # training at full clocks: nothing active
     nvlinks = got["gpuwatchd_gpu_nvlinks_active"]
     assert len(nvlinks) == 8 and all(s.value == 12 for s in nvlinks)
-    ecc = got["gpuwatchd_gpu_ecc_errors"]
-    assert {s.labels["type"] for s in ecc} == {"corrected", "uncorrected"}
     memory = got["gpuwatchd_gpu_process_memory_used_bytes"]
     assert {s.labels["pid"] for s in memory} == {"4242"}
     assert all(s.value == 71680 * MIB for s in memory)
@@ -124,7 +126,6 @@ def test_pcie_tree_and_self_metrics(daemon):
     for bdf in gpu_bdfs:
         mine = [s for s in gens if s.labels["gpu_bus_id"] == bdf]
         assert len(mine) == 4 and all(s.value == 4 for s in mine)
-    assert all(s.value == 0 for s in got["gpuwatchd_pcie_link_degraded"])
     up = {s.labels["source"]: s.value for s in got["gpuwatchd_source_up"]}
     assert up == dict.fromkeys(BUILTIN, 1)
     assert got["gpuwatchd_build_info"][0].value == 1

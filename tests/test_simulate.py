@@ -38,8 +38,8 @@ def test_replays_are_deterministic():
 
 def test_metrics_flag_prints_the_final_exposition():
     output = simulate("idle-8gpu", "--until", "5", "--metrics")
-    assert 'gpuwatchd_gpu_performance_state{gpu="0"' in output
-    assert 'gpuwatchd_pcie_link_generation{device=' in output
+    assert 'gpuwatchd_gpu_utilization_ratio{gpu="0"' in output
+    assert 'gpuwatchd_pcie_link_degraded{device=' in output  # idle links train down
 
 
 def test_unknown_scenario_is_a_clear_error():

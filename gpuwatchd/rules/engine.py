@@ -49,29 +49,34 @@ ACTIVE = gauge(
     "starvation_active",
     "1 while the cause fires on the GPU; absent otherwise.",
     (*GPU_LABELS, "cause", "dimension", "severity"),
+    budget=0,
 )
 INFO = gauge(
     "starvation_info",
     "1 while the cause fires: the evidence frozen when it started firing, and the remedy "
     "(a series per firing cause, so alerts can carry them).",
     (*GPU_LABELS, "cause", "dimension", "severity", "summary", "remedy"),
+    budget=0,
 )
 PENDING_METRIC = gauge(
     "starvation_pending",
     "1 while the cause's expression holds but its `for` has not passed yet; absent otherwise.",
     (*GPU_LABELS, "cause"),
+    budget=0,
 )
 NOT_EVALUABLE_METRIC = gauge(
     "starvation_not_evaluable",
-    "1 while the rule cannot be evaluated on the GPU (an input it needs is absent); absent "
-    "otherwise.",
+    "1 while the rule cannot be evaluated on the GPU (an input it needs is absent; not "
+    "shown for a rule that only lacks the in-process probe's reports); absent otherwise.",
     (*GPU_LABELS, "cause"),
+    budget=0,
 )
 SECONDS = counter(
     "starvation_seconds_total",
     "Time the cause has fired on the GPU; from the cause's first pending on (0 until it "
     "fires, so no firing second is lost to a series' first sample).",
     (*GPU_LABELS, "cause"),
+    budget=0,
 )
 STARVED = gauge("gpu_starved", "1 while any cause fires on the GPU.", GPU_LABELS)
 ERRORS = counter(
@@ -79,6 +84,7 @@ ERRORS = counter(
     "Evaluations of the rule that failed with an error (not: inputs absent); from its "
     "first error on.",
     ("cause",),
+    budget=0,
 )
 RELOAD_OK = gauge(
     "rules_last_reload_successful", "1 if the last load of the rule file succeeded, else 0."
@@ -116,11 +122,18 @@ class AlertState:
     keep_firing_since: float | None = None
     seconds_total: float = 0.0
     reason: str = ""  # why not evaluable
+    missing_from: str = ""  # the source of the input whose absence made it so ("": other)
     summary: str = ""
     missing: tuple[str, ...] = ()  # the summary's values that had none
     reads: Reads | None = None  # what the last evaluation read; None: evaluate next cycle
     outcome: bool | str = False  # its result: holds, or why it was not evaluable
     counted: bool = False  # has been pending or firing: its seconds counter is exported
+
+    @property
+    def waits_for_probe(self) -> bool:
+        """Not evaluable only for want of the in-process probe's reports: normal where no
+        job on the GPU uses the probe, so neither a fault nor a series (issue 24)."""
+        return self.state == NOT_EVALUABLE and self.missing_from == "probe"
 
 
 @dataclass(frozen=True)
@@ -329,7 +342,8 @@ class RuleEngine:
     ) -> None:
         if down:
             state.reads = None
-            self._not_evaluable(state, f"source {', '.join(down)} down or disabled")
+            # a source's own health is source_up's to show: the probe's is no fault
+            self._not_evaluable(state, f"source {', '.join(down)} down or disabled", down)
             return
         reads = state.reads
         if reads is not None and reads.still(now, changed, polled):
@@ -340,13 +354,14 @@ class RuleEngine:
                 outcome = bool(self.evaluator.evaluate(rule.expr, gpu, reads))
             except Missing as e:
                 outcome = f"no value for {e}"
+                state.missing_from = e.source
             except Exception as e:  # a rule must never stop the others
                 self.errors[rule.name] += 1
                 reason = f"error: {type(e).__name__}: {e}"
                 if state.reason != reason:
                     log.warning("rule %s on GPU %s: %s", rule.name, gpu.gpu, reason)
                 state.reads = None  # an error is counted each time: evaluate again
-                self._not_evaluable(state, reason)
+                self._not_evaluable(state, reason, [])
                 return
             state.reads, state.outcome = reads, outcome
         if isinstance(outcome, str):
@@ -376,8 +391,10 @@ class RuleEngine:
             state.summary, state.missing = self.evidence(rule, gpu)
 
     @staticmethod
-    def _not_evaluable(state: AlertState, reason: str) -> None:
+    def _not_evaluable(state: AlertState, reason: str, sources: list[str] | None = None) -> None:
         state.state, state.reason = NOT_EVALUABLE, reason
+        if sources is not None:  # else: the evaluation's Missing set it, or none
+            state.missing_from = sources[0] if len(sources) == 1 else ""
         state.active_at = state.keep_firing_since = None
 
     def summary(self, rule: Rule, gpu: GpuRef) -> str:
@@ -444,7 +461,7 @@ class RuleEngine:
                     out[INFO.name].append((labels, 1.0))
                 elif state.state == PENDING:
                     out[PENDING_METRIC.name].append((base, 1.0))
-                elif state.state == NOT_EVALUABLE:
+                elif state.state == NOT_EVALUABLE and not state.waits_for_probe:
                     out[NOT_EVALUABLE_METRIC.name].append((base, 1.0))
             out[STARVED.name].append(((gpu.gpu, gpu.uuid), starved))
         for rule in self.rules.rules:

@@ -165,7 +165,7 @@ class Evaluator:
     def _one(self, selector: Selector, gpu: GpuRef | None = None) -> float:
         rows = self.rows(selector, gpu)
         if not rows:
-            raise Missing(selector.describe())
+            raise Missing(selector.describe(), selector.family.source)
         return rows[0][1]
 
     def _value(self, index: int) -> float:
@@ -254,7 +254,7 @@ class Evaluator:
             if how == "sum":
                 return math.fsum(r[1] for r in rows)
             if not rows:
-                raise Missing(selector.describe())
+                raise Missing(selector.describe(), selector.family.source)
             values = [r[1] for r in rows]
             return _reduce(how, values)
 
@@ -280,7 +280,7 @@ class Evaluator:
         if not rows:
             if selector.multi:
                 return []
-            raise Missing(selector.describe())
+            raise Missing(selector.describe(), selector.family.source)
         since = self.snapshot.now - seconds
         name = selector.family.spec.name
         series = [self._window(name, labels, since) for labels, _ in rows]
@@ -297,7 +297,7 @@ class Evaluator:
         selector = self._sel(index)
         rows = self.rows(selector)
         if not rows:
-            raise Missing(selector.describe())
+            raise Missing(selector.describe(), selector.family.source)
         first, last, values = self._values(
             selector.family.spec.name, rows[0][0], self.snapshot.now - seconds
         )
@@ -310,7 +310,7 @@ class Evaluator:
             reads.sources.add(selector.family.source)
             reads.until = min(reads.until, first + seconds)
         if not values:
-            raise Missing(selector.describe())
+            raise Missing(selector.describe(), selector.family.source)
         return values
 
     def _w_avg_over(self, index: int, seconds: float) -> float:

@@ -25,7 +25,12 @@ from gpuwatchd.metrics import PREFIX, MetricSpec
 
 
 class Missing(Exception):
-    """An input the expression needed has no value for this GPU: not evaluable."""
+    """An input the expression needed has no value for this GPU: not evaluable. `source`:
+    the source whose series was missing ("" for a missing peer, a division by zero)."""
+
+    def __init__(self, message: str, source: str = "") -> None:
+        super().__init__(message)
+        self.source = source
 
 
 @dataclass(frozen=True)

@@ -205,24 +205,28 @@ class CpuSource(Source):
             "Share of the last interval the core was busy (not idle, not iowait; steal "
             "counts as busy).",
             ("cpu",),
+            budget=0,
         ),
         gauge("cpu_busy_ratio_avg", "Share of the last interval the node's CPUs were busy."),
         gauge("cpu_busy_ratio_max", "Busy ratio of the busiest core over the last interval."),
         gauge(
             "cpu_cores_saturated",
             "Cores busier than the saturation threshold (default 0.9) over the last interval.",
+            export="detail",
         ),
-        gauge("cpu_cores", "Online CPUs (cpuN lines in /proc/stat)."),
+        gauge("cpu_cores", "Online CPUs (cpuN lines in /proc/stat).", export="detail"),
         gauge(
             "cpu_interrupt_ratio",
             "Share of the last interval the core spent in hard and soft interrupt handlers "
             "(/proc/stat irq + softirq).",
             ("cpu",),
+            budget=0,
         ),
         gauge(
             "cpu_interrupt_ratio_max",
             "Interrupt (irq + softirq) share of the core that spent the most time in "
             "interrupt handlers over the last interval.",
+            export="detail",
         ),
         gauge("cpu_iowait_ratio", "Share of the node's CPU time in iowait over the last interval."),
         gauge("cpu_steal_ratio", "Share of the node's CPU time stolen by the hypervisor."),
@@ -231,14 +235,20 @@ class CpuSource(Source):
             "PSI: share of time some or all tasks stalled on the resource, averaged over the "
             "window (avg10/avg60/avg300 / 100).",
             ("resource", "kind", "window"),
+            export="detail",
         ),
         counter(
             "pressure_stalled_seconds_total",
             "PSI: total time some or all tasks stalled on the resource.",
             ("resource", "kind"),
+            budget=6,
         ),
-        gauge("memory_available_bytes", "MemAvailable: memory available for new work."),
-        gauge("memory_total_bytes", "MemTotal: usable physical memory."),
+        gauge(
+            "memory_available_bytes",
+            "MemAvailable: memory available for new work.",
+            export="detail",
+        ),
+        gauge("memory_total_bytes", "MemTotal: usable physical memory.", export="detail"),
         *reclaim.METRICS,
         *cpufreq.METRICS,
         *numa.METRICS,

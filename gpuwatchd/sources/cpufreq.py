@@ -28,6 +28,7 @@ BUSY_FREQUENCY = gauge(
     "cpu_busy_frequency_ratio",
     "Current clock / maximum clock (cpufreq) averaged over the busiest cores (at most 16, "
     "at least half busy).",
+    export="detail",
 )
 METRICS = (BUSY_FREQUENCY,)
 

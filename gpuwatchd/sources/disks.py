@@ -295,13 +295,18 @@ _RATE_METRICS = (
         "Share of time the device had I/O in flight (iostat %util / 100).",
     ),
 )
+_SHOWN = ("disk_utilization_ratio", "disk_await_seconds")
 _FULL_NAMES = tuple(("gpuwatchd_" + name, attr) for name, attr, _ in _RATE_METRICS)
 
 
 @register
 class DisksSource(Source):
     name = "disks"
-    metrics = tuple(gauge(name, help, ("device",)) for name, _, help in _RATE_METRICS)
+    # node_exporter has every iostat figure: shown by default are what the dashboards read
+    metrics = tuple(
+        gauge(name, help, ("device",), *(("always", 2) if name in _SHOWN else ("detail", None)))
+        for name, _, help in _RATE_METRICS
+    )
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)

@@ -327,17 +327,24 @@ class InfinibandSource(Source):
             "Logical port state: 0 NOP, 1 DOWN, 2 INIT, 3 ARMED, 4 ACTIVE, 5 ACTIVE_DEFER.",
             _LABELS,
         ),
-        gauge("ib_port_active", "1 if the port is ACTIVE (or ACTIVE_DEFER), else 0.", _LABELS),
+        gauge(
+            "ib_port_active",
+            "1 if the port is ACTIVE (or ACTIVE_DEFER), else 0.",
+            _LABELS,
+            export="detail",
+        ),
         gauge(
             "ib_port_physical_state",
             "Physical port state: 1 Sleep, 2 Polling, 3 Disabled, 4 PortConfigurationTraining, "
             "5 LinkUp, 6 LinkErrorRecovery, 7 Phy Test, 0 unknown.",
             _LABELS,
+            export="detail",
         ),
         gauge(
             "ib_port_physical_up",
             "1 if the physical link is up (LinkUp), else 0; absent when the state is unknown.",
             _LABELS,
+            export="detail",
         ),
         gauge("ib_port_rate_bits_per_second", "Current (active) port rate.", _LABELS),
         gauge(
@@ -350,6 +357,7 @@ class InfinibandSource(Source):
             "ib_port_rate_degraded",
             "1 if the active port runs below its best rate, else 0.",
             _LABELS,
+            export="nonzero",
         ),
         gauge("ib_port_receive_bytes_per_second", "Bytes received per second.", _LABELS),
         gauge("ib_port_transmit_bytes_per_second", "Bytes transmitted per second.", _LABELS),
@@ -357,6 +365,7 @@ class InfinibandSource(Source):
             "ib_port_transmit_wait_ticks_per_second",
             "port_xmit_wait ticks per second: ticks with data to send but none sent.",
             _LABELS,
+            export="detail",
         ),
         gauge(
             "ib_port_transmit_wait_ratio",
@@ -368,6 +377,7 @@ class InfinibandSource(Source):
             "ib_port_errors_total",
             "PMA error counters of the port (saturating, as the hardware keeps them).",
             ("device", "port", "counter"),
+            export="nonzero",
         ),
         gauge(
             "ib_port_gpu_distance",
@@ -375,6 +385,7 @@ class InfinibandSource(Source):
             "takes): 0 the same PCIe switch, 1 the same root complex, 2 the same NUMA "
             "node, 3 another NUMA node.",
             ("gpu_bus_id", "device", "port"),
+            export="detail",
         ),
     )
 

@@ -375,28 +375,38 @@ class InterruptsSource(Source):
             "Interrupts per second, summed over the rows of a class and over CPUs "
             "(class: nvidia, nvme, nic, usb, other, system = LOC/NMI/RES/... summary rows).",
             ("class",),
+            budget=6,
         ),
-        gauge("interrupt_lines", "IRQ rows of the class in /proc/interrupts.", ("class",)),
+        gauge(
+            "interrupt_lines",
+            "IRQ rows of the class in /proc/interrupts.",
+            ("class",),
+            export="detail",
+        ),
         gauge(
             "interrupt_max_line_per_second",
             "Interrupts per second of the busiest IRQ row of the device class.",
             ("class",),
+            budget=5,
         ),
         gauge(
             "interrupt_storm_lines",
             "IRQ rows of the device class over the storm threshold (default 10000/s).",
             ("class",),
+            export="nonzero",
         ),
         gauge(
             "interrupt_cpu_max_per_second",
             "Interrupts per second of the device class on the one CPU it hits hardest.",
             ("class",),
+            export="detail",
         ),
         gauge(
             "cpu_interrupts_per_second",
             "Interrupts per second of a device class on one CPU; only CPU/class pairs at "
             "or over the configured floor (default 100/s).",
             ("cpu", "class"),
+            export="detail",
         ),
     )
 

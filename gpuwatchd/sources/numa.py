@@ -20,12 +20,14 @@ BUSY = gauge(
     "cpu_numa_busy_ratio",
     "Share of the last interval the NUMA node's cores were busy (their average).",
     ("numa_node",),
+    budget=2,
 )
 INTERRUPTS = gauge(
     "cpu_numa_interrupt_ratio_max",
     "Interrupt (irq + softirq) share of the NUMA node's core that spent the most time in "
     "interrupt handlers over the last interval.",
     ("numa_node",),
+    export="detail",
 )
 METRICS = (BUSY, INTERRUPTS)
 _NODE = re.compile(r"node([0-9]+)")

@@ -216,60 +216,74 @@ _LINK_LABELS = ("gpu_bus_id", "device", "role")
 @register
 class PcieSource(Source):
     name = "pcie"
+    # a function's link detail (8 families x 4 functions a GPU, constant on a healthy
+    # node) is the rules' evidence: which function is degraded shows by default, the
+    # cause's summary says how
     metrics = (
         gauge(
             "pcie_link_generation",
             "Current PCIe link generation (1-6) of the function.",
             _LINK_LABELS,
+            export="detail",
         ),
         gauge(
             "pcie_link_generation_max",
             "Maximum PCIe link generation the function supports.",
             _LINK_LABELS,
+            export="detail",
         ),
         gauge(
             "pcie_link_speed_transfers_per_second",
             "Current PCIe link speed, transfers per second per lane.",
             _LINK_LABELS,
+            export="detail",
         ),
         gauge(
             "pcie_link_speed_max_transfers_per_second",
             "Maximum PCIe link speed the function supports, transfers per second per lane.",
             _LINK_LABELS,
+            export="detail",
         ),
-        gauge("pcie_link_width", "Current PCIe link width, lanes.", _LINK_LABELS),
+        gauge("pcie_link_width", "Current PCIe link width, lanes.", _LINK_LABELS, export="detail"),
         gauge(
             "pcie_link_width_max",
             "Maximum PCIe link width the function supports, lanes.",
             _LINK_LABELS,
+            export="detail",
         ),
         gauge(
             "pcie_link_generation_attainable",
             "Highest PCIe generation the function's link can train to: the lower of the"
             " maxima of its two ends.",
             _LINK_LABELS,
+            export="detail",
         ),
         gauge(
             "pcie_link_width_attainable",
             "Widest the function's link can train to, lanes: the lower of the maxima of its"
             " two ends.",
             _LINK_LABELS,
+            export="detail",
         ),
         gauge(
             "pcie_link_degraded",
             "1 if the function's link runs below the generation or width it can attain"
             " (the lower of its two ends' maxima).",
             _LINK_LABELS,
+            export="nonzero",
+            budget=2,
         ),
         counter(
             "pcie_aer_errors_total",
             "PCIe AER errors the function reported (kernel aer_dev_* TOTAL_ERR_*).",
             ("gpu_bus_id", "device", "severity"),
+            export="nonzero",
         ),
         gauge(
             "pcie_gpu_numa_node",
             "NUMA node of the GPU's PCIe attachment, -1 for none.",
             ("gpu_bus_id",),
+            export="detail",
         ),
     )
 

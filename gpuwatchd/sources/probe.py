@@ -117,15 +117,19 @@ class Report(_Part):
 # -- metrics ----------------------------------------------------------------------------
 
 
-def _gpu(kind: Callable[..., Any], name: str, help: str) -> Any:
-    return kind("probe_" + name, help, GPU_LABELS)
+def _gpu(kind: Callable[..., Any], name: str, help: str, export: str = "detail") -> Any:
+    """What a process reports of itself: its configuration and allocator numbers are the
+    rules' evidence (exported with `detail_metrics`), its batch timings always."""
+    return kind("probe_" + name, help, GPU_LABELS, export)
 
 
 PID = _gpu(gauge, "pid", "Pid of the probed process whose reports this GPU's probe series are")
 RANK = _gpu(gauge, "rank", "That process's RANK (torch.distributed), when set")
-BATCHES = _gpu(counter, "batches_total", "Batches the probed process fetched")
-WAIT = _gpu(counter, "wait_seconds_total", "Seconds the process waited for the next batch")
-COMPUTE = _gpu(counter, "compute_seconds_total", "Seconds between batches (computing)")
+BATCHES = _gpu(counter, "batches_total", "Batches the probed process fetched", "always")
+WAIT = _gpu(
+    counter, "wait_seconds_total", "Seconds the process waited for the next batch", "always"
+)
+COMPUTE = _gpu(counter, "compute_seconds_total", "Seconds between batches (computing)", "always")
 WORKERS = _gpu(gauge, "loader_workers", "DataLoader num_workers (0: loads in the main process)")
 PIN = _gpu(gauge, "loader_pin_memory", "DataLoader pin_memory (1 true, 0 false)")
 PREFETCH = _gpu(gauge, "loader_prefetch_factor", "DataLoader prefetch_factor (batches per worker)")
@@ -138,9 +142,12 @@ INACTIVE_SPLIT = _gpu(
 )
 LARGEST_FREE = _gpu(gauge, "cuda_largest_free_block_bytes", "Largest free cached block")
 RETRIES = _gpu(
-    counter, "cuda_alloc_retries_total", "cudaMalloc failures the allocator retried after a flush"
+    counter,
+    "cuda_alloc_retries_total",
+    "cudaMalloc failures the allocator retried after a flush",
+    "nonzero",
 )
-OOMS = _gpu(counter, "cuda_ooms_total", "Out-of-memory errors the allocator raised")
+OOMS = _gpu(counter, "cuda_ooms_total", "Out-of-memory errors the allocator raised", "nonzero")
 INIT_SECONDS = _gpu(gauge, "cuda_init_seconds", "Seconds the process's CUDA initialisation took")
 INIT_TIME = _gpu(
     gauge, "cuda_init_timestamp_seconds", "When the process's CUDA initialisation finished"
@@ -152,11 +159,13 @@ REPORTS = counter(
     "(the daemon's queue was full, from the uid queuing the most; or the uid was past its "
     "share of a drain window)",
     ("result",),
+    export="nonzero",
 )
 PROCESSES = gauge("probe_processes", "Processes whose probe reports are current")
 UNPLACED = gauge(
     "probe_unplaced_processes",
     "Processes reporting that NVML lists on no GPU (a pid namespace other than the host's?)",
+    export="nonzero",
 )
 
 

@@ -56,7 +56,8 @@ MAX_DISKS = 16  # disks remembered per process
 
 
 def _gpu(name: str, help: str) -> MetricSpec:
-    return gauge(name, help, GPU_LABELS)
+    """The job's I/O evidence: the rules read it; exported with `detail_metrics`."""
+    return gauge(name, help, GPU_LABELS, "detail")
 
 
 READ_BYTES = _gpu(

@@ -35,10 +35,12 @@ RESCAN_SECONDS = 600.0
 SWAP_IN = gauge(
     "memory_swap_in_bytes_per_second",
     "Bytes read back from swap (/proc/vmstat pswpin x page size), node-wide.",
+    export="detail",
 )
 KSWAPD = gauge(
     "kswapd_cpu_ratio",
     "CPU of the kswapd threads (background memory reclaim), in cores.",
+    export="detail",
 )
 METRICS = (SWAP_IN, KSWAPD)
 

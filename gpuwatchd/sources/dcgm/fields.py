@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from gpuwatchd.config import DCGM_DEFAULT_FIELDS
-from gpuwatchd.metrics import GPU_LABELS, MetricSpec, counter, gauge
+from gpuwatchd.metrics import GPU_LABELS, Export, MetricSpec, counter, gauge
 
 FE_GPU = 1  # dcgm_fields.DCGM_FE_GPU
 # DCGM's own test for a profiling field (DCGM_FIELD_ID_IS_PROF_FIELD, dcgm_fields_internal.hpp,
@@ -103,26 +103,51 @@ def not_numbers(dcgm_fields: Any, ids: Iterable[int]) -> dict[int, str]:
 # -- metrics ----------------------------------------------------------------------------
 
 
-def _gpu(name: str, help: str, extra: tuple[str, ...] = ()) -> MetricSpec:
-    return gauge(name, help, GPU_LABELS + extra)
+def _gpu(
+    name: str,
+    help: str,
+    extra: tuple[str, ...] = (),
+    export: Export = "always",
+    budget: int | None = None,
+) -> MetricSpec:
+    return gauge(name, help, GPU_LABELS + extra, export, budget)
 
 
-def _gpu_counter(name: str, help: str, extra: tuple[str, ...] = ()) -> MetricSpec:
-    return counter(name, help, GPU_LABELS + extra)
+def _gpu_counter(
+    name: str,
+    help: str,
+    extra: tuple[str, ...] = (),
+    export: Export = "nonzero",
+    budget: int | None = None,
+) -> MetricSpec:
+    """A counter of rare events (errors, violations): shown from its first event."""
+    return counter(name, help, GPU_LABELS + extra, export, budget)
 
 
-STATE = gauge("dcgm_state", "1 for the DCGM source's current state, 0 for the others.", ("state",))
+STATE = gauge(
+    "dcgm_state",
+    "1 for the DCGM source's current state, 0 for the others.",
+    ("state",),
+    export="nonzero",
+    budget=1,
+)
 INFO = gauge("dcgm_info", "DCGM in use; always 1.", ("version",))
 LOSSES = counter(
-    "dcgm_connection_losses_total", "Times a connected DCGM session broke (host engine restarts)."
+    "dcgm_connection_losses_total",
+    "Times a connected DCGM session broke (host engine restarts).",
+    export="nonzero",
 )
 PAUSE_REMAINING = gauge(
-    "dcgm_profiling_pause_remaining_seconds", "Time left in a requested profiling pause."
+    "dcgm_profiling_pause_remaining_seconds",
+    "Time left in a requested profiling pause.",
+    export="nonzero",
 )
 PROFILING_STATE = _gpu(
     "gpu_dcgm_profiling_state",
     "1 for the GPU's DCGM profiling state (active, paused, unsupported, refused), else 0.",
     ("state",),
+    export="nonzero",
+    budget=1,
 )
 GENERIC = _gpu(
     "gpu_dcgm_field_value", "A configured DCGM field without a gpuwatchd name, raw.", ("field",)
@@ -154,18 +179,31 @@ DRAM = _ratio("gpu_dram_active_ratio", "Fraction of cycles device memory was sen
 FP64 = _ratio("gpu_fp64_active_ratio", "Fraction of cycles the FP64 pipe was active")
 FP32 = _ratio("gpu_fp32_active_ratio", "Fraction of cycles the FP32 pipe was active")
 FP16 = _ratio("gpu_fp16_active_ratio", "Fraction of cycles the FP16 pipe was active")
-PCIE_TX = _gpu("gpu_dcgm_pcie_tx_bytes_per_second", "PCIe transmit rate, headers included (DCGM).")
-PCIE_RX = _gpu("gpu_dcgm_pcie_rx_bytes_per_second", "PCIe receive rate, headers included (DCGM).")
+PCIE_TX = _gpu(
+    "gpu_dcgm_pcie_tx_bytes_per_second",
+    "PCIe transmit rate, headers included (DCGM).",
+    export="detail",
+)
+PCIE_RX = _gpu(
+    "gpu_dcgm_pcie_rx_bytes_per_second",
+    "PCIe receive rate, headers included (DCGM).",
+    export="detail",
+)
 NVLINK_TX = _gpu("gpu_nvlink_tx_bytes_per_second", "NVLink transmit rate, all links (DCGM).")
 NVLINK_RX = _gpu("gpu_nvlink_rx_bytes_per_second", "NVLink receive rate, all links (DCGM).")
-POWER = _gpu("gpu_dcgm_power_watts", "Power draw (DCGM).")
-ENERGY = _gpu_counter("gpu_dcgm_energy_joules_total", "Energy used since the driver loaded.")
+POWER = _gpu("gpu_dcgm_power_watts", "Power draw (DCGM).", export="detail")
+ENERGY = _gpu_counter(
+    "gpu_dcgm_energy_joules_total", "Energy used since the driver loaded.", export="always"
+)
 REPLAYS = _gpu_counter("gpu_dcgm_pcie_replay_errors_total", "PCIe replays (DCGM).")
-LAST_XID = _gpu("gpu_dcgm_last_xid", "The last Xid error DCGM saw on the GPU; 0 if none.")
+LAST_XID = _gpu(
+    "gpu_dcgm_last_xid", "The last Xid error DCGM saw on the GPU; 0 if none.", export="nonzero"
+)
 VIOLATION = _gpu_counter(
     "gpu_dcgm_clock_violation_seconds_total",
     "Time the clocks were held below the requested ones, by reason.",
     ("reason",),
+    budget=1,
 )
 NVLINK_ERRORS = _gpu_counter(
     "gpu_dcgm_nvlink_errors_total", "NVLink errors, all links, by type.", ("type",)
@@ -173,16 +211,27 @@ NVLINK_ERRORS = _gpu_counter(
 REMAPPED_ROWS = _gpu_counter(
     "gpu_dcgm_remapped_rows_total", "Memory rows remapped, by error type.", ("type",)
 )
-REMAP_FAILED = _gpu("gpu_dcgm_row_remap_failed", "1 if a row remapping has failed.")
-SM_CLOCK = _gpu("gpu_dcgm_sm_clock_hertz", "SM clock (DCGM).")
-MEM_CLOCK = _gpu("gpu_dcgm_memory_clock_hertz", "Memory clock (DCGM).")
+REMAP_FAILED = _gpu(
+    "gpu_dcgm_row_remap_failed", "1 if a row remapping has failed.", export="nonzero"
+)
+SM_CLOCK = _gpu("gpu_dcgm_sm_clock_hertz", "SM clock (DCGM).", export="detail")
+MEM_CLOCK = _gpu("gpu_dcgm_memory_clock_hertz", "Memory clock (DCGM).", export="detail")
 MEM_TEMP = _gpu("gpu_dcgm_memory_temperature_celsius", "Memory temperature (DCGM).")
-GPU_TEMP = _gpu("gpu_dcgm_temperature_celsius", "GPU temperature (DCGM).")
-UTIL = _gpu("gpu_dcgm_utilization_ratio", "Fraction of time a kernel was running (DCGM).")
-MEM_UTIL = _gpu("gpu_dcgm_memory_copy_utilization_ratio", "Fraction of time memory was copied.")
+GPU_TEMP = _gpu("gpu_dcgm_temperature_celsius", "GPU temperature (DCGM).", export="detail")
+UTIL = _gpu(
+    "gpu_dcgm_utilization_ratio", "Fraction of time a kernel was running (DCGM).", export="detail"
+)
+MEM_UTIL = _gpu(
+    "gpu_dcgm_memory_copy_utilization_ratio", "Fraction of time memory was copied.", export="detail"
+)
 ENC_UTIL = _gpu("gpu_dcgm_encoder_utilization_ratio", "Video encoder utilization (DCGM).")
 DEC_UTIL = _gpu("gpu_dcgm_decoder_utilization_ratio", "Video decoder utilization (DCGM).")
-FB = _gpu("gpu_dcgm_framebuffer_bytes", "Device memory by use: used, free, reserved.", ("state",))
+FB = _gpu(
+    "gpu_dcgm_framebuffer_bytes",
+    "Device memory by use: used, free, reserved.",
+    ("state",),
+    export="detail",
+)
 ECC = _gpu_counter("gpu_dcgm_ecc_errors_total", "ECC errors (DCGM).", ("type", "period"))
 RETIRED = _gpu_counter("gpu_dcgm_retired_pages_total", "Retired memory pages.", ("cause",))
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from gpuwatchd.metrics import GPU_LABELS, MetricSpec, counter, gauge
+from gpuwatchd.metrics import GPU_LABELS, Export, MetricSpec, counter, gauge
 
 
-def _gpu_gauge(name: str, help: str, extra: tuple[str, ...] = ()) -> MetricSpec:
-    return gauge(name, help, GPU_LABELS + extra)
+def _gpu_gauge(
+    name: str,
+    help: str,
+    extra: tuple[str, ...] = (),
+    export: Export = "always",
+    budget: int | None = None,
+) -> MetricSpec:
+    return gauge(name, help, GPU_LABELS + extra, export, budget)
 
 
 INFO = gauge(
@@ -14,7 +20,9 @@ INFO = gauge(
     "GPU identity; always 1.",
     GPU_LABELS + ("model", "pci_bus_id", "driver_version", "cuda_driver_version"),
 )
-LOST = _gpu_gauge("gpu_lost", "1 if NVML reports the GPU lost (fallen off the bus).")
+LOST = _gpu_gauge(
+    "gpu_lost", "1 if NVML reports the GPU lost (fallen off the bus).", export="nonzero"
+)
 UTILIZATION = _gpu_gauge("gpu_utilization_ratio", "Fraction of time a kernel was running.")
 MEMORY_UTILIZATION = _gpu_gauge(
     "gpu_memory_utilization_ratio", "Fraction of time device memory was read or written."
@@ -26,19 +34,27 @@ POWER_LIMIT = _gpu_gauge("gpu_power_limit_watts", "Enforced power limit.")
 POWER_DEFAULT_LIMIT = _gpu_gauge(
     "gpu_power_default_limit_watts",
     "The board's default power limit (an enforced limit below it was lowered).",
+    export="detail",
 )
 TEMPERATURE = _gpu_gauge("gpu_temperature_celsius", "GPU core temperature.")
 SM_COUNT = _gpu_gauge(
     "gpu_multiprocessors",
     "Streaming multiprocessors (CUDA cores / cores per SM of its capability).",
+    export="detail",
 )
 SM_CLOCK = _gpu_gauge("gpu_sm_clock_hertz", "Current SM clock.")
 SM_CLOCK_MAX = _gpu_gauge("gpu_sm_clock_max_hertz", "Maximum SM clock.")
 MEM_CLOCK = _gpu_gauge("gpu_memory_clock_hertz", "Current memory clock.")
-MEM_CLOCK_MAX = _gpu_gauge("gpu_memory_clock_max_hertz", "Maximum memory clock.")
-PSTATE = _gpu_gauge("gpu_performance_state", "Performance state, 0 (max) to 15 (min).")
+MEM_CLOCK_MAX = _gpu_gauge("gpu_memory_clock_max_hertz", "Maximum memory clock.", export="detail")
+PSTATE = _gpu_gauge(
+    "gpu_performance_state", "Performance state, 0 (max) to 15 (min).", export="detail"
+)
 CLOCK_REASON = _gpu_gauge(
-    "gpu_clock_event_reason_active", "1 while this reason holds the clocks down.", ("reason",)
+    "gpu_clock_event_reason_active",
+    "1 while this reason holds the clocks down.",
+    ("reason",),
+    export="nonzero",
+    budget=1,
 )
 PCIE_GEN = _gpu_gauge("gpu_pcie_link_generation", "Current PCIe link generation.")
 PCIE_GEN_MAX = _gpu_gauge(
@@ -56,22 +72,28 @@ PCIE_RX = _gpu_gauge(
     "PCIe receive throughput (host to GPU) since the last poll; aliases past 2^32 bytes a poll.",
 )
 PCIE_REPLAYS = counter(
-    "gpu_pcie_replay_errors_total", "PCIe replays (link-level retransmissions).", GPU_LABELS
+    "gpu_pcie_replay_errors_total",
+    "PCIe replays (link-level retransmissions).",
+    GPU_LABELS,
+    export="nonzero",
 )
 ECC_ERRORS = counter(
     "gpu_ecc_errors_total",
     "ECC errors over the GPU's lifetime (aggregate).",
     GPU_LABELS + ("type",),
+    export="nonzero",
 )
-PERSISTENCE = _gpu_gauge("gpu_persistence_mode", "1 if persistence mode is on.")
-ECC_MODE = _gpu_gauge("gpu_ecc_mode", "1 if ECC is currently enabled.")
+PERSISTENCE = _gpu_gauge("gpu_persistence_mode", "1 if persistence mode is on.", export="detail")
+ECC_MODE = _gpu_gauge("gpu_ecc_mode", "1 if ECC is currently enabled.", export="detail")
 REMAP_PENDING = _gpu_gauge(
     "gpu_row_remap_pending",
     "1 if a memory row remap waits for the next GPU reset (row remapping GPUs).",
+    export="nonzero",
 )
 REMAP_FAILED = _gpu_gauge(
     "gpu_row_remap_failed",
     "1 if a memory row could not be remapped: a bank has no spare row left.",
+    export="nonzero",
 )
 # NVLinks per GPU as counts (a series per link and family cost 18 x 2 per H100), and the
 # links down by index only while they are (issue 24)
@@ -80,11 +102,13 @@ NVLINK_EXPECTED = _gpu_gauge(
     "gpu_nvlinks_expected",
     "NVLinks of the GPU that should be active: seen active since the daemon started, or "
     "wired by an NVSwitch board (or named by expected_nvlinks).",
+    export="detail",
 )
 NVLINK_DOWN = _gpu_gauge(
     "gpu_nvlink_down",
     "1 for each NVLink that should be active and is not; absent otherwise.",
     ("link",),
+    export="nonzero",
 )
 NVLINK_DOWN_PEER = _gpu_gauge(
     "gpu_nvlink_down_peer_gpu",
@@ -92,20 +116,31 @@ NVLINK_DOWN_PEER = _gpu_gauge(
     " present only while such a link is down, and only for links between GPUs).",
 )
 PROCESSES = _gpu_gauge("gpu_compute_processes", "Compute processes running on the GPU.")
+# a series per pid is a new series per GPU at each job start: the GPU's total is
+# gpu_memory_used_bytes, the main process's name and owner are the processes source's
 PROCESS_MEMORY = _gpu_gauge(
-    "gpu_process_memory_used_bytes", "Device memory used by one process.", ("pid",)
+    "gpu_process_memory_used_bytes", "Device memory used by one process.", ("pid",), export="detail"
 )
-XID = counter("gpu_xid_errors_total", "Xid errors reported by the driver.", GPU_LABELS + ("xid",))
-LAST_XID = _gpu_gauge("gpu_last_xid_timestamp_seconds", "When the last Xid error was seen.")
+XID = counter(
+    "gpu_xid_errors_total",
+    "Xid errors reported by the driver.",
+    GPU_LABELS + ("xid",),
+    export="nonzero",
+)
+LAST_XID = _gpu_gauge(
+    "gpu_last_xid_timestamp_seconds", "When the last Xid error was seen.", export="nonzero"
+)
 HUNG = _gpu_gauge(
     "gpu_nvml_hung_seconds",
     "How long an NVML call on this GPU has been blocked (0: none); its readings are left "
     "out meanwhile.",
+    export="nonzero",
 )
 STALE = _gpu_gauge(
     "gpu_nvml_stale",
     "1 if this poll could not read the GPU (held up by a call on another GPU): its values "
     "are the last read.",
+    export="nonzero",
 )
 CUDA_VERSION = gauge("cuda_driver_version", "CUDA version the driver supports, e.g. 12.4.")
 DEVICES = gauge("nvml_devices", "GPUs NVML reports on this node.")

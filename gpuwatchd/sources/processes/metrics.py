@@ -9,21 +9,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuwatchd.metrics import GPU_LABELS, counter, gauge
+from gpuwatchd.metrics import GPU_LABELS, Export, counter, gauge
 from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
 
 
-def _gpu(name: str, help: str, extra: tuple[str, ...] = ()) -> Any:
-    return gauge(name, help, GPU_LABELS + extra)
+def _gpu(name: str, help: str, extra: tuple[str, ...] = (), export: Export = "always") -> Any:
+    return gauge(name, help, GPU_LABELS + extra, export)
 
 
-PROCESSES = _gpu("gpu_processes", "Processes NVML lists on the GPU, by list.", ("kind",))
+PROCESSES = _gpu(
+    "gpu_processes", "Processes NVML lists on the GPU, by list.", ("kind",), export="detail"
+)
 DESKTOP = _gpu(
-    "gpu_desktop_processes", "Desktop processes (display servers, compositors) on the GPU."
+    "gpu_desktop_processes",
+    "Desktop processes (display servers, compositors) on the GPU.",
+    export="nonzero",
 )
 OTHERS = _gpu(
     "gpu_other_processes",
     "Processes on the GPU besides its main process and desktop processes.",
+    export="nonzero",
 )
 INFO = _gpu(
     "gpu_process_info",
@@ -43,6 +48,7 @@ LAUNCHED = _gpu(
     "1 if the GPU's main process is a rank of a launch (torchrun, srun, mpirun, ... "
     "variables in its environment), 0 if its environment names none; absent where the "
     "environment cannot be read.",
+    export="detail",
 )
 OWNER = _gpu(
     "gpu_owner_info",
@@ -58,18 +64,23 @@ BUSIEST = _gpu(
     "gpu_process_busiest_thread_cpu_ratio",
     "CPU used by the main process's busiest thread, share of one core.",
 )
-THREADS = _gpu("gpu_process_threads", "Threads of the GPU's main process.")
+THREADS = _gpu("gpu_process_threads", "Threads of the GPU's main process.", export="detail")
 WORKERS = _gpu(
-    "gpu_process_workers", "Child processes of the GPU's main process (DataLoader workers)."
+    "gpu_process_workers",
+    "Child processes of the GPU's main process (DataLoader workers).",
+    export="detail",
 )
 WORKERS_CPU = _gpu(
     "gpu_process_workers_cpu_cores",
     "CPU used by the main process's children, summed, in cores.",
 )
-CPUS_ALLOWED = _gpu("gpu_process_cpus_allowed", "CPUs the main process may run on (its affinity).")
+CPUS_ALLOWED = _gpu(
+    "gpu_process_cpus_allowed", "CPUs the main process may run on (its affinity).", export="detail"
+)
 NUMA_ALIGNED = _gpu(
     "gpu_process_numa_aligned",
     "1 if every CPU the main process may run on is local to the GPU's NUMA node.",
+    export="detail",
 )
 QUOTA = _gpu(
     "gpu_process_cpu_quota_cpus",
@@ -78,32 +89,44 @@ QUOTA = _gpu(
 THROTTLED = _gpu(
     "gpu_process_throttled_ratio",
     "Share of the cgroup's CPU periods in which it was throttled (main process's cgroup).",
+    export="nonzero",
 )
 THROTTLED_SECONDS = counter(
     "gpu_process_throttled_seconds_total",
     "Time the main process's cgroup spent throttled (cgroup cpu.stat).",
     GPU_LABELS,
+    export="detail",
 )
 MEMORY_PRESSURE = _gpu(
     "gpu_process_memory_pressure_ratio",
     "PSI of the main process's cgroup (v2 memory.pressure `some` avg60 / 100): share of "
     "the last minute its tasks stalled on memory (reclaim at its limit, swap-ins, refaults).",
+    export="detail",
 )
-CONTAINER = _gpu("gpu_process_in_container", "1 if the main process runs in a container.")
+CONTAINER = _gpu(
+    "gpu_process_in_container", "1 if the main process runs in a container.", export="detail"
+)
 CUDART = _gpu(
     "gpu_process_cudart_version",
     "CUDA runtime version the main process mapped, e.g. 12.1 (12: major only known).",
+    export="detail",
 )
 AGE = _gpu(
     "gpu_process_age_seconds",
     "Seconds since the GPU's main process started (/proc/PID/stat starttime against /proc/uptime).",
+    export="detail",
 )
 DESKTOP_CPU = gauge(
-    "desktop_cpu_cores", "CPU used by desktop processes on the node, summed, in cores."
+    "desktop_cpu_cores",
+    "CPU used by desktop processes on the node, summed, in cores.",
+    export="nonzero",
 )
-DESKTOP_COUNT = gauge("desktop_processes", "Desktop processes running on the node.")
+DESKTOP_COUNT = gauge(
+    "desktop_processes", "Desktop processes running on the node.", export="nonzero"
+)
 DESKTOP_CPU_BY_NAME = gauge(
     "desktop_process_cpu_cores",
     "CPU used by desktop processes of one name, in cores.",
     ("name",),
+    export="nonzero",
 )
