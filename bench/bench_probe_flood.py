@@ -9,7 +9,9 @@ and 1). Results are recorded in docs/performance.md. Not a test.
   group with quota 50 ms per 100 ms; without one the run says so).
 - FLOODERS C programs, each as uid `nobody`, sending datagrams as fast as the kernel
   takes them (blocking sends: each waits for room in the socket's queue).
-- The victim: another uid (root), one report every 100 ms, never blocking, as the probe.
+- The victim: another uid (root), the real probe (gpuwatchd.probe.Probe) reporting every
+  100 ms: its training thread never blocks; a report that finds the queue full waits in
+  the probe's sending thread for room (at most an interval).
 
 Prints the victim's reports the kernel took and the daemon delivered to its polls, the
 polls that ran (and the slowest), the draining thread's CPU and the datagrams dropped.
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,10 +36,11 @@ int main(int argc, char **argv) {
     int s = socket(AF_UNIX, SOCK_DGRAM, 0);
     struct sockaddr_un a = {.sun_family = AF_UNIX};
     strncpy(a.sun_path, argv[1], sizeof a.sun_path - 1);
-    const char m[] = "{\"v\":1,\"batches\":1,\"wait_seconds\":1,\"compute_seconds\":1}";
+    const char m[] = "{\"v\":1,\"batches\":1,\"wait_seconds\":1,\"compute_seconds\":1}"; /* FLOOD */
     for (;;) sendto(s, m, sizeof m - 1, 0, (struct sockaddr *)&a, sizeof a);
 }
 """
+FLOOD = b'{"v":1,"batches":1,"wait_seconds":1,"compute_seconds":1}'  # the flooders' datagram
 CGROUP = Path("/sys/fs/cgroup/cpu/gpuwatchd-bench")
 NOBODY = 65534
 
@@ -60,7 +62,7 @@ def serve(path: Path, seconds: float) -> None:
     start = time.monotonic()
     while time.monotonic() - start < seconds:
         began = time.monotonic()
-        victim += sum(b'"victim"' in d for _, d in daemon.receive(INBOX_CAPACITY))
+        victim += sum(d != FLOOD for _, d in daemon.receive(INBOX_CAPACITY))
         spin = time.thread_time()
         while time.thread_time() - spin < 0.030:  # the evaluation's CPU
             pass
@@ -101,21 +103,18 @@ def flooder(binary: Path, path: Path) -> subprocess.Popen[bytes]:
 
 
 def victim(path: Path, seconds: float) -> tuple[int, int]:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    s.setblocking(False)
-    sent = taken = 0
-    report = json.dumps({"v": 1, "batches": 1, "wait_seconds": 1, "compute_seconds": 1,
-                         "victim": True}).encode()  # fmt: skip
+    from gpuwatchd.probe import Probe
+
+    p = Probe(socket_path=str(path), interval=0.1)
+    reports = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        sent += 1
-        try:
-            s.sendto(report, str(path))
-            taken += 1
-        except BlockingIOError:
-            pass  # the kernel's queue is full: the probe drops this report
+        p.batches += 1
+        p._report(time.perf_counter())  # what watch() does once an interval has passed
+        reports += 1
         time.sleep(0.1)
-    return sent, taken
+    time.sleep(0.2)  # the last report that waited for room: sent, or dropped by now
+    return reports, p.sent
 
 
 def main() -> None:
@@ -155,9 +154,10 @@ def main() -> None:
     print(f"datagrams dropped by the daemon     {result['dropped']}")
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         threading.current_thread().name = "poll"
         serve(Path(sys.argv[2]), float(sys.argv[3]))
     else:

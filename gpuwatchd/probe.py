@@ -18,9 +18,13 @@ about once a second over a Unix datagram socket (`GPUWATCHD_PROBE_SOCKET`, defau
 (SO_PASSCRED), so a report can only ever describe the sender's own GPUs. Counters are
 cumulative: a dropped report loses nothing but resolution.
 
-It never blocks and never raises into the training loop: with no daemon, a full socket
-or a restarted daemon, the report is dropped and training carries on. `GPUWATCHD_PROBE=0`
-turns it off. Importable without torch; uses torch only if the program imported it.
+It never blocks and never raises into the training loop: with no daemon or a restarted
+daemon the report is dropped and training carries on. A full socket (the kernel queues
+~10 datagrams for the daemon, shared by every process on the node) hands the report to a
+thread that waits for room, at most one interval, so that another process's flood
+delays this one's reports instead of shutting them out; only the latest report waits
+there (they are cumulative). `GPUWATCHD_PROBE=0` turns it off. Importable without torch;
+uses torch only if the program imported it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
@@ -72,6 +77,7 @@ class Probe:
         self._cuda_init: tuple[float, float] | None = None  # (seconds, unix time done)
         self._sock: socket.socket | None = None
         self._sock_pid = 0  # a forked child opens its own socket
+        self._later: _Later | None = None  # waits for room in a full queue (this pid's)
         self._wait_start = 0.0
         self._last_ready: float | None = None  # when the last explicit wait ended
         self.time_cuda_init()
@@ -161,10 +167,18 @@ class Probe:
             data = self.report_bytes(now)
             self._socket().sendto(data, self.path)
             self.sent += 1
-        except OSError:  # no daemon, its queue is full, the socket went away
+        except BlockingIOError:  # the daemon's queue is full: other processes' reports
+            self._send_later(data)
+        except OSError:  # no daemon, the socket went away
             self.dropped += 1
         except Exception:  # a bug of ours must never stop training
             self.errors += 1
+
+    def _send_later(self, data: bytes) -> None:
+        later = self._later
+        if later is None or later.pid != os.getpid():  # a forked child starts its own
+            later = self._later = _Later(self)
+        later.put(data)
 
     def report_bytes(self, now: float | None = None) -> bytes:
         """The report as sent: compact JSON (the schema is gpuwatchd.sources.probe.Report)."""
@@ -225,6 +239,44 @@ class Probe:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class _Later(threading.Thread):
+    """Sends the latest report that found the queue full with a blocking send, waiting
+    for room at most one interval: the kernel wakes a waiting sender when the daemon
+    drains, so it gets its turn beside a process that floods (the training thread never
+    waits). A newer report replaces one still waiting; the replaced one is dropped."""
+
+    def __init__(self, probe: Probe) -> None:
+        super().__init__(name="gpuwatchd-probe", daemon=True)
+        self.probe, self.pid = probe, os.getpid()
+        self.lock = threading.Lock()
+        self.ready = threading.Event()
+        self.data: bytes | None = None
+        self.start()
+
+    def put(self, data: bytes) -> None:
+        with self.lock:
+            if self.data is not None:
+                self.probe.dropped += 1
+            self.data = data
+        self.ready.set()
+
+    def run(self) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            while True:
+                self.ready.wait()
+                with self.lock:
+                    data, self.data = self.data, None
+                    self.ready.clear()
+                if data is None:
+                    continue
+                sock.settimeout(self.probe.interval)
+                try:
+                    sock.sendto(data, self.probe.path)
+                    self.probe.sent += 1
+                except OSError:  # still full after an interval, or the daemon went away
+                    self.probe.dropped += 1
 
 
 def loader_settings(loader: object) -> dict[str, Any] | None:

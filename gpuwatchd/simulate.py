@@ -113,8 +113,8 @@ class Simulation:
 
     def _gpu_labels(self, gpu: int) -> tuple[str, ...] | None:
         for (name, labels), _ in self.pipeline.store.latest(self.pipeline.now()):
-            if name == "gpuwatchd_gpu_utilization_ratio" and labels[0] == str(gpu):
-                return labels
+            if name == "gpuwatchd_gpu_info" and labels[0] == str(gpu):  # MIG: no utilization
+                return labels[:2]
         return None
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from servers import wait_until
 
 from gpuwatchd import probe
 from gpuwatchd.config import ProbeConfig
@@ -85,9 +86,39 @@ def test_full_socket_never_blocks(tmp_path: Path) -> None:
         p = probe.Probe(socket_path=str(path), interval=0)
         for _ in p.watch(range(5000)):
             pass
+        # the last report that found the queue full may still be in the sending thread
+        wait_until("every report sent or dropped", lambda: p.sent + p.dropped == 5000, 10)
         assert p.sent > 0 and p.dropped > 0 and p.errors == 0
-        assert p.sent + p.dropped == 5000
     finally:
+        daemon.close()
+
+
+def test_a_report_that_finds_the_queue_full_waits_for_room(tmp_path: Path) -> None:
+    """Another process fills the daemon's queue: the report is not dropped, the training
+    loop does not wait, and the report is delivered once the daemon drains (issue 23)."""
+    path = tmp_path / "probe.sock"
+    daemon = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    daemon.bind(str(path))
+    flooder = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    flooder.setblocking(False)
+    try:
+        with pytest.raises(BlockingIOError):
+            while True:
+                flooder.sendto(b"flood", str(path))
+        p = probe.Probe(socket_path=str(path), interval=30)
+        assert list(p.watch(range(1))) == [0]  # returned at once: the loop never waits
+        assert p.sent == 0 and p.dropped == 0
+        daemon.settimeout(10)
+        reports = []
+        while not reports:  # the daemon drains; the waiting report gets its turn
+            data = daemon.recv(8192)
+            if data != b"flood":
+                reports.append(json.loads(data))
+        assert reports[0]["batches"] == 1
+        wait_until("the report counted as sent", lambda: p.sent == 1, 10)
+        assert p.dropped == 0
+    finally:
+        flooder.close()
         daemon.close()
 
 

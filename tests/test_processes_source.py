@@ -35,7 +35,11 @@ from gpuwatchd.sources import processes as processes_module
 from gpuwatchd.sources.base import Context
 from gpuwatchd.sources.nvml import NvmlSource
 from gpuwatchd.sources.processes import ProcessesSource
-from gpuwatchd.sources.processes.desktop import DESKTOP_PROCESSES, desktop_name
+from gpuwatchd.sources.processes.desktop import (
+    DESKTOP_PROCESSES,
+    desktop_name,
+    installed_desktop,
+)
 from gpuwatchd.sources.processes.jobs import ADOPTERS, ALONE, group_jobs
 from gpuwatchd.sources.processes.procfs import (
     CgroupLine,
@@ -605,6 +609,53 @@ def test_main_process_and_other_tenants(node_factory) -> None:
     assert m.names_of(4) == {P + "gpu_processes", P + "gpu_desktop_processes",
                              P + "gpu_other_processes"}  # fmt: skip
     assert m.gpu("gpu_processes", 4, "compute") == 0
+
+
+def test_a_name_alone_does_not_make_a_desktop_process(node_factory) -> None:
+    """Issue 23 (8d): `Xorg` is a comm any process can take (prctl PR_SET_NAME). A
+    desktop process needs evidence beyond it: a graphics context on an NVML list, or a
+    cmdline naming a display server where the system installs programs."""
+    python = ["/usr/bin/python3", "train.py"]
+    scn = scenario(
+        {
+            0: [{"pid": 4242, "name": "Xorg", "gpu_memory_mib": 9000}],  # compute only
+            1: [{"pid": 1789, "name": "Xorg", "gpu_memory_mib": 400, "kind": "graphics"},
+                {"pid": 4343, "name": "python", "gpu_memory_mib": 9000}],
+        },
+        host={pid: {"main_thread_cpu_percent": cpu, "other_threads_cpu_percent": 0}
+              for pid, cpu in ((4242, 100), (5150, 100), (5151, 10), (1789, 10))},
+        facts=[
+            {"pid": 4242, "name": "Xorg", "cmdline": python},
+            {"pid": 1789, "name": "Xorg", "cmdline": ["/usr/lib/xorg/Xorg", "vt2"]},
+            {"pid": 5150, "name": "gnome-shell", "cmdline": ["gnome-shell"]},  # setproctitle
+            {"pid": 5151, "name": "tracker-miner-fs-3"},  # /usr/bin/tracker-miner-fs-3
+        ],
+    )  # fmt: skip
+    node = node_factory(scn)
+    node.poll(10.0)
+    assert (node.proc / "4242" / "cmdline").read_bytes() == b"/usr/bin/python3\0train.py\0"
+    m = node.poll(15.0)
+    assert m.gpu("gpu_process_pid", 0) == 4242  # the training process is the main one
+    assert m.gpu("gpu_desktop_processes", 0) == 0 and m.gpu("gpu_other_processes", 0) == 0
+    assert m.gpu("gpu_process_pid", 1) == 4343  # a real Xorg (graphics) still is desktop
+    assert m.gpu("gpu_desktop_processes", 1) == 1
+    # node-wide: the real Xorg and tracker-miner-fs-3 (found by the scan), not the
+    # renamed python at a full core nor the process only calling itself gnome-shell
+    assert m.node("desktop_processes") == 2
+    assert m.node("desktop_process_cpu_cores", "Xorg") == pytest.approx(0.1, abs=0.02)
+    assert m.node("desktop_process_cpu_cores", "gnome-shell") is None
+    assert m.node("desktop_cpu_cores") == pytest.approx(0.2, abs=0.03)
+
+
+def test_installed_desktop_reads_argv0_as_proc_shows_it() -> None:
+    assert installed_desktop(b"/usr/lib/xorg/Xorg\0vt2\0-displayfd\0003\0")
+    assert installed_desktop(b"/usr/libexec/tracker-miner-fs-3\0")
+    assert installed_desktop(b"/nix/store/abc-xorg-server-21/bin/Xorg\0")
+    assert not installed_desktop(b"Xorg\0")  # not a path: anything can say this
+    assert not installed_desktop(b"/home/u/bin/Xorg\0")  # not where programs are installed
+    assert not installed_desktop(b"/usr/bin/../../home/u/Xorg\0")
+    assert not installed_desktop(b"/usr/bin/python3\0Xorg\0")
+    assert not installed_desktop(b"")
 
 
 def torchrun_env(rank: int, ranks: int) -> dict[str, str]:

@@ -143,8 +143,8 @@ def test_number_literals_evaluate_as_floats() -> None:
 
 
 def test_an_expression_costlier_than_the_bound_is_refused(tmp_path: Path) -> None:
-    window = "avg_over(gpu_utilization_ratio, '10m') > 0"
-    expr = " and ".join([window] * 40)  # 40 x 600 samples, per GPU, every cycle
+    window = "avg_over(gpu_utilization_ratio, '30m') > 0"
+    expr = " and ".join([window] * 40)  # 40 x 1800 samples, per GPU, every cycle
     assert len(expr) < language.MAX_EXPRESSION_CHARS
     (problem,) = problems(tmp_path, one_rule(f'"{expr}"'))
     assert "rule 'cause_x': expr: line 1, column " in problem
@@ -163,6 +163,57 @@ def test_the_default_rules_are_well_within_every_bound() -> None:
     rules = load_rules(None, CATALOG)
     assert rules.cost * 4 <= language.MAX_FILE_COST  # a quarter of a file's budget at most
     assert all(r.expr.cost * 3 <= language.MAX_EXPRESSION_COST for r in rules.rules)
+
+
+def test_a_lookup_costs_every_series_its_family_may_have(tmp_path: Path) -> None:
+    """Issue 23 (8f): a family's series count is unknown at load, so its documented
+    maximum is the cost: a 5-minute window over every CPU's series reads 300 samples of
+    each of up to 1,024 CPUs, not of 16."""
+    (problem,) = problems(tmp_path, one_rule("\"max_over(cpu_busy_ratio, '5m') > 0.9\""))
+    assert "rule 'cause_x': expr: line 1, column 1: costs more than the" in problem
+    per_cpu = language.compile_expression("sum(cpu_busy_ratio) > 1", CATALOG)
+    assert per_cpu.cost >= 1024  # a lookup looks at every series of its family
+    one_value = language.compile_expression("cpu_busy_ratio_max > 0.9", CATALOG)
+    assert one_value.cost < 10
+    # a matcher listing values costs as many series as it lists
+    two = "series('ib_port_errors_total', counter=['symbol_error', 'link_downed'])"
+    counters = language.compile_expression(f"change({two}, '1m') > 0", CATALOG)
+    ports = CATALOG.families["ib_port_active"].max_series
+    assert 2 * 60 * ports <= counters.cost < 3 * 60 * ports
+
+
+def test_an_evaluation_past_its_budget_stops_not_evaluable() -> None:
+    """Issue 23 (8f): a node beyond the documented maxima (here 400 RoCE ports, SR-IOV
+    functions, where a node is assumed to have at most 32) does not make an evaluation
+    read without bound: past RUN_BUDGET_FACTOR times its load-time cost it stops, and the
+    rule is not evaluable on that GPU, saying why."""
+    from gpuwatchd.metrics import Sample
+    from gpuwatchd.rules.engine import NOT_EVALUABLE
+    from tests.test_rules_engine import GPUS, Node, rule
+
+    text = rule("max_over(ib_port_transmit_wait_ratio, '1m') > 0.5")
+    compiled = language.compile_expression(
+        "max_over(ib_port_transmit_wait_ratio, '1m') > 0.5", CATALOG
+    )
+    ports = CATALOG.families["ib_port_transmit_wait_ratio"].max_series
+    assert 400 * 60 > compiled.cost * language.RUN_BUDGET_FACTOR > ports * 60
+    for count, stopped in ((ports, False), (400, True)):
+        node = Node(text, up=("nvml", "infiniband"))
+        for now in range(61):
+            node.nvml(float(now), gpu_utilization_ratio=[0.5, 0.5])
+            samples = [
+                Sample("gpuwatchd_ib_port_transmit_wait_ratio", (f"mlx5_{i}", "1"), 0.9)
+                for i in range(count)
+            ]
+            node.store.update("infiniband", float(now), samples)
+            node.engine.evaluate(float(now))
+        state = node.engine.states[(GPUS[0][1], "cause_x")]
+        if stopped:
+            assert state.state == NOT_EVALUABLE
+            assert state.reason.startswith("evaluation stopped: it read more than")
+            assert "docs/rules.md" in state.reason
+        else:
+            assert state.state != NOT_EVALUABLE, state.reason
 
 
 @pytest.mark.parametrize("scenario", ["straggler-gpu", "pcie-replay-errors", "interrupt-storm"])

@@ -51,6 +51,12 @@ def directives(path: Path) -> dict[str, list[str]]:
     return found
 
 
+def command_line(exec_start: str) -> list[str]:
+    """An ExecStart= value as the argv systemd executes: words split with quotes, `$$`
+    a literal `$` (no other variable is used in the unit)."""
+    return [word.replace("$$", "$") for word in shlex.split(exec_start)]
+
+
 def unit_for_prefix(prefix: Path, directory: Path) -> Path:
     """The unit as install.sh lays it for `--prefix`."""
     unit = directory / "gpuwatchd.service"
@@ -209,7 +215,7 @@ def test_exec_start_serves_a_simulated_node_as_the_units_user(
     MemoryDenyWriteExecute= (the simulated DCGM bindings use ctypes callbacks)."""
     service = directives(UNIT)
     (exec_start,) = service["Service.ExecStart"]
-    command = shlex.split(exec_start.replace(PREFIX, str(wheel_venv())))
+    command = command_line(exec_start.replace(PREFIX, str(wheel_venv())))
     command = [str(CONFIG) if arg == "/etc/gpuwatchd/gpuwatchd.yaml" else arg for arg in command]
     command += ["--simulate", "healthy-8gpu", "--listen", "127.0.0.1:0"]
     (user,) = service["Service.User"]
@@ -251,6 +257,62 @@ def test_exec_start_serves_a_simulated_node_as_the_units_user(
         assert body.startswith("ok\n") and "source dcgm: up" in body and ": down" not in body
         proc.send_signal(signal.SIGTERM)
         assert stopping(notify_socket)
+        assert proc.wait(15) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def runs(pid: int, argv: list[str]) -> bool:
+    """Whether the process has exec'd `argv` (not: a wrapper, or a child not yet exec'd)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1] == [
+            os.fsencode(arg) for arg in argv
+        ]
+    except OSError:
+        return False
+
+
+def test_a_sighup_at_any_instant_of_start_up_is_harmless() -> None:
+    """Issue 23 (8g): `python -m gpuwatchd run` started as the unit's ExecStart starts the
+    daemon, SIGHUP sent as soon as Python is exec'd and every few ms while it starts: it
+    comes up and serves. The first tens of ms are Python's own start-up, before any of the
+    package's code can catch the signal: only a disposition inherited across exec covers
+    them."""
+    service = directives(UNIT)
+    (exec_start,) = service["Service.ExecStart"]
+    command = command_line(exec_start)
+    at = command.index(f"{PREFIX}/bin/gpuwatchd")  # the program the unit runs: the module
+    command[at : at + 1] = [sys.executable, "-m", "gpuwatchd"]
+    command = [str(CONFIG) if arg == "/etc/gpuwatchd/gpuwatchd.yaml" else arg for arg in command]
+    command += ["--simulate", "idle-8gpu", "--listen", "127.0.0.1:0"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr is not None
+    try:
+        deadline = time.monotonic() + 5  # a wrapper's own start (< 1 ms) aside: from
+        while not runs(proc.pid, command[at:]) and time.monotonic() < deadline:  # Python's
+            pass  # exec on
+        sent, started = 0, time.monotonic()
+        while time.monotonic() - started < 0.5 and proc.poll() is None:  # start-up
+            proc.send_signal(signal.SIGHUP)
+            sent += 1
+            time.sleep(0.002 if sent < 20 else 0.02)
+        lines: list[str] = []
+        for line in proc.stderr:  # the daemon prints its bound address once it serves
+            lines.append(line)
+            if "gpuwatchd: serving" in line:
+                break
+        assert proc.poll() is None, f"killed by SIGHUP (rc={proc.wait()}): {''.join(lines)}"
+        url = lines[-1].rsplit(" on ", 1)[1].strip()
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200 and b"\n# TYPE gpuwatchd_" in response.read()
+        proc.send_signal(signal.SIGHUP)  # once it runs, SIGHUP reloads, as before
+        for line in proc.stderr:
+            if "rules: loaded" in line:
+                break
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
     finally:
         proc.kill()

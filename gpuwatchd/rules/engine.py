@@ -32,7 +32,7 @@ from pathlib import Path
 from gpuwatchd.exposition import Rows
 from gpuwatchd.metrics import GPU_LABELS, PREFIX, MetricSpec, counter, gauge
 from gpuwatchd.rules.evaluator import Evaluator, GpuRef, Reads
-from gpuwatchd.rules.language import Catalog, Missing
+from gpuwatchd.rules.language import Catalog, Missing, OverBudget
 from gpuwatchd.rules.ruleset import Rule, RulesError, RuleSet, load_rules
 from gpuwatchd.rules.snapshot import Changed, LiveIndex
 from gpuwatchd.store import Store
@@ -310,7 +310,7 @@ class RuleEngine:
                     try:
                         holds = bool(self.evaluator.evaluate(rule.expr, gpu))
                     except Missing as e:
-                        detail = f"no value for {e}"
+                        detail = str(e) if isinstance(e, OverBudget) else f"no value for {e}"
                     except Exception as e:
                         detail = f"error: {type(e).__name__}: {e}"
                     else:
@@ -353,7 +353,7 @@ class RuleEngine:
             try:
                 outcome = bool(self.evaluator.evaluate(rule.expr, gpu, reads))
             except Missing as e:
-                outcome = f"no value for {e}"
+                outcome = str(e) if isinstance(e, OverBudget) else f"no value for {e}"
                 state.missing_from = e.source
             except Exception as e:  # a rule must never stop the others
                 self.errors[rule.name] += 1

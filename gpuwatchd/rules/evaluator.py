@@ -21,9 +21,11 @@ from gpuwatchd.rules.language import (
     NIC_AFFINITY,
     PCIE,
     PEER_GROUPING,
+    RUN_BUDGET_FACTOR,
     WINDOW_FUNCTIONS,
     Compiled,
     Missing,
+    OverBudget,
     Selector,
 )
 
@@ -87,6 +89,10 @@ class Evaluator:
         self.compiled: Compiled | None = None
         self.reads: Reads | None = None  # what the evaluation in progress reads, if asked
         self._jobs: dict[str, float | None] = {}
+        # rows and samples the evaluation in progress has read, and the most it may
+        # (RUN_BUDGET_FACTOR times its load-time cost): past it, OverBudget
+        self.work = 0
+        self.budget = math.inf
         functions: dict[str, Callable[..., Any]] = {
             "_value": self._value,
             "_present": self._present,
@@ -118,10 +124,22 @@ class Evaluator:
         """The expression's value for `gpu`; raises Missing, or anything a bug raises.
         With `reads`, what the evaluation reads is added to it."""
         self.compiled, self.gpu, self.reads = compiled, gpu, reads
+        self.work, self.budget = 0, compiled.cost * RUN_BUDGET_FACTOR
         try:
             return float(eval(compiled.bytecode(), self._globals))
         finally:
-            self.reads = None
+            self.reads, self.budget = None, math.inf
+
+    def _spend(self, read: int) -> None:
+        """Count rows or samples read; OverBudget once past the evaluation's budget."""
+        self.work += read
+        if self.work > self.budget:
+            assert self.compiled is not None
+            raise OverBudget(
+                f"evaluation stopped: it read more than {self.budget:.0f} series and "
+                f"samples ({RUN_BUDGET_FACTOR} x its cost, {self.compiled.cost:.0f}): a "
+                "family has more series than the bounds in docs/rules.md allow"
+            )
 
     # lookups --------------------------------------------------------------------
     def rows(self, selector: Selector, gpu: GpuRef | None = None) -> list[Row]:
@@ -138,6 +156,7 @@ class Evaluator:
         elif family.scope == NIC:
             key = None
             rows = self.snapshot.host.get(name, [])
+            self._spend(len(rows))  # every port's series looked at
             ports = self._nearest_ports(gpu)
             if ports:
                 rows = [r for r in rows if r[0][:2] in ports]
@@ -146,6 +165,8 @@ class Evaluator:
             rows = self.snapshot.host.get(name, [])
         if self.reads is not None:
             self.reads.keys.add((name, key))
+        if family.scope != NIC:
+            self._spend(len(rows))
         if selector.matchers:
             rows = [r for r in rows if all(r[0][i] in v for i, v in selector.matchers)]
         return rows
@@ -283,7 +304,10 @@ class Evaluator:
             raise Missing(selector.describe(), selector.family.source)
         since = self.snapshot.now - seconds
         name = selector.family.spec.name
-        series = [self._window(name, labels, since) for labels, _ in rows]
+        series = []
+        for labels, _ in rows:
+            series.append(self._window(name, labels, since))
+            self._spend(len(series[-1]))
         reads = self.reads
         if reads is not None:  # a new point, or the oldest leaving, changes the window
             reads.sources.add(selector.family.source)
@@ -301,6 +325,7 @@ class Evaluator:
         first, last, values = self._values(
             selector.family.spec.name, rows[0][0], self.snapshot.now - seconds
         )
+        self._spend(len(values))
         reads = self.reads
         if reads is not None and values and min(values) == max(values):
             # every point the same: more of them (the series' value unchanged: it is read)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,11 @@ class Missing(Exception):
     def __init__(self, message: str, source: str = "") -> None:
         super().__init__(message)
         self.source = source
+
+
+class OverBudget(Missing):
+    """The evaluation read more rows and samples than its bound (Evaluator.budget): not
+    evaluable, its message the reason (a family with more series than SERIES_MAXIMA)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,16 @@ class Family:
         skip = {GPU: 2, PCIE: 1, NIC: 0, HOST: 0}[self.scope]
         return self.spec.labels[skip:]
 
+    def label_max(self, label: str) -> int:
+        """The most values `label` takes (for one GPU; for the node in host and NIC
+        families): the cost's worst case."""
+        return SERIES_MAXIMA.get((self.scope, label), _MULTI_SERIES)
+
+    @property
+    def max_series(self) -> int:
+        """The most series a lookup looks at (the cost's worst case)."""
+        return math.prod(self.label_max(label) for label in self.own_labels)
+
 
 class Catalog:
     """Every family the sources can produce, by bare name."""
@@ -115,6 +131,7 @@ class Selector:
     # (index into the spec's labels, the values it may have: one, or a list's)
     matchers: tuple[tuple[int, tuple[str, ...]], ...]
     multi: bool  # may match several series per GPU: must be aggregated
+    max_matched: int = 1  # the most series it may match (the cost's worst case)
 
     def describe(self) -> str:
         if not self.matchers:
@@ -157,12 +174,51 @@ MAX_EXPRESSION_CHARS = 4096  # the default rules' longest expression: 1111
 MAX_DEPTH = 50  # nesting of the syntax tree; the default rules' deepest: 10
 MAX_NUMBER = 1e18  # number literals; integers are evaluated as floats
 MAX_STRING_CHARS = 256  # durations, series names, label values
-# Cost: the steps one evaluation may take. A node is one; a window function reads its
-# samples, counted at one a second (16 series for one over a labelled family, at most
-# the store's 3600 points a series); peers() reads a value from up to 64 GPUs.
-MAX_EXPRESSION_COST = 20_000
-MAX_FILE_COST = 100_000  # every rule's expression and summary placeholders together
+# Cost: the steps one evaluation may take. A node is one; a series lookup looks at every
+# series of its family (for this GPU; host and NIC families: the node's), as many as
+# SERIES_MAXIMA allows; a window function reads its samples, counted at one a second (at
+# most the store's 3600 points) for each series it may match; peers() looks up up to 64
+# GPUs. The evaluator counts the rows and samples it reads and stops an evaluation past
+# RUN_BUDGET_FACTOR times this cost (OverBudget): a node beyond the maxima, or sources
+# polling up to 10 times a second (config.MIN_INTERVAL), cost no more than that.
+MAX_EXPRESSION_COST = 50_000
+MAX_FILE_COST = 300_000  # every rule's expression and summary placeholders together
 _WINDOW_POINTS, _MULTI_SERIES, _PEERS = 3600, 16, 64
+RUN_BUDGET_FACTOR = 10
+# The most values a label takes (for one GPU; for the node in host and NIC families),
+# where not _MULTI_SERIES (a small fixed set: reasons, severities, classes...); a family's
+# series at most the product over its labels. 1: an attribute of another label's value
+# (a process's cudart, a port's firmware). docs/rules.md's Bounds section lists them.
+SERIES_MAXIMA: dict[tuple[str, str], int] = {
+    (HOST, "cpu"): 1024,  # logical CPUs
+    (HOST, "device"): 64,  # block devices
+    (HOST, "numa_node"): 64,
+    (HOST, "name"): 32,  # desktop process names: a fixed list of 24
+    (HOST, "resource"): 3,  # pressure: cpu, io, memory
+    (HOST, "kind"): 2,  # some, full
+    (HOST, "window"): 3,  # 10s, 60s, 300s
+    (GPU, "pid"): 1024,  # processes on one GPU
+    (GPU, "name"): 1024,  # a process's name (gpu_process_info)
+    (GPU, "cudart"): 1,
+    (GPU, "job_id"): 1024,  # an owner per process at most (gpu_owner_info)
+    **{(GPU, label): 1 for label in ("scheduler", "step", "rank", "user")},
+    **{(GPU, label): 1 for label in ("namespace", "pod", "container")},
+    (GPU, "xid"): 32,  # distinct Xid codes one GPU reports while the daemon runs
+    (GPU, "field"): 128,  # DCGM fields watched (a field group holds 127)
+    (GPU, "link"): 18,  # NVLinks (H100, B200: 18)
+    (GPU, "gpu_instance"): 8,  # MIG: 7 instances at most
+    (GPU, "compute_instance"): 8,
+    **{(GPU, label): 1 for label in ("profile", "mig_uuid")},
+    **{(GPU, label): 1 for label in ("model", "pci_bus_id", "driver_version")},
+    (GPU, "cuda_driver_version"): 1,
+    (PCIE, "device"): 16,  # PCIe functions on the GPU's path (IB devices: distances)
+    (PCIE, "role"): 1,  # a function's
+    (PCIE, "severity"): 3,  # AER: correctable, nonfatal, fatal
+    (PCIE, "port"): 2,
+    (NIC, "device"): 16,  # IB/RoCE devices on the node
+    (NIC, "port"): 2,  # ports per device
+    **{(NIC, label): 1 for label in ("link_layer", "hca_type", "fw_ver")},
+}
 
 
 @dataclass
@@ -227,7 +283,8 @@ class _Checker:
             self.fail(
                 node,
                 f"costs more than the {MAX_EXPRESSION_COST} steps allowed per GPU and cycle "
-                "(each window function reads a sample per second of its window)",
+                "(a window function reads a sample per second of its window, of each series "
+                "it may match; docs/rules.md, Bounds)",
             )
 
     def _call(self, name: str, *args: ast.expr) -> ast.Call:
@@ -304,7 +361,14 @@ class _Checker:
             and dict((labels[i], v) for i, v in matchers).get("role") == ("gpu",)
         ):
             free = [label for label in free if label != "device"]  # the GPU's own function
-        selector = Selector(family, matchers, multi=bool(free))
+        listed = {labels[i]: len(v) for i, v in matchers if len(v) > 1}
+        most = math.prod(
+            min(listed[label], family.label_max(label)) if label in listed
+            else family.label_max(label)
+            for label in free
+        )  # fmt: skip
+        selector = Selector(family, matchers, multi=bool(free), max_matched=most)
+        self.spend(node, family.max_series)  # the lookup looks at every series
         if not self._optional:
             self.required_sources.add(family.source)
         self.selectors.append(selector)
@@ -460,7 +524,7 @@ class _Checker:
                     if seconds is None:
                         return None, None
                     out.append(self._const(seconds))
-                    points = min(seconds, _WINDOW_POINTS) * (_MULTI_SERIES if got.multi else 1)
+                    points = min(seconds, _WINDOW_POINTS) * got.max_matched
                 else:
                     value = self.expect(arg, NUM)
                     if value is None:
@@ -496,7 +560,7 @@ class _Checker:
             if not isinstance(got, Selector) or got.multi:
                 self.fail(args[0], f"{name}(): expected a series with one value per GPU")
                 return None, None
-            self.spend(node, _PEERS)
+            self.spend(node, _PEERS * got.family.max_series)  # a lookup per peer GPU
             # the series peers() groups GPUs by are inputs too (the engine indexes the
             # families an expression's selectors name), though never required ones
             for grouping in PEER_GROUPING:

@@ -15,7 +15,9 @@ makes every call on it answer NVML_ERROR_GPU_IS_LOST, `hung` makes it block unti
 GPU is no longer hung or `release()` is called (in virtual time, `settle()` after each
 step of the clock lets it see the time; `wait_for` waits for a thread that may block
 on it), and the model's `unsupported`
-symbols answer NVML_ERROR_NOT_SUPPORTED. Tests reach the fake as
+symbols answer NVML_ERROR_NOT_SUPPORTED. A GPU's `mig` value plays MIG
+(`fake_nvml_mig.MigReads`: the mode, MIG device handles, what a MIG-enabled GPU no
+longer answers). Tests reach the fake as
 `module._gpuwatchd_fake` to inject errors (`fail`, `fail_field`), hang a GPU (`hang`),
 raise Xid events (`inject_xid`) and count calls (`calls`, `gpu_calls`, `calls_total`,
 `field_calls`).
@@ -70,6 +72,7 @@ from gpuwatchd.sim.fake_nvml_device import (
     fill_pci_info,
     nvml_bus_id,
 )
+from gpuwatchd.sim.fake_nvml_mig import MigReads
 from gpuwatchd.sim.fakelib import Symbol, install_symbols, symbol
 from gpuwatchd.sim.scenario import Timeline
 from gpuwatchd.sources.nvmlapi import cores_per_sm
@@ -143,8 +146,11 @@ DRIVER_COSTS = NvmlCosts(
         "nvmlEventSetCreate": 17.4e-6,
         "nvmlDeviceGetMigMode": 165e-6,
         "nvmlDeviceGetMaxMigDeviceCount": 161e-6,
+        "nvmlDeviceGetMigDeviceHandleByIndex": 33e-6,
+        "nvmlDeviceGetAttributes_v2": 24e-6,
         "nvmlDeviceGetNumGpuCores": 166e-6,
         "nvmlDeviceGetGpuInstanceProfileInfo": 806e-6,
+        "nvmlDeviceGetGpuInstanceProfileInfoV": 806e-6,  # pynvml's default (v2)
         "nvmlDeviceGetPcieThroughput": 0.92e-3,
     },
     fields={  # each alone costs this plus a call (~2.5 µs)
@@ -248,7 +254,7 @@ class _EventSet:
         self.pending: list[tuple[int, int, int]] = []  # (gpu, event type, data)
 
 
-class FakeNvmlLib(DeviceReads):
+class FakeNvmlLib(DeviceReads, MigReads):
     """libnvidia-ml's symbols as Python callables with the C signatures."""
 
     def __init__(
@@ -318,6 +324,7 @@ class FakeNvmlLib(DeviceReads):
         layout = [getattr(record, name).offset for name, _ in record._fields_]
         assert ctypes.sizeof(record) == _RECORD.size and layout == [0, 4, 8, 16, 24, 28, 32]
         self._field_plans: dict[tuple[int, tuple[tuple[int, int], ...]], _FieldPlan] = {}
+        self._mig_init()
         self._install_symbols()
 
     # -- the symbol table -------------------------------------------------------------
@@ -370,6 +377,9 @@ class FakeNvmlLib(DeviceReads):
             return ERROR_UNINITIALIZED
         if kind == "device" or kind == "index":
             gpu = self._gpu_of(args[0]) if kind == "device" else _value(args[0])
+            mig = self._mig_of(args[0]) if gpu is None and kind == "device" else None
+            if mig is not None:  # a MIG device handle: its parent's faults, then its own
+                gpu = mig[0]
             if gpu is None or not 0 <= gpu < len(self._devices):
                 return ERROR_INVALID_ARGUMENT
             self.gpu_calls[(name, gpu)] += 1
@@ -384,11 +394,17 @@ class FakeNvmlLib(DeviceReads):
                 values = self._block(gpu)
                 if values["lost"]:
                     return ERROR_GPU_IS_LOST
+            if mig is not None:
+                return self._mig_handle_call(name, gpu, mig[1], args)
             unsupported = self._unsupported_names.get(name)
             if unsupported is None:
                 unsupported = self._is_unsupported(name)
             if unsupported:
                 return ERROR_NOT_SUPPORTED
+            if values["mig"] is not None and values["mig"].enabled:
+                code = self._mig_parent_code(name, gpu)
+                if code is not None:
+                    return code
             return impl(gpu, *args)
         if self._failures:
             code = self._injected(name, None)

@@ -125,6 +125,8 @@ class DeviceReads:
 
         def _is_unsupported(self, name: str) -> bool: ...
 
+        def _instance_ids(self, gpu: int) -> Callable[[int], tuple[int, int]]: ...
+
     # -- utilization, memory, power, temperature, clocks ----------------------------------
 
     @symbol("device")
@@ -428,18 +430,10 @@ class DeviceReads:
         return SUCCESS
 
     def _running_processes(self, gpu: int, kind: str, count: Any, infos: Any) -> int:
-        """The two-call protocol of nvmlDeviceGet{Compute,Graphics}RunningProcesses:
-        with too small a buffer (or none), the count and INSUFFICIENT_SIZE."""
+        """nvmlDeviceGet{Compute,Graphics}RunningProcesses: each process with its MIG
+        GPU and compute instance (NVML's "not available" with MIG off)."""
         processes = [p for p in self._gpu_values(gpu)["processes"] if _kind(p) == kind]
-        capacity = count._obj.value
-        count._obj.value = len(processes)
-        if len(processes) > capacity or (processes and infos is None):
-            return ERROR_INSUFFICIENT_SIZE
-        for info, process in zip(infos or (), processes, strict=False):
-            info.pid = int(_field(process, "pid"))
-            info.usedGpuMemory = round(float(_field(process, "gpu_memory_mib")) * MIB)
-            info.gpuInstanceId = info.computeInstanceId = NOT_AVAILABLE_UINT
-        return SUCCESS
+        return fill_processes(processes, count, infos, self._instance_ids(gpu))
 
     @symbol("device")
     def _nvmlDeviceGetComputeRunningProcesses_v3(
@@ -485,18 +479,6 @@ class DeviceReads:
         return SUCCESS
 
     @symbol("device")
-    def _nvmlDeviceGetMigMode(self, gpu: int, handle: Any, current: Any, pending: Any) -> int:
-        if not self.model.mig:
-            return ERROR_NOT_SUPPORTED
-        current._obj.value = pending._obj.value = 0  # MIG disabled
-        return SUCCESS
-
-    @symbol("device")
-    def _nvmlDeviceIsMigDeviceHandle(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = 0  # the simulator's handles are whole GPUs
-        return SUCCESS
-
-    @symbol("device")
     def _nvmlDeviceGetConfComputeMemSizeInfo(self, gpu: int, handle: Any, out: Any) -> int:
         return ERROR_NOT_SUPPORTED  # confidential computing is off
 
@@ -519,11 +501,12 @@ class DeviceReads:
             return SUCCESS
         if len(processes) > capacity or not details.procArray:
             return ERROR_INSUFFICIENT_SIZE
+        ids = self._instance_ids(gpu)
         for i, process in enumerate(processes):
             entry = details.procArray[i]
             entry.pid = int(_field(process, "pid"))
             entry.usedGpuMemory = round(float(_field(process, "gpu_memory_mib")) * MIB)
-            entry.gpuInstanceId = entry.computeInstanceId = NOT_AVAILABLE_UINT
+            entry.gpuInstanceId, entry.computeInstanceId = ids(entry.pid)
             entry.usedGpuCcProtectedMemory = 0
         return SUCCESS
 
@@ -663,6 +646,23 @@ class DeviceReads:
             fields.append((field_id, scope, code or 0, read, int(kind), 1 << bits))
         counted = [(field_id, gpu) for field_id, _ in asked]
         return _FieldPlan(fields, counted)
+
+
+def fill_processes(
+    processes: list[Any], count: Any, infos: Any, ids: Callable[[int], tuple[int, int]]
+) -> int:
+    """The two-call protocol of nvmlDeviceGet{Compute,Graphics}RunningProcesses: with too
+    small a buffer (or none), the count and INSUFFICIENT_SIZE. `ids(pid)`: the process's
+    MIG GPU and compute instance ids."""
+    capacity = count._obj.value
+    count._obj.value = len(processes)
+    if len(processes) > capacity or (processes and infos is None):
+        return ERROR_INSUFFICIENT_SIZE
+    for info, process in zip(infos or (), processes, strict=False):
+        info.pid = int(_field(process, "pid"))
+        info.usedGpuMemory = round(float(_field(process, "gpu_memory_mib")) * MIB)
+        info.gpuInstanceId, info.computeInstanceId = ids(info.pid)
+    return SUCCESS
 
 
 def _field(process: Any, key: str) -> Any:

@@ -103,6 +103,14 @@ class HostProcess(Strict):
     # seen by the daemon without CAP_SYS_PTRACE (grouping falls back to the launcher)
     environ_readable: bool = True
     owner: ProcessOwner | None = None  # its scheduler's cgroup; replaces `cgroup`
+    # its argv, as /proc/PID/cmdline shows it; None: the program `name` stands for,
+    # /usr/bin/NAME. `name` is the comm: a process that renamed itself (prctl
+    # PR_SET_NAME, /proc/self/comm) has a comm its argv does not show
+    cmdline: list[str] | None = Field(None, min_length=1)
+
+    @property
+    def argv(self) -> list[str]:
+        return self.cmdline if self.cmdline is not None else [f"/usr/bin/{self.name}"]
 
     @model_validator(mode="after")
     def _environment(self) -> HostProcess:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from gpuwatchd.config import Duration
 from gpuwatchd.sim.host import HostHardware, HostValues, check_host_ramp
 from gpuwatchd.sim.models import BUILTIN_MODELS, GpuModel
+from gpuwatchd.sim.scenario.base import GpuProcess, Strict
+from gpuwatchd.sim.scenario.mig import MigConfig, resolve
 from gpuwatchd.sim.scenario.noise import _amplitude
 from gpuwatchd.sim.scenario.topology import Topology
 
@@ -28,17 +30,6 @@ CLOCK_EVENT_REASONS = (
     "hw_power_brake_slowdown",
     "display_clock_setting",
 )
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class GpuProcess(Strict):
-    pid: int
-    name: str = "python"
-    gpu_memory_mib: float = 0
-    kind: Literal["compute", "graphics"] = "compute"  # which NVML process list it is in
 
 
 class GpuValues(Strict):
@@ -88,6 +79,18 @@ class GpuValues(Strict):
     lost: bool | None = None  # fell off the bus: NVML answers GPU_IS_LOST
     hung: bool | None = None  # NVML calls on this GPU block
     xid: list[int] | None = None  # Xid events raised once, at the start of the phase
+    # MIG mode and devices (scenario/mig.py); replaces the GPU's whole layout when set
+    mig: MigConfig | None = None
+
+    @model_validator(mode="after")
+    def _mig_owns_processes(self) -> GpuValues:
+        if (
+            self.mig is not None
+            and self.mig.instances
+            and (self.processes is not None or self.memory_used_mib is not None)
+        ):
+            raise ValueError("mig: give processes and memory_used_mib per instance, not per GPU")
+        return self
 
 
 RAMPABLE = {
@@ -182,6 +185,11 @@ class Node(Strict):
     # what the GPUs' NVLinks connect to (docs/scenarios.md); auto: SXM models on
     # NVSwitches (8+ GPUs) or to each other, PCIe models to nothing (no bridge)
     nvlink: Literal[NVLINK_FABRICS] = "auto"  # type: ignore[valid-type]
+    # MIG-enabled GPUs: whether NVML's aggregate queries on the whole GPU (memory, process
+    # lists) are allowed (the MIG monitor capability, /proc/driver/nvidia/capabilities/
+    # mig/monitor, world-readable on a host; a container gets it only if given it), else
+    # they answer NO_PERMISSION
+    mig_monitor: bool = True
 
     def nvlink_fabric(self) -> str:
         """nvswitch | direct | bridge | none, with auto resolved."""
@@ -349,3 +357,20 @@ class Scenario(Strict):
     @property
     def duration(self) -> float:
         return sum(p.duration for p in self.phases)
+
+    @model_validator(mode="after")
+    def _mig_fits_the_model(self) -> Scenario:
+        """Every `mig:` value resolves on the node's model (profiles, placements)."""
+        model = self.node.model()
+        settings = [("node.initial", self.node.initial)] + [
+            (f"phases.{i}.changes.{j}.set", change.set)
+            for i, phase in enumerate(self.phases)
+            for j, change in enumerate(phase.all_changes())
+        ]
+        for where, values in settings:
+            if values.mig is not None:
+                try:
+                    resolve(values.mig, model)
+                except ValueError as e:
+                    raise ValueError(f"{where}.mig: {e}") from None
+        return self

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.sim.host import HOST_DEFAULTS, deep_merge, host_path_keys, set_path
+from gpuwatchd.sim.models import GpuModel
+from gpuwatchd.sim.scenario.mig import mig_values
 from gpuwatchd.sim.scenario.noise import _host_field, _Jitter
 from gpuwatchd.sim.scenario.schema import Change, GpuValues, Phase, Scenario
 from gpuwatchd.sim.scenario.topology import Topology, nvlink_peers, nvlinks_wired
@@ -46,6 +48,7 @@ IDLE_DEFAULTS = dict(
     lost=False,
     hung=False,
     xid=[],
+    mig=None,  # a MigLayout once a `mig:` value is set (None: MIG off)
 )
 
 
@@ -77,6 +80,14 @@ class _Start:
     gpus: list[dict[str, Any]]
     bridges: dict[str, dict[str, int]]
     host: dict[str, Any]
+
+
+def _gpu_values(values: GpuValues, model: GpuModel) -> dict[str, Any]:
+    """The values a GPU entry sets, a `mig:` one resolved (scenario/mig.py)."""
+    fixed = values.model_dump(exclude_none=True, exclude={"mig"})
+    if values.mig is not None:
+        fixed.update(mig_values(values.mig, model))
+    return fixed
 
 
 def get_path(values: dict[str, Any], path: str) -> Any:
@@ -114,7 +125,7 @@ class Timeline:
             "power_limit_w": float(model.power_limit_w),
             "sm_clock_mhz": 210.0,
             "mem_clock_mhz": float(model.max_mem_clock_mhz),
-            **scenario.node.initial.model_dump(exclude_none=True),
+            **_gpu_values(scenario.node.initial, model),
         }
         self._base_bridges = {
             fn.name: {"gen": fn.max_gen, "width": fn.max_width} for fn in self.topology.bridges()
@@ -150,8 +161,9 @@ class Timeline:
 
     def _compile(self, phase: Phase) -> _CompiledPhase:
         changes = []
+        model = self.scenario.node.model()
         for change in phase.all_changes():
-            fixed = change.set.model_dump(exclude_none=True)
+            fixed = _gpu_values(change.set, model)
             fixed.pop("xid", None)  # events, not state
             changes.append((list(self._gpus(change)), fixed, dict(change.ramp)))
         bridges = {name: link.model_dump(exclude_none=True) for name, link in phase.bridges.items()}

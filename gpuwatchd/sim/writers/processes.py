@@ -7,7 +7,8 @@ host facts get `HostProcess` defaults and the GPU entry's name):
 * `<procfs>/<pid>/stat` (fs/proc/array.c, 52 fields, comm cut at 15 bytes; the ppid
   is the fact's `ppid`, 1 while that parent is not running), `status`
   (`Key:\\tvalue` lines: `Name`, `State`, `Tgid`, `PPid`, `Uid`, `Threads`,
-  `Cpus_allowed` / `Cpus_allowed_list`, `Vm*` …), `comm`, `cgroup` (v2: `0::/path`) and
+  `Cpus_allowed` / `Cpus_allowed_list`, `Vm*` …), `comm`, `cmdline` (`cmdline`, or
+  /usr/bin/NAME; NUL-terminated arguments), `cgroup` (v2: `0::/path`) and
   `maps` (the interpreter, libc and, with `cudart: "12.1"`,
   `/usr/local/cuda-12.1/lib64/libcudart.so.12.1.105`; `cudart: "12"` maps the pip
   wheel's `…/nvidia/cuda_runtime/lib/libcudart.so.12`), with the kernel's padding;
@@ -551,6 +552,8 @@ class ProcessesWriter:
         )
         put(f"{base}/status", status)
         put(f"{base}/comm", name + "\n")
+        cmdline = "".join(arg + "\0" for arg in fact.argv)
+        put(f"{base}/cmdline", cmdline)
         put(f"{base}/cgroup", cgroup)
         if fact.environ_readable:
             put(f"{base}/environ", environ_text(fact))
@@ -571,6 +574,7 @@ class ProcessesWriter:
             put(f"{cbase}/status", status)
             put(f"{cbase}/task/{child}/children", "")
             put(f"{cbase}/comm", WORKER_NAME + "\n")
+            put(f"{cbase}/cmdline", cmdline)  # a fork: its parent's argv
             put(f"{cbase}/cgroup", cgroup)
             put(f"{cbase}/maps", maps)
         for k in range(workers, old_workers):  # workers that exited

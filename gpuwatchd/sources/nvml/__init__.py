@@ -78,6 +78,8 @@ itself exports the source. Import anything else from the module that defines it.
   polling that waits for it a bounded time, reporting a GPU whose call has blocked
   (`Polling`: `collect`, the hung-GPU handling);
 * `nvlink`: the NVLink count and whether each link is expected up (`NvLinks`);
+* `mig`: the MIG mode, MIG device discovery and per-instance series (`MigReads`,
+  `MIG_SPECS`; docs/mig.md);
 * `source`: `NvmlSource` (registered as "nvml"), which wires them: NVML's lifecycle,
   errors, identities, Xid events and each GPU's reads.
 

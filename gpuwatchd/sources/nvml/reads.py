@@ -97,6 +97,7 @@ class _Gpu:
         self.hung = False  # reported hung (logged once)
         self.last: list[Sample] = []  # the samples of its last read, for a poll without it
         self.last_lists: dict[str, dict[int, float]] | None = None
+        self.mig: Any = None  # its MIG mode and devices (mig.MigState), once read
 
 
 def _emit_utilization(gpu: _Gpu, value: Any, out: list[Sample]) -> None:

@@ -29,6 +29,7 @@ from gpuwatchd.sources.nvml.metrics import (
     SPECS,
     XID,
 )
+from gpuwatchd.sources.nvml.mig import MIG_SPECS, MigReads
 from gpuwatchd.sources.nvml.nvlink import NvLinks
 from gpuwatchd.sources.nvml.reader import Polling, _Reader, _wait
 from gpuwatchd.sources.nvml.reads import (
@@ -64,9 +65,9 @@ _MAX_EVENTS_PER_POLL = 1024
 
 
 @register
-class NvmlSource(Polling, NvLinks, Source):
+class NvmlSource(Polling, NvLinks, MigReads, Source):
     name = "nvml"
-    metrics = SPECS
+    metrics = SPECS + MIG_SPECS
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
@@ -270,6 +271,7 @@ class NvmlSource(Polling, NvLinks, Source):
         mine: list[Sample] = []
         try:
             self._field_values(gpu, mine)
+            self._mig(gpu, mine)  # before the reads: MIG takes the parent's utilization
             self._reads(gpu, mine)
         except _GpuLost:
             if not gpu.lost:

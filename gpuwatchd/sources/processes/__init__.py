@@ -103,7 +103,11 @@ Display servers, compositors and their helpers (`DESKTOP_PROCESSES`) take GPU ti
 CPU from a training box. They are found in NVML's lists on every poll and, to see the
 ones burning CPU without holding a GPU, in a scan of `/proc/*/comm` every `scan_every`
 polls (one small read per process: ~1 ms per 500 processes); the ones found are read
-(`/proc/PID/stat`) on every poll until they exit. Per GPU, `gpu_desktop_processes`
+(`/proc/PID/stat`) on every poll until they exit. A name is no evidence (any process may
+call itself Xorg, and another user's /proc/PID/exe is unreadable): a process with a
+desktop comm counts only if it is on an NVML graphics list (a display server's context)
+or its /proc/PID/cmdline starts with that program under a system directory
+(`desktop.installed_desktop`). Per GPU, `gpu_desktop_processes`
 counts the desktop processes NVML lists on it and `gpu_other_processes` the other
 processes sharing it with the main one. Node-wide, `desktop_cpu_cores` sums the desktop
 processes' CPU use; `desktop_process_cpu_cores{name}` splits it by name, a label taken

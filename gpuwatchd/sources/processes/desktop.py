@@ -59,6 +59,25 @@ def desktop_name(comm: str) -> str | None:
     return _DESKTOP_BY_COMM.get(comm.strip()[:15])
 
 
+# where a distribution installs programs: a desktop program's argv[0] lies under one
+# (Xorg: /usr/lib/xorg/Xorg, /usr/libexec/Xorg; NixOS: /nix/store/…, /run/current-system/…)
+SYSTEM_DIRS = (
+    "/usr/", "/bin/", "/sbin/", "/lib/", "/lib64/", "/nix/store/", "/run/current-system/", "/snap/"
+)  # fmt: skip
+
+
+def installed_desktop(cmdline: bytes) -> bool:
+    """Whether /proc/PID/cmdline shows a desktop program run from where the system
+    installs programs: argv[0] an absolute path under SYSTEM_DIRS naming one. A process
+    that renamed itself (prctl PR_SET_NAME: its comm) keeps its own argv[0]."""
+    argv0 = cmdline.split(b"\0", 1)[0].decode("utf-8", "replace")
+    return (
+        argv0.startswith(SYSTEM_DIRS)
+        and "/../" not in argv0
+        and desktop_name(argv0.rsplit("/", 1)[1]) is not None
+    )
+
+
 @dataclass
 class _Desktop:
     name: str  # from DESKTOP_PROCESSES
@@ -103,13 +122,27 @@ class DesktopWatch:
                     )
             except (OSError, ValueError):
                 continue
-            if not self.settings.desktop:
+            if not self.settings.desktop or pid in self._desktop:
                 continue
-            label = desktop_name(comm)
-            if label is not None and pid not in self._desktop:
+            label = self._desktop_label(pid, comm, graphics=False)
+            if label is not None:
                 self._desktop[pid] = _Desktop(label)
         if with_ppid:
             self._ppid_children = by_ppid
+
+    def _desktop_label(self, pid: int, comm: str, graphics: bool) -> str | None:
+        """The DESKTOP_PROCESSES name of a process, or None: its comm names one, and it
+        is on an NVML graphics list (a display server's context) or its cmdline shows
+        the program installed (installed_desktop). A name alone is no evidence: any
+        process may call itself Xorg, and another user's /proc/PID/exe is unreadable."""
+        label = desktop_name(comm)
+        if label is None or graphics:
+            return label
+        try:
+            cmdline = package._read(f"{self._proc}/{pid}/cmdline", 4096)
+        except OSError:
+            return None
+        return label if installed_desktop(cmdline) else None
 
     def _desktop_samples(self, now: float, out: list[Sample]) -> None:
         total = 0.0

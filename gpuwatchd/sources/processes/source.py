@@ -28,7 +28,7 @@ from gpuwatchd.sources.owner import (
     PodResources,
     ProcessFacts,
 )
-from gpuwatchd.sources.processes.desktop import DesktopWatch, _Desktop, desktop_name
+from gpuwatchd.sources.processes.desktop import DesktopWatch, _Desktop
 from gpuwatchd.sources.processes.facts import Facts, MainProcessReader, _CgroupReading, _Known
 from gpuwatchd.sources.processes.gpus import KINDS, NvmlLists, _Gpu
 from gpuwatchd.sources.processes.jobs import ADOPTERS, ALONE, _Memo, group_jobs, launch_key
@@ -66,14 +66,12 @@ from gpuwatchd.sources.procio import JobIo
 log = logging.getLogger("gpuwatchd.sources.processes")
 
 
-def _candidates(
-    lists: dict[str, dict[int, float]], names: dict[int, str | None]
-) -> dict[int, float]:
+def _candidates(lists: dict[str, dict[int, float]], desktop: set[int]) -> dict[int, float]:
     """The processes a GPU's main one is chosen among (ProcessesSource._main): its
     non-desktop compute processes, else its non-desktop graphics ones; pid -> memory."""
     for kind in KINDS:
         found = {pid: memory for pid, memory in lists.get(kind, {}).items()
-                 if desktop_name(names.get(pid) or "") is None}  # fmt: skip
+                 if pid not in desktop}  # fmt: skip
         if found:
             return found
     return {}
@@ -170,15 +168,19 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             self._online = self._online_cpus()
         if scan and scanning:
             self._scan()
+        graphics = {pid for _, lists in on_gpu for pid in lists.get("graphics", {})}
+        desktop: set[int] = set()  # listed pids that are desktop processes (evidence)
         for pid in listed:
-            label = desktop_name(names.get(pid) or "")
-            if label is not None and pid not in self._desktop:
-                self._desktop[pid] = _Desktop(label)
+            label = self._desktop_label(pid, names.get(pid) or "", pid in graphics)
+            if label is not None:
+                desktop.add(pid)
+                if pid not in self._desktop:
+                    self._desktop[pid] = _Desktop(label)
 
         # 3. the main process of each GPU, read once however many GPUs it drives
         mains: dict[int, int | None] = {}  # gpu index -> pid
         for gpu, lists in on_gpu:
-            mains[gpu.index] = self._main(lists, names)
+            mains[gpu.index] = self._main(lists, desktop)
         memo: dict[str, _CgroupReading | None] = {}
         facts: dict[int, Facts | None] = {}
         self._io.begin(now)
@@ -193,12 +195,12 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             del self._cgroups[path]
 
         launches = _Memo(self._owners.processes.read)
-        owners = self._owned(on_gpu, names, launches)
+        owners = self._owned(on_gpu, desktop, launches)
         jobs, launched = self._jobs(facts, launches)
         samples: list[Sample] = []
         for gpu, lists in on_gpu:
             main = mains[gpu.index]
-            self._gpu_samples(gpu, lists, names, main, facts, jobs, scanning, samples)
+            self._gpu_samples(gpu, lists, desktop, main, facts, jobs, scanning, samples)
             if main in launched:
                 samples.append(Sample(LAUNCHED.name, gpu.labels, float(launched[main])))
             owner = owners.get(gpu.labels[1])
@@ -210,13 +212,13 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
     def _owned(
         self,
         on_gpu: list[tuple[_Gpu, dict[str, dict[int, float]]]],
-        names: dict[int, str | None],
+        desktop: set[int],
         read: Callable[[int], ProcessFacts | None],
     ) -> dict[str, Owner | None]:
         """uuid -> owner of each GPU, from the processes its main one is chosen among."""
         if not self.settings.owner:
             return {}
-        gpus = [GpuProcesses(gpu.index, gpu.labels[1], _candidates(lists, names))
+        gpus = [GpuProcesses(gpu.index, gpu.labels[1], _candidates(lists, desktop))
                 for gpu, lists in on_gpu]  # fmt: skip
         return self._owners.owners(gpus, read)
 
@@ -236,12 +238,12 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         return names
 
     @staticmethod
-    def _main(lists: dict[str, dict[int, float]], names: dict[int, str | None]) -> int | None:
+    def _main(lists: dict[str, dict[int, float]], desktop: set[int]) -> int | None:
         """Most GPU memory, compute before graphics, lowest pid on a tie; no desktop."""
         best: tuple[int, float, int] | None = None
         for rank, kind in enumerate(KINDS):
             for pid, memory in lists.get(kind, {}).items():
-                if desktop_name(names.get(pid) or "") is not None:
+                if pid in desktop:
                     continue
                 key = (-rank, memory, -pid)
                 if best is None or key > best:
@@ -286,7 +288,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         self,
         gpu: _Gpu,
         lists: dict[str, dict[int, float]],
-        names: dict[int, str | None],
+        desktop_pids: set[int],
         main: int | None,
         facts: dict[int, Facts | None],
         jobs: dict[int, int],
@@ -299,7 +301,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             if kind in lists:
                 out.append(Sample(PROCESSES.name, labels + (kind,), float(len(lists[kind]))))
                 pids.update(lists[kind])
-        desktop = {pid for pid in pids if desktop_name(names.get(pid) or "") is not None}
+        desktop = pids & desktop_pids
         out.append(Sample(DESKTOP.name, labels, float(len(desktop))))
         others = len(pids - desktop - ({main} if main is not None else set()))
         out.append(Sample(OTHERS.name, labels, float(others)))

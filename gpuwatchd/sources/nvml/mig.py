@@ -1,0 +1,308 @@
+"""MIG: each GPU's MIG mode, its MIG devices and what NVML reads per instance.
+
+On a MIG-enabled GPU NVML answers per instance, not per GPU (docs/mig.md):
+`nvmlDeviceGetUtilizationRates` is NOT_SUPPORTED on the parent (the source then leaves
+`gpu_utilization_ratio` out; nothing stands in for it) and on the MIG devices alike;
+memory and processes are read on each MIG device's handle, clocks, power, temperature,
+PCIe, ECC and NVLink stay the parent's.
+
+What it costs, per MIG-capable GPU (A100, H100, H200; `nvmlDeviceGetMigMode` answers
+NOT_SUPPORTED elsewhere and is never asked again):
+- MIG off: the mode (~165 µs on an H200) at the first poll, every `OFF_EVERY` polls
+  (a pending change), and at once when the parent's utilization turns NOT_SUPPORTED
+  (MIG was enabled: that is how the driver shows it first);
+- MIG on: the mode every `SLOW_EVERY` polls (disabled, a pending change), one
+  `nvmlDeviceGetMigDeviceHandleByIndex` (~33 µs) past the known devices every
+  `SLOW_EVERY` polls (an instance created), and per MIG device and poll its memory and
+  compute processes (~9 + ~11 µs);
+- discovery (all slots up to `nvmlDeviceGetMaxMigDeviceCount`; per device its UUID,
+  GPU/compute instance ids, name and attributes) only when the mode turns on, a device
+  appears, or a device's handle stops answering (INVALID_ARGUMENT / NOT_FOUND: its
+  instance was destroyed).
+The discovery's probe assumes NVML numbers MIG devices densely from 0 (as nvitop
+does: it stops at the first index without one); the discovery itself skips empty
+indexes.
+
+The parent's reads that MIG changes (utilization, the SM count) are asked again when
+MIG is disabled. `MigReads` is a mixin of NvmlSource, which sets the state it declares.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatchd.metrics import GPU_LABELS, Sample, gauge
+from gpuwatchd.sources.nvml.metrics import SM_COUNT
+from gpuwatchd.sources.nvml.reads import SLOW_EVERY, _Gpu, _GpuLost
+from gpuwatchd.sources.nvmlapi import sm_count
+
+log = logging.getLogger("gpuwatchd.sources.nvml")
+
+OFF_EVERY = 6 * SLOW_EVERY  # polls between two reads of the mode of a GPU with MIG off
+MIG_LABELS = GPU_LABELS + ("gpu_instance", "compute_instance", "profile")
+# the parent's reads MIG makes NOT_SUPPORTED: asked again once MIG is disabled
+PARENT_KEYS = ("utilization",)
+
+# none of these show on a node without MIG (budget 0: the series budget's healthy node)
+MIG_MODE = gauge(
+    "gpu_mig_mode",
+    "1 while MIG is enabled on the GPU (NVML then has no utilization for it, see "
+    "docs/mig.md); absent otherwise.",
+    GPU_LABELS,
+    export="nonzero",
+)
+MIG_CHANGE_PENDING = gauge(
+    "gpu_mig_mode_change_pending",
+    "1 while a MIG mode change waits for the next GPU reset; absent otherwise.",
+    GPU_LABELS,
+    export="nonzero",
+)
+INSTANCE_INFO = gauge(
+    "gpu_instance_info",
+    "A MIG device (compute instance) of the GPU, with its UUID (what CUDA_VISIBLE_DEVICES "
+    "names); always 1.",
+    MIG_LABELS + ("mig_uuid",),
+    budget=0,
+)
+INSTANCE_MEMORY_USED = gauge(
+    "gpu_instance_memory_used_bytes",
+    "Device memory in use in the MIG device's GPU instance (its compute instances share it).",
+    MIG_LABELS,
+    budget=0,
+)
+INSTANCE_MEMORY_TOTAL = gauge(
+    "gpu_instance_memory_total_bytes",
+    "Device memory of the MIG device's GPU instance.",
+    MIG_LABELS,
+    budget=0,
+)
+INSTANCE_PROCESSES = gauge(
+    "gpu_instance_compute_processes",
+    "Compute processes running on the MIG device.",
+    MIG_LABELS,
+    budget=0,
+)
+INSTANCE_SMS = gauge(
+    "gpu_instance_multiprocessors",
+    "Streaming multiprocessors of the MIG device.",
+    MIG_LABELS,
+    export="detail",
+)
+MIG_SPECS = (
+    MIG_MODE,
+    MIG_CHANGE_PENDING,
+    INSTANCE_INFO,
+    INSTANCE_MEMORY_USED,
+    INSTANCE_MEMORY_TOTAL,
+    INSTANCE_PROCESSES,
+    INSTANCE_SMS,
+)
+
+
+@dataclass
+class MigDevice:
+    """One MIG device as discovered: its handle and what labels its series."""
+
+    index: int
+    handle: Any
+    uuid: str
+    labels: tuple[str, ...]  # MIG_LABELS
+    sms: int | None
+    processes: dict[int, float] = field(default_factory=dict)  # pid -> bytes, last read
+
+
+@dataclass
+class MigState:
+    """What the source knows of one GPU's MIG (`_Gpu.mig`)."""
+
+    capable: bool = True  # False once the mode answers NOT_SUPPORTED
+    mode: int | None = None  # current mode, once read
+    pending: int | None = None
+    max_devices: int = 0
+    devices: list[MigDevice] = field(default_factory=list)
+    stale: bool = False  # rediscover (and read the mode) at the next poll
+    util_checked: bool = False  # the mode was read after utilization went unsupported
+
+
+def profile_of(name: str, attributes: Any) -> str:
+    """The GPU instance's profile (1g.10gb, as dcgm-exporter's GPU_I_PROFILE) from the MIG
+    device's name ("NVIDIA A100-SXM4-80GB MIG 1c.3g.40gb": the part after "MIG", less a
+    smaller compute instance's "1c."), else from its attributes."""
+    _, found, tail = name.rpartition(" MIG ")
+    if found and tail:
+        head, _, rest = tail.partition(".")
+        return rest if head.endswith("c") and head[:-1].isdigit() and rest else tail
+    if attributes is None:
+        return ""
+    gigabytes = math.ceil(attributes.memorySizeMB / 1024)
+    return f"{attributes.gpuInstanceSliceCount}g.{gigabytes}gb"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class MigReads:
+    """NvmlSource's MIG mode, discovery and per-instance reads."""
+
+    _nv: Any
+    _calls: dict[str, list[tuple[str, Any, tuple[Any, ...]]]]
+    _describe: Callable[[Any], str]
+    _log_once: Callable[[str, str, _Gpu, str], None]
+
+    def _mig(self, gpu: _Gpu, out: list[Sample]) -> None:
+        """This poll's MIG reads of a GPU (see the module's docstring for the cadence)."""
+        state: MigState | None = gpu.mig
+        if state is None:
+            state = gpu.mig = MigState()
+        if not state.capable:
+            return
+        polls = gpu.polls
+        unsupported = "utilization" in gpu.disabled and not state.util_checked
+        due = SLOW_EVERY if state.mode == 1 else OFF_EVERY
+        if state.mode is None or state.stale or polls % due == 0 or unsupported:
+            state.util_checked = "utilization" in gpu.disabled
+            self._mig_mode(gpu, state)
+        if state.mode == 1:
+            appeared = (
+                not state.stale and polls % SLOW_EVERY == 0 and self._mig_appeared(gpu, state)
+            )
+            if state.stale or appeared:
+                self._mig_discover(gpu, state)
+            self._mig_instances(gpu, state, out)
+        # only while set (as gpu_nvlink_down): a GPU without MIG keeps its series as before
+        if state.mode == 1:
+            out.append(Sample(MIG_MODE.name, gpu.labels, 1.0))
+        if state.pending is not None and state.pending != state.mode:
+            out.append(Sample(MIG_CHANGE_PENDING.name, gpu.labels, 1.0))
+
+    def _mig_call(self, gpu: _Gpu, function: Any, *args: Any) -> Any:
+        """`function(*args)`; an NVMLError is raised (GPU_IS_LOST as _GpuLost)."""
+        nv = self._nv
+        try:
+            return function(*args)
+        except nv.NVMLError as e:
+            if e.value == nv.NVML_ERROR_GPU_IS_LOST:
+                raise _GpuLost from e
+            raise
+
+    def _mig_mode(self, gpu: _Gpu, state: MigState) -> None:
+        nv = self._nv
+        try:
+            current, pending = self._mig_call(gpu, nv.nvmlDeviceGetMigMode, gpu.handle)
+        except (nv.NVMLError, AttributeError) as e:
+            code = getattr(e, "value", nv.NVML_ERROR_FUNCTION_NOT_FOUND)
+            if code in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
+                state.capable = False
+                self._log_once("mig", "nvmlDeviceGetMigMode", gpu, "no MIG on this GPU")
+            else:
+                log.debug("nvml: GPU %d: MIG mode: %s", gpu.index, self._describe(e))
+            return
+        state.pending = int(pending)
+        if int(current) != state.mode:
+            self._mig_changed(gpu, state, int(current))
+        elif state.stale and current != 1:
+            state.stale = False
+
+    def _mig_changed(self, gpu: _Gpu, state: MigState, mode: int) -> None:
+        """The mode changed (or was read the first time)."""
+        first = state.mode is None
+        state.mode, state.devices, state.stale = mode, [], mode == 1
+        if mode == 1:
+            gpu.disabled.update(PARENT_KEYS)  # NOT_SUPPORTED on a MIG-enabled GPU
+            state.util_checked = True
+            log.info(
+                "nvml: GPU %d: MIG enabled: NVML has no utilization for a MIG-enabled GPU, "
+                "so gpu_utilization_ratio is left out; memory and processes are read per "
+                "MIG device (gpuwatchd_gpu_instance_*; docs/mig.md)",
+                gpu.index,
+            )
+        elif not first:
+            log.info("nvml: GPU %d: MIG disabled: reading it as a whole GPU again", gpu.index)
+            gpu.disabled.difference_update(PARENT_KEYS)
+            state.util_checked = False
+        if not first:  # NVML counts a MIG-enabled GPU's cores no more
+            sms = sm_count(self._nv, gpu.handle)
+            gpu.sm_count = None if sms is None else Sample(SM_COUNT.name, gpu.labels, float(sms))
+        for key in PARENT_KEYS:
+            gpu.kept.pop(key, None)
+
+    def _mig_appeared(self, gpu: _Gpu, state: MigState) -> bool:
+        """Whether a MIG device has appeared past the known ones (one call)."""
+        nv, index = self._nv, len(state.devices)
+        if index >= state.max_devices:
+            return False
+        try:
+            self._mig_call(gpu, nv.nvmlDeviceGetMigDeviceHandleByIndex, gpu.handle, index)
+        except nv.NVMLError:
+            return False
+        return True
+
+    def _mig_discover(self, gpu: _Gpu, state: MigState) -> None:
+        """Every MIG device of the GPU, from index 0 to the most it can have."""
+        nv = self._nv
+        state.stale, state.devices = False, []
+        try:
+            state.max_devices = int(
+                self._mig_call(gpu, nv.nvmlDeviceGetMaxMigDeviceCount, gpu.handle)
+            )
+        except nv.NVMLError as e:
+            log.debug("nvml: GPU %d: MIG device count: %s", gpu.index, self._describe(e))
+            state.stale = True
+            return
+        for index in range(state.max_devices):
+            try:
+                handle = self._mig_call(
+                    gpu, nv.nvmlDeviceGetMigDeviceHandleByIndex, gpu.handle, index
+                )
+                state.devices.append(self._mig_identify(gpu, index, handle))
+            except nv.NVMLError as e:
+                if e.value != nv.NVML_ERROR_NOT_FOUND:  # NOT_FOUND: no device there
+                    log.debug("nvml: GPU %d: MIG device %d: %s", gpu.index, index,
+                              self._describe(e))  # fmt: skip
+        profiles = ", ".join(d.labels[4] for d in state.devices) or "none"
+        log.info("nvml: GPU %d: %d MIG devices (%s)", gpu.index, len(state.devices), profiles)
+
+    def _mig_identify(self, gpu: _Gpu, index: int, handle: Any) -> MigDevice:
+        """A MIG device's identity, read once per discovery (NVMLError if it cannot be)."""
+        nv = self._nv
+        uuid = _text(self._mig_call(gpu, nv.nvmlDeviceGetUUID, handle))
+        gi = self._mig_call(gpu, nv.nvmlDeviceGetGpuInstanceId, handle)
+        ci = self._mig_call(gpu, nv.nvmlDeviceGetComputeInstanceId, handle)
+        name = _text(self._mig_call(gpu, nv.nvmlDeviceGetName, handle))
+        try:
+            attributes = self._mig_call(gpu, nv.nvmlDeviceGetAttributes_v2, handle)
+        except nv.NVMLError:
+            attributes = None
+        labels = gpu.labels + (str(gi), str(ci), profile_of(name, attributes))
+        sms = None if attributes is None else int(attributes.multiprocessorCount)
+        return MigDevice(index, handle, uuid, labels, sms)
+
+    def _mig_instances(self, gpu: _Gpu, state: MigState, out: list[Sample]) -> None:
+        """Each MIG device's memory and compute processes; a handle that no longer
+        answers (its instance destroyed, MIG disabled) sends the GPU to discovery."""
+        nv = self._nv
+        _, processes, _ = self._calls["compute_processes"][gpu.choice.get("compute_processes", 0)]
+        for device in state.devices:
+            try:
+                memory = self._mig_call(gpu, nv.nvmlDeviceGetMemoryInfo, device.handle)
+                if processes is not None:  # None: this pynvml predates the call
+                    device.processes = self._mig_call(gpu, processes, device.handle)
+            except nv.NVMLError as e:
+                if e.value in (nv.NVML_ERROR_INVALID_ARGUMENT, nv.NVML_ERROR_NOT_FOUND):
+                    state.stale = True  # the mode and the devices, read again next poll
+                    return
+                log.debug("nvml: GPU %d: MIG device %s: %s", gpu.index, device.uuid,
+                          self._describe(e))  # fmt: skip
+                continue
+            labels = device.labels
+            out.append(Sample(INSTANCE_INFO.name, labels + (device.uuid,), 1.0))
+            out.append(Sample(INSTANCE_MEMORY_USED.name, labels, float(memory.used)))
+            out.append(Sample(INSTANCE_MEMORY_TOTAL.name, labels, float(memory.total)))
+            out.append(Sample(INSTANCE_PROCESSES.name, labels, float(len(device.processes))))
+            if device.sms is not None:
+                out.append(Sample(INSTANCE_SMS.name, labels, float(device.sms)))
