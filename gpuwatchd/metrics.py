@@ -75,3 +75,25 @@ def counter(
 ) -> MetricSpec:
     assert name.endswith("_total"), name
     return MetricSpec(PREFIX + name, help, labels, "counter", export, budget)
+
+
+def gpu_gauge(
+    name: str,
+    help: str,
+    extra: tuple[str, ...] = (),
+    export: Export = "always",
+    budget: int | None = None,
+) -> MetricSpec:
+    """Per GPU: labels gpu, uuid, then `extra`."""
+    return gauge(name, help, GPU_LABELS + extra, export, budget)
+
+
+def gpu_counter(
+    name: str,
+    help: str,
+    extra: tuple[str, ...] = (),
+    export: Export = "always",
+    budget: int | None = None,
+) -> MetricSpec:
+    """Per GPU: labels gpu, uuid, then `extra`."""
+    return counter(name, help, GPU_LABELS + extra, export, budget)

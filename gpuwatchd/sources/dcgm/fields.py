@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from gpuwatchd.config import DCGM_DEFAULT_FIELDS
-from gpuwatchd.metrics import GPU_LABELS, Export, MetricSpec, counter, gauge
+from gpuwatchd.metrics import Export, MetricSpec, counter, gauge, gpu_counter, gpu_gauge
 
 FE_GPU = 1  # dcgm_fields.DCGM_FE_GPU
 # DCGM's own test for a profiling field (DCGM_FIELD_ID_IS_PROF_FIELD, dcgm_fields_internal.hpp,
@@ -103,25 +103,14 @@ def not_numbers(dcgm_fields: Any, ids: Iterable[int]) -> dict[int, str]:
 # -- metrics ----------------------------------------------------------------------------
 
 
-def _gpu(
-    name: str,
-    help: str,
-    extra: tuple[str, ...] = (),
-    export: Export = "always",
-    budget: int | None = None,
-) -> MetricSpec:
-    return gauge(name, help, GPU_LABELS + extra, export, budget)
+_gpu = gpu_gauge
 
 
 def _gpu_counter(
-    name: str,
-    help: str,
-    extra: tuple[str, ...] = (),
-    export: Export = "nonzero",
-    budget: int | None = None,
+    name: str, help: str, extra: tuple[str, ...] = (), export: Export = "nonzero", **kw: Any
 ) -> MetricSpec:
     """A counter of rare events (errors, violations): shown from its first event."""
-    return counter(name, help, GPU_LABELS + extra, export, budget)
+    return gpu_counter(name, help, extra, export, **kw)
 
 
 STATE = gauge(

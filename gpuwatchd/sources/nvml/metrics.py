@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-from gpuwatchd.metrics import GPU_LABELS, Export, MetricSpec, counter, gauge
-
-
-def _gpu_gauge(
-    name: str,
-    help: str,
-    extra: tuple[str, ...] = (),
-    export: Export = "always",
-    budget: int | None = None,
-) -> MetricSpec:
-    return gauge(name, help, GPU_LABELS + extra, export, budget)
-
+from gpuwatchd.metrics import GPU_LABELS, counter, gauge
+from gpuwatchd.metrics import gpu_gauge as _gpu_gauge
 
 INFO = gauge(
     "gpu_info",

@@ -7,14 +7,10 @@ wiring, not some hundred lines of help texts.
 
 from __future__ import annotations
 
-from typing import Any
-
-from gpuwatchd.metrics import GPU_LABELS, Export, counter, gauge
+from gpuwatchd.metrics import GPU_LABELS, counter, gauge, gpu_gauge
 from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
 
-
-def _gpu(name: str, help: str, extra: tuple[str, ...] = (), export: Export = "always") -> Any:
-    return gauge(name, help, GPU_LABELS + extra, export)
+_gpu = gpu_gauge
 
 
 PROCESSES = _gpu(
