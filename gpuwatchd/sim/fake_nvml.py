@@ -58,7 +58,6 @@ from gpuwatchd.sim.fake_nvml_device import (
     _RECORD,
     ERROR_DRIVER_NOT_LOADED,
     ERROR_GPU_IS_LOST,
-    ERROR_INSUFFICIENT_SIZE,
     ERROR_INVALID_ARGUMENT,
     ERROR_NOT_SUPPORTED,
     ERROR_TIMEOUT,
@@ -66,6 +65,7 @@ from gpuwatchd.sim.fake_nvml_device import (
     NOT_AVAILABLE_UINT,
     SUCCESS,
     DeviceReads,
+    _copy_string,
     _FieldPlan,
     _requested,
     _value,
@@ -742,14 +742,6 @@ class FakeNvmlLib(DeviceReads, MigReads):
         event.eventType, event.eventData = event_type, data
         event.gpuInstanceId = event.computeInstanceId = NOT_AVAILABLE_UINT
         return SUCCESS
-
-
-def _copy_string(buf: Any, size: Any, text: str) -> int:
-    data = text.encode()
-    if len(data) + 1 > _value(size):
-        return ERROR_INSUFFICIENT_SIZE
-    buf.value = data
-    return SUCCESS
 
 
 __all__ = [

@@ -92,6 +92,14 @@ def _value(arg: Any) -> int:
     return int(arg.value) if hasattr(arg, "value") else int(arg)
 
 
+def _copy_string(buf: Any, size: Any, text: str) -> int:
+    data = text.encode()
+    if len(data) + 1 > _value(size):
+        return ERROR_INSUFFICIENT_SIZE
+    buf.value = data
+    return SUCCESS
+
+
 def _requested(count: Any, values: Any) -> tuple[tuple[int, int], ...] | None:
     """The (field id, scope id) pairs an nvmlDeviceGetFieldValues call asks for, read
     from the caller's array's memory; None for a count the array cannot hold."""

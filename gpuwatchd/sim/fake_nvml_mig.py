@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.sim.fake_nvml_device import (
     ERROR_ARGUMENT_VERSION_MISMATCH,
-    ERROR_INSUFFICIENT_SIZE,
     ERROR_INVALID_ARGUMENT,
     ERROR_NOT_FOUND,
     ERROR_NOT_SUPPORTED,
     MIB,
     NOT_AVAILABLE_UINT,
     SUCCESS,
+    _copy_string,
     _field,
     _kind,
     _value,
@@ -320,10 +320,10 @@ class MigReads:
         return SUCCESS
 
     def _mig_uuid(self, gpu: int, layout: MigLayout, device: MigDevice, buf: Any, size: Any) -> int:
-        return _copy(buf, size, mig_uuid(self.node.hostname, gpu, device))
+        return _copy_string(buf, size, mig_uuid(self.node.hostname, gpu, device))
 
     def _mig_name(self, gpu: int, layout: MigLayout, device: MigDevice, buf: Any, size: Any) -> int:
-        return _copy(buf, size, f"{self.model.name} MIG {device.name}")
+        return _copy_string(buf, size, f"{self.model.name} MIG {device.name}")
 
     def _mig_index(self, gpu: int, layout: MigLayout, device: MigDevice, out: Any) -> int:
         out._obj.value = layout.devices.index(device)  # what GetMigDeviceHandleByIndex takes
@@ -373,11 +373,3 @@ class MigReads:
 
     def _mig_not_a_parent(self, gpu: int, layout: MigLayout, device: MigDevice, *args: Any) -> int:
         return ERROR_INVALID_ARGUMENT
-
-
-def _copy(buf: Any, size: Any, text: str) -> int:
-    data = text.encode()
-    if len(data) + 1 > _value(size):
-        return ERROR_INSUFFICIENT_SIZE
-    buf.value = data
-    return SUCCESS
