@@ -175,9 +175,9 @@ def log_transitions(transitions: list[Transition]) -> None:
     the page it raises), each stop. Pending and not-evaluable changes stay off it."""
     for t in transitions:
         if t.new == FIRING:
-            causes_log.warning("GPU %s: %s firing: %s", t.gpu, t.cause, t.detail)
+            causes_log.warning("GPU %s: %s firing: %s", t.where, t.cause, t.detail)
         elif t.old == FIRING:
-            causes_log.info("GPU %s: %s resolved (now %s)", t.gpu, t.cause, t.new)
+            causes_log.info("GPU %s: %s resolved (now %s)", t.where, t.cause, t.new)
 
 
 class Daemon:

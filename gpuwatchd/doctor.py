@@ -334,7 +334,7 @@ class Report:
             if unchecked:
                 return f"could not check {unchecked}; no cause holds on what was checked"
             return "no cause holds"
-        causes = group_by_text((f.gpu, f.cause) for f in self.holding)
+        causes = group_by_text((f.where, f.cause) for f in self.holding)
         held = [f"{cause} on {gpu_list(gpus)}" for gpus, cause in causes]
         held += [f"{c.check} on the host" for c in self.host_problems]
         could_not = f"; could not check {unchecked}" if unchecked else ""
@@ -418,7 +418,7 @@ def finding_groups(findings: list[Finding]) -> list[tuple[list[str], Finding]]:
     groups: dict[tuple[str, ...], tuple[list[str], Finding]] = {}
     for f in findings:
         key = (f.cause, f.dimension, f.severity, f.status, f.detail, f.remedy)
-        groups.setdefault(key, ([], f))[0].append(f.gpu)
+        groups.setdefault(key, ([], f))[0].append(f.where)
     return list(groups.values())
 
 
@@ -445,7 +445,7 @@ def build_report(pipeline: Pipeline, node: str) -> Report:
         status = PROBLEM if holding else OK if evaluated else NOT_CHECKED
         report = DimensionReport(dim, status, _evidence(latest, dim))
         report.causes = [
-            {"gpu": f.gpu, "cause": f.cause, "summary": f.detail, "remedy": f.remedy}
+            {"gpu": f.where, "cause": f.cause, "summary": f.detail, "remedy": f.remedy}
             for f in holding
         ]
         dimensions.append(report)
@@ -558,8 +558,8 @@ def _finding_lines(report: Report) -> list[str]:
     for f in report.findings:
         if f.status == NOT_EVALUABLE:
             into = no_probe if f.cause in report.needs_probe else unknown
-            into.setdefault(f.gpu, []).append(f.cause)
-    pairs = [(f.gpu, f"{f.cause} ({f.dimension}, {f.severity}): {f.detail}") for f in holding]
+            into.setdefault(f.where, []).append(f.cause)
+    pairs = [(f.where, f"{f.cause} ({f.dimension}, {f.severity}): {f.detail}") for f in holding]
     pairs += [(gpu, "no cause holds") for gpu in quiet]
     pairs += [(gpu, f"not evaluable: {', '.join(causes)}") for gpu, causes in unknown.items()]
     pairs += [

@@ -12,6 +12,9 @@ from typing import Literal, NamedTuple
 
 PREFIX = "gpuwatchd_"
 GPU_LABELS = ("gpu", "uuid")
+# a MIG GPU instance's series: its GPU's labels, its GI id (dcgm-exporter's GPU_I_ID) and
+# the GI's profile (GPU_I_PROFILE, e.g. 3g.40gb)
+INSTANCE_LABELS = GPU_LABELS + ("gpu_instance", "profile")
 
 
 # What the exposition shows of a family (the store, the rules and the status page always
@@ -34,6 +37,9 @@ class MetricSpec:
     # series the family may show on a healthy 8-GPU node with the default config: per GPU
     # where it has a `gpu` label, else per node (docs/metrics.md; tests/test_series_budget)
     budget: int | None = None  # None: 1 where shown always, else 0
+    # a MIG GPU instance's form of a per-GPU family: the family it splits (full name); the
+    # rules read it as that family when they judge the instance (docs/mig.md)
+    instance_of: str | None = None
 
     @property
     def series_budget(self) -> int:
@@ -97,3 +103,14 @@ def gpu_counter(
 ) -> MetricSpec:
     """Per GPU: labels gpu, uuid, then `extra`."""
     return counter(name, help, GPU_LABELS + extra, export, budget)
+
+
+def instance_form(spec: MetricSpec, help: str | None = None) -> MetricSpec:
+    """The per-MIG-GPU-instance form of the per-GPU family `spec`: `gpu_X` becomes
+    `gpu_instance_X`, labels INSTANCE_LABELS then the family's own; shown as `spec` is,
+    budget 0 (a healthy non-MIG node has none)."""
+    assert spec.labels[:2] == GPU_LABELS and spec.name.startswith(PREFIX + "gpu_"), spec.name
+    name = PREFIX + "gpu_instance_" + spec.name.removeprefix(PREFIX + "gpu_")
+    text = help or f"{spec.help.rstrip('.')}; per MIG GPU instance."
+    labels = INSTANCE_LABELS + spec.labels[2:]
+    return MetricSpec(name, text, labels, spec.type, spec.export, 0, spec.name)

@@ -142,7 +142,7 @@ def format_result(result: SimulationResult) -> str:
     for t in changes:
         at = t.at - result.started_at
         if t.new == "firing":
-            lines.append(f"  {at:7.0f}s  gpu {t.gpu}  {t.cause} firing: {t.detail}")
+            lines.append(f"  {at:7.0f}s  gpu {t.where}  {t.cause} firing: {t.detail}")
         else:
-            lines.append(f"  {at:7.0f}s  gpu {t.gpu}  {t.cause} resolved ({t.new})")
+            lines.append(f"  {at:7.0f}s  gpu {t.where}  {t.cause} resolved ({t.new})")
     return "\n".join(lines)

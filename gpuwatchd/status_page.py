@@ -29,6 +29,7 @@ from gpuwatchd.rules.engine import (
     RuleEngine,
     Transition,
 )
+from gpuwatchd.rules.evaluator import GpuRef
 from gpuwatchd.rules.ruleset import Rule
 from gpuwatchd.scheduler import Poller
 from gpuwatchd.store import Store
@@ -54,6 +55,7 @@ class Cause:
     fires_at: float  # holds_since + `for`: when it started (or will start) firing
     summary: str  # the evidence frozen when it started firing; empty while pending
     remedy: str
+    instance: str = ""  # on a MIG GPU instance: "GI 3 (1g.10gb)"; "" for the whole GPU
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Where:
     owner: str = ""  # the scheduler's job ("slurm job 4242", a pod)
 
     def text(self) -> str:
-        """"PCI 0000:47:00.0, pid 6004, slurm job 4242" (what is known)."""
+        """ "PCI 0000:47:00.0, pid 6004, slurm job 4242" (what is known)."""
         parts = [f"PCI {self.bus_id}"] if self.bus_id else []
         parts += [f"pid {self.pid}"] if self.pid else []
         return ", ".join(parts + ([self.owner] if self.owner else []))
@@ -172,7 +174,7 @@ class StatusPage:
         self.engine = engine
         self.hostname = hostname or socket.gethostname()
         self._models: dict[str, str] = {}  # by uuid: a lost GPU, or NVML down, keeps its model
-        self._firing: dict[tuple[str, str], Transition] = {}  # (uuid, cause) -> it fired
+        self._firing: dict[tuple[str, str, str], Transition] = {}  # (uuid, GI, cause) -> fired
         self._resolved: deque[Resolved] = deque(maxlen=RECENT)
         self._lock = threading.Lock()  # record() runs in the evaluation loop, pages in the server
 
@@ -180,11 +182,11 @@ class StatusPage:
         """Remember when causes started firing, and keep the last RECENT that stopped."""
         with self._lock:
             for t in transitions:
-                key = (t.uuid, t.cause)
+                key = (t.uuid, t.instance, t.cause)
                 if t.new == FIRING:
                     self._firing[key] = t
                 elif t.old == FIRING and (fired := self._firing.pop(key, None)) is not None:
-                    resolved = Resolved(t.gpu, t.cause, fired.at, t.at, fired.detail)
+                    resolved = Resolved(t.where, t.cause, fired.at, t.at, fired.detail)
                     self._resolved.appendleft(resolved)
 
     def __call__(self) -> bytes:
@@ -226,16 +228,32 @@ class StatusPage:
         # each once, and only with .get, so a concurrent cycle never breaks an iteration
         rules = self.engine.rules.rules if self.engine is not None else ()
         states = self.engine.states if self.engine is not None else {}
+        instances = self._instances()
         gpus: list[Gpu] = []
         unevaluable: dict[tuple[str, str], list[str]] = {}
         for uuid, index in sorted(indexes.items(), key=lambda item: (_number(item[1]), item[0])):
-            firing, pending, reasons = _causes(rules, states, uuid, now, shift)
+            firing, pending = [], []
+            for ref in [GpuRef(index, uuid, None), *instances.get(uuid, ())]:
+                on, waiting, reasons = _causes(rules, states, ref, now, shift)
+                firing += on
+                pending += waiting
+                for cause, reason in reasons:
+                    unevaluable.setdefault((cause, reason), []).append(ref.name)
             model = self._models.get(uuid, "")
-            gpus.append(Gpu(index, uuid, model, uuid in lost, firing, pending, where(uuid)))
-            for cause, reason in reasons:
-                unevaluable.setdefault((cause, reason), []).append(index)
+            gpu = Gpu(index, uuid, model, uuid in lost, _worst_first(firing),
+                      _worst_first(pending), where(uuid))  # fmt: skip
+            gpus.append(gpu)
         grouped = tuple(Unevaluable(c, r, tuple(g)) for (c, r), g in unevaluable.items())
         return tuple(gpus), grouped
+
+    def _instances(self) -> dict[str, list[GpuRef]]:
+        """The MIG GPU instances the engine judges, by their GPU's uuid."""
+        out: dict[str, list[GpuRef]] = {}
+        if self.engine is not None:
+            for ref in list(self.engine.gpus.values()):
+                if ref.instance:
+                    out.setdefault(ref.uuid, []).append(ref)
+        return out
 
     def _where(self) -> Callable[[str], Where]:
         """A GPU's PCI address, main process, job and owner, by uuid, from the store."""
@@ -268,31 +286,32 @@ class StatusPage:
 def _causes(
     rules: Sequence[Rule],
     states: Mapping[tuple[str, str], AlertState],
-    uuid: str,
+    ref: GpuRef,
     now: float,
     shift: float,
-) -> tuple[tuple[Cause, ...], tuple[Cause, ...], list[tuple[str, str]]]:
-    """One GPU's firing and pending causes (worst first, their times `shift`ed onto the
-    wall clock), and its unevaluable rules."""
+) -> tuple[list[Cause], list[Cause], list[tuple[str, str]]]:
+    """One GPU's (or MIG GPU instance's) firing and pending causes (their times `shift`ed
+    onto the wall clock), and its unevaluable rules."""
     firing: list[Cause] = []
     pending: list[Cause] = []
     unevaluable: list[tuple[str, str]] = []
+    instance = f"GI {ref.instance} ({ref.profile})" if ref.instance else ""
     for rule in rules:
-        state = states.get((uuid, rule.name))
+        state = states.get((ref.id, rule.name))
         if state is None:
             continue
         kind = state.state
         if kind == FIRING:
-            firing.append(_cause(rule, state, now, shift))
+            firing.append(_cause(rule, state, now, shift, instance))
         elif kind == PENDING:
-            pending.append(_cause(rule, state, now, shift))
+            pending.append(_cause(rule, state, now, shift, instance))
         elif kind == NOT_EVALUABLE:
             reason = NO_PROBE if state.waits_for_probe else state.reason
             unevaluable.append((rule.name, reason))
-    return _worst_first(firing), _worst_first(pending), unevaluable
+    return firing, pending, unevaluable
 
 
-def _cause(rule: Rule, state: AlertState, now: float, shift: float) -> Cause:
+def _cause(rule: Rule, state: AlertState, now: float, shift: float, instance: str) -> Cause:
     spec = rule.spec
     active_at = state.active_at  # once: the evaluation thread may be between two writes
     holds_since = (now if active_at is None else active_at) + shift
@@ -304,6 +323,7 @@ def _cause(rule: Rule, state: AlertState, now: float, shift: float) -> Cause:
         fires_at=holds_since + spec.for_,  # the engine fires on the first cycle after this
         summary=state.summary,
         remedy=" ".join(spec.remedy.split()),
+        instance=instance,
     )
 
 
@@ -323,8 +343,13 @@ def group_causes(gpus: Sequence[Gpu]) -> tuple[CauseGroup, ...]:
         waiting = tuple(g.index for g in stalled if g.where.job in jobs and g not in hit)
         groups.append(
             CauseGroup(
-                name, first.severity, first.dimension, tuple(g.index for g in hit),
-                first.summary, first.remedy, waiting,
+                name,
+                first.severity,
+                first.dimension,
+                tuple(g.index for g in hit),
+                first.summary,
+                first.remedy,
+                waiting,
             )  # fmt: skip
         )
     return tuple(sorted(groups, key=_group_order))
@@ -481,7 +506,7 @@ def _verdict(node: NodeStatus) -> str:
 
 
 def _gpu_list(indexes: Sequence[str], links: bool = False) -> str:
-    """"GPU 3", "GPUs 0, 1, 2" (each a link to its card, with `links`)."""
+    """ "GPU 3", "GPUs 0, 1, 2" (each a link to its card, with `links`)."""
     shown = (f'<a href="#gpu-{_e(i)}">{_e(i)}</a>' if links else _e(i) for i in indexes)
     return ("GPU " if len(indexes) == 1 else "GPUs ") + ", ".join(shown)
 
@@ -551,9 +576,10 @@ def _firing(gpu: Gpu, cause: Cause, now: float, shared: bool) -> str:
         if shared
         else f'<p class="remedy"><strong>Remedy:</strong> {_prose(cause.remedy)}</p>'
     )
+    anchor = f"gpu-{gpu.index}-{cause.name}" + re.sub(r"\W+", "-", f" {cause.instance}".rstrip())
     return (
-        f'<article class="cause firing" id="gpu-{_e(gpu.index)}-{_e(cause.name)}">'
-        f"<h4>{_e(cause.name)}</h4>{_badges(cause)}"
+        f'<article class="cause firing" id="{_e(anchor)}">'
+        f"<h4>{_e(cause.name)}{_on(cause)}</h4>{_badges(cause)}"
         f'<p class="when">firing for {_duration(now - cause.fires_at)}, since '
         f"{_time(cause.fires_at)}</p>"
         f'<p class="summary">{_prose(cause.summary)}</p>{remedy}</article>'
@@ -563,10 +589,15 @@ def _firing(gpu: Gpu, cause: Cause, now: float, shared: bool) -> str:
 def _pending(cause: Cause, now: float) -> str:
     return (
         f'<p class="pending" data-cause="{_e(cause.name)}"><span class="badge pending">pending'
-        f"</span> <strong>{_e(cause.name)}</strong> {_badges(cause)} "
+        f"</span> <strong>{_e(cause.name)}</strong>{_on(cause)} {_badges(cause)} "
         f'<span class="when">holds since {_time(cause.holds_since)}, fires after '
         f"{_time(cause.fires_at)} if it still holds</span></p>"
     )
+
+
+def _on(cause: Cause) -> str:
+    """The MIG GPU instance a cause is on, if it is on one."""
+    return f' <span class="instance">on {_e(cause.instance)}</span>' if cause.instance else ""
 
 
 def _badges(cause: Cause) -> str:
@@ -606,7 +637,7 @@ def _resolved(node: NodeStatus) -> str:
     if not node.resolved:
         return ""
     items = "".join(
-        f'<li><strong>{_e(r.cause)}</strong> on GPU {_e(r.gpu)}: fired {_time(r.fired_at)} for '
+        f"<li><strong>{_e(r.cause)}</strong> on GPU {_e(r.gpu)}: fired {_time(r.fired_at)} for "
         f"{_duration(r.resolved_at - r.fired_at)}, resolved {_duration(node.now - r.resolved_at)}"
         f' ago <span class="muted">({_prose(r.summary)})</span></li>'
         for r in node.resolved

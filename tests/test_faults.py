@@ -237,7 +237,7 @@ def test_gpu_lost_is_said_by_gpu_lost_not_by_a_source_down(node):
     assert P + "gpu_utilization_ratio" in m.names(gpu="0")
     assert P + "gpu_utilization_ratio" not in m.names(gpu="1")
     assert m.get("starvation_active", gpu="1", uuid=uuid(before, 1), cause="gpu_lost",
-                 dimension="driver", severity="critical") == 1  # fmt: skip
+                 gpu_instance="", dimension="driver", severity="critical") == 1  # fmt: skip
 
 
 # -- DCGM host engine restart --------------------------------------------------------------
@@ -425,8 +425,8 @@ def test_wall_clock_steps_change_no_measurement(node, tmp_path):
         u = uuid(m, int(gpu))
         return (
             m.get("starvation_active", gpu=gpu, uuid=u, cause="busy", dimension="compute",
-                  severity="info"),
-            m.get("starvation_seconds_total", gpu=gpu, uuid=u, cause="busy"),
+                  severity="info", gpu_instance=""),
+            m.get("starvation_seconds_total", gpu=gpu, uuid=u, cause="busy", gpu_instance=""),
         )  # fmt: skip
 
     assert busy(serving(n)) == (None, 0)  # pending (no active series): it holds 2 minutes

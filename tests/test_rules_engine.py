@@ -98,16 +98,16 @@ def test_derived_series_only_for_causes_in_a_state():
     node = Node(rule("gpu_utilization_ratio > 0.5", for_="10s"))
     node.step(0, gpu_utilization_ratio=[0.9, 0.1])  # pending on GPU 0 (its `for`)
     rows = node.engine.rows()
-    assert dict(rows["gpuwatchd_starvation_pending"]) == {("0", "GPU-a", "cause_x"): 1}
+    assert dict(rows["gpuwatchd_starvation_pending"]) == {("0", "GPU-a", "cause_x", ""): 1}
     assert rows["gpuwatchd_starvation_active"] == [] and rows["gpuwatchd_starvation_info"] == []
-    assert dict(rows["gpuwatchd_starvation_seconds_total"]) == {("0", "GPU-a", "cause_x"): 0}
+    assert dict(rows["gpuwatchd_starvation_seconds_total"]) == {("0", "GPU-a", "cause_x", ""): 0}
     for t in range(10, 50, 10):
         node.step(t, gpu_utilization_ratio=[0.9, 0.1])
     rows = node.engine.rows()
     active = dict(rows["gpuwatchd_starvation_active"])
-    assert active == {("0", "GPU-a", "cause_x", "compute", "warning"): 1}  # GPU 1: none
+    assert active == {("0", "GPU-a", "cause_x", "compute", "warning", ""): 1}  # GPU 1: none
     assert rows["gpuwatchd_starvation_pending"] == []
-    assert dict(rows["gpuwatchd_starvation_seconds_total"]) == {("0", "GPU-a", "cause_x"): 30}
+    assert dict(rows["gpuwatchd_starvation_seconds_total"]) == {("0", "GPU-a", "cause_x", ""): 30}
     assert rows["gpuwatchd_rule_evaluation_errors_total"] == []  # no error: no series
     assert dict(rows["gpuwatchd_gpu_starved"]) == {("0", "GPU-a"): 1, ("1", "GPU-b"): 0}
     assert dict(rows["gpuwatchd_rules"]) == {(): 1}
@@ -125,7 +125,7 @@ def test_a_rule_reading_a_source_that_is_down_is_not_evaluable():
     node = Node(rule("gpu_utilization_ratio < 2 or gpu_sm_active_ratio < 0.1"))  # no dcgm
     assert node.step(0, gpu_utilization_ratio=[0.9, 0.1]) == NOT_EVALUABLE
     rows = node.engine.rows()
-    assert dict(rows["gpuwatchd_starvation_not_evaluable"])[("0", "GPU-a", "cause_x")] == 1
+    assert dict(rows["gpuwatchd_starvation_not_evaluable"])[("0", "GPU-a", "cause_x", "")] == 1
     assert rows["gpuwatchd_starvation_active"] == []
     assert "dcgm" in node.engine.states[("GPU-a", "cause_x")].reason
 

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from gpuwatchd.exposition import Rows
 from gpuwatchd.metrics import GPU_LABELS, PREFIX, MetricSpec, counter, gauge
-from gpuwatchd.rules.evaluator import Evaluator, GpuRef, Reads
-from gpuwatchd.rules.language import Catalog, Missing, OverBudget
+from gpuwatchd.rules.evaluator import Evaluator, GpuRef, Reads, subject_name
+from gpuwatchd.rules.language import PEER_GROUPING, Catalog, Missing, OverBudget, Selector
 from gpuwatchd.rules.ruleset import Rule, RulesError, RuleSet, load_rules
 from gpuwatchd.rules.snapshot import Changed, LiveIndex
 from gpuwatchd.store import Store
@@ -47,38 +47,41 @@ UNKNOWN = "unknown"  # a summary's value that had none (never "?" on a page)
 # pending on. Every series is paid for by every node's Prometheus.
 ACTIVE = gauge(
     "starvation_active",
-    "1 while the cause fires on the GPU; absent otherwise.",
-    (*GPU_LABELS, "cause", "dimension", "severity"),
+    "1 while the cause fires on the GPU (on a MIG GPU instance: gpu_instance its GI id, "
+    "else empty); absent otherwise.",
+    (*GPU_LABELS, "cause", "dimension", "severity", "gpu_instance"),
     budget=0,
 )
 INFO = gauge(
     "starvation_info",
     "1 while the cause fires: the evidence frozen when it started firing, and the remedy "
     "(a series per firing cause, so alerts can carry them).",
-    (*GPU_LABELS, "cause", "dimension", "severity", "summary", "remedy"),
+    (*GPU_LABELS, "cause", "dimension", "severity", "summary", "remedy", "gpu_instance"),
     budget=0,
 )
 PENDING_METRIC = gauge(
     "starvation_pending",
     "1 while the cause's expression holds but its `for` has not passed yet; absent otherwise.",
-    (*GPU_LABELS, "cause"),
+    (*GPU_LABELS, "cause", "gpu_instance"),
     budget=0,
 )
 NOT_EVALUABLE_METRIC = gauge(
     "starvation_not_evaluable",
     "1 while the rule cannot be evaluated on the GPU (an input it needs is absent; not "
     "shown for a rule that only lacks the in-process probe's reports); absent otherwise.",
-    (*GPU_LABELS, "cause"),
+    (*GPU_LABELS, "cause", "gpu_instance"),
     budget=0,
 )
 SECONDS = counter(
     "starvation_seconds_total",
     "Time the cause has fired on the GPU; from the cause's first pending on (0 until it "
     "fires, so no firing second is lost to a series' first sample).",
-    (*GPU_LABELS, "cause"),
+    (*GPU_LABELS, "cause", "gpu_instance"),
     budget=0,
 )
-STARVED = gauge("gpu_starved", "1 while any cause fires on the GPU.", GPU_LABELS)
+STARVED = gauge(
+    "gpu_starved", "1 while any cause fires on the GPU (or one of its MIG instances).", GPU_LABELS
+)
 ERRORS = counter(
     "rule_evaluation_errors_total",
     "Evaluations of the rule that failed with an error (not: inputs absent); from its "
@@ -113,6 +116,8 @@ RULE_METRICS: tuple[MetricSpec, ...] = (
 
 _INFO = PREFIX + "gpu_info"
 _LOST = PREFIX + "gpu_lost"
+# a MIG GPU's instances (gpu, uuid, gpu_instance, compute_instance, profile, mig_uuid)
+_INSTANCES = PREFIX + "gpu_instance_info"
 
 
 @dataclass
@@ -148,6 +153,11 @@ class Finding:
     status: str  # HOLDS, NOT_HOLDING or NOT_EVALUABLE
     detail: str  # the evidence summary, or why the rule could not be evaluated
     remedy: str
+    instance: str = ""  # the MIG GPU instance judged (its GI id), "" for the whole GPU
+
+    @property
+    def where(self) -> str:
+        return subject_name(self.gpu, self.instance)
 
 
 HOLDS, NOT_HOLDING = "holds", "does_not_hold"
@@ -163,6 +173,11 @@ class Transition:
     new: str
     detail: str  # the summary when firing, the reason when not evaluable
     missing: tuple[str, ...] = ()  # the firing summary's values that had none
+    instance: str = ""  # the MIG GPU instance judged (its GI id), "" for the whole GPU
+
+    @property
+    def where(self) -> str:
+        return subject_name(self.gpu, self.instance)
 
 
 class RuleEngine:
@@ -180,8 +195,15 @@ class RuleEngine:
         self.source_up = source_up
         self.catalog = catalog
         self.evaluator = Evaluator(store.window, store.window_values)
-        self.gpus: dict[str, GpuRef] = {}  # by uuid; a GPU once seen stays (lost GPUs too)
-        self.states: dict[tuple[str, str], AlertState] = {}  # (uuid, cause)
+        self.evaluator.grouping = [
+            Selector(catalog.families[name], (), False)
+            for name in PEER_GROUPING
+            if name in catalog.families
+        ]
+        # what the rules judge, by GpuRef.id: every GPU once seen (lost GPUs too), and the
+        # GPU instances of MIG GPUs while they exist
+        self.gpus: dict[str, GpuRef] = {}
+        self.states: dict[tuple[str, str], AlertState] = {}  # (GpuRef.id, cause)
         self.errors: dict[str, int] = defaultdict(int)
         self.last_eval: float | None = None
         self.duration = 0.0
@@ -192,6 +214,11 @@ class RuleEngine:
         self.changes = 0  # bumped whenever a state shown by rows() may have changed
         self._firing = False  # some cause fires (its seconds grow every cycle)
         self._sorted: list[GpuRef] = []
+        # the subjects of a rule about the GPU's physics, and of one about its workload:
+        # a MIG GPU's workloads are its instances' (docs/mig.md)
+        self._whole: list[GpuRef] = []
+        self._workloads: list[GpuRef] = []
+        self._per_instance: set[str] = set()  # rules that judge a MIG GPU's instances
         self.set_rules(rules)
 
     def set_rules(self, rules: RuleSet) -> None:
@@ -201,14 +228,26 @@ class RuleEngine:
         for state in self.states.values():
             state.reads = None  # read by the old expressions
         self.rules = rules
-        # the families the snapshot indexes: what the rules read, and the GPUs' identity
-        wanted = {_INFO, _LOST, PREFIX + "gpu_process_pid"}
+        # the families the snapshot indexes: what the rules read (and on a GPU instance,
+        # its instance forms), the GPUs' and instances' identity, their main processes
+        families = [s.family for s in self.evaluator.grouping if s.family.name == "gpu_process_pid"]
+        self._per_instance = set()
         windowed: set[str] = set()
         for rule in rules.rules:
             for compiled in (rule.expr, *rule.summary_values()):
-                wanted.update(s.family.spec.name for s in compiled.selectors)
+                read = [s.family for s in compiled.selectors]
+                families += read
+                if any(f.per_instance for f in read):
+                    self._per_instance.add(rule.name)
                 windowed |= compiled.windowed()
-        self.index = LiveIndex(self.store, {name: self._scope[name] for name in wanted})
+        for family in list(families):
+            if family.instance_form is not None:
+                families.append(family.instance_form)
+                if family.spec.name in windowed:
+                    windowed.add(family.instance_form.spec.name)
+        wanted = {_INFO, _LOST, _INSTANCES} | {f.spec.name for f in families}
+        scopes = {name: self._scope[name] for name in wanted if name in self._scope}
+        self.index = LiveIndex(self.store, scopes)
         self.store.keep_history(windowed)  # history only where a window reads it
         self.changes += 1
 
@@ -218,7 +257,7 @@ class RuleEngine:
         changed, polled = self.index.update(now)
         per_gpu = self.index.snapshot.per_gpu
         moved = False
-        if any(name in (_INFO, _LOST) for name, _ in changed):
+        if any(name in (_INFO, _LOST, _INSTANCES) for name, _ in changed):
             for name in (_INFO, _LOST):
                 for (index, uuid), rows in per_gpu.get(name, {}).items():
                     gpu = self.gpus.get(uuid)
@@ -226,10 +265,37 @@ class RuleEngine:
                     if gpu is None or gpu.gpu != index or gpu.bus_id != bus:
                         self.gpus[uuid] = GpuRef(index, uuid, bus)
                         moved = True
+            moved = self._find_instances(per_gpu.get(_INSTANCES, {})) or moved
         if moved or len(self._sorted) != len(self.gpus):
-            self._sorted = sorted(self.gpus.values(), key=lambda g: (_index(g.gpu), g.uuid))
+            self._sorted = sorted(
+                self.gpus.values(), key=lambda g: (_index(g.gpu), g.uuid, _index(g.instance))
+            )
+            split = {g.uuid for g in self._sorted if g.instance}
+            self._whole = [g for g in self._sorted if not g.instance]
+            self._workloads = [g for g in self._sorted if g.instance or g.uuid not in split]
             moved = True
         return changed, polled, moved
+
+    def _find_instances(self, rows_by_gpu: dict[tuple[str, str], list]) -> bool:
+        """Track the MIG GPU instances of gpu_instance_info's rows (labels gpu, uuid,
+        gpu_instance, compute_instance, profile, ...): True if they changed. An instance
+        destroyed takes its rules' state with it."""
+        found = {}
+        for (_, uuid), rows in rows_by_gpu.items():
+            whole = self.gpus.get(uuid)
+            for labels, _ in rows:
+                ref = GpuRef(labels[0], uuid, whole.bus_id if whole else None, labels[2], labels[4])
+                found[ref.id] = ref
+        known = {k: g for k, g in self.gpus.items() if g.instance}
+        if known == found:
+            return False
+        for gone in known.keys() - found.keys():
+            del self.gpus[gone]
+        self.states = {
+            k: v for k, v in self.states.items() if k[0] not in known.keys() - found.keys()
+        }
+        self.gpus.update(found)
+        return True
 
     def evaluate(self, now: float) -> list[Transition]:
         """Evaluate every rule on every GPU at `now`; the state changes it made."""
@@ -248,10 +314,10 @@ class RuleEngine:
             down = down_cache.get(sources)
             if down is None:
                 down = down_cache[sources] = sorted(s for s in sources if not self.source_up(s))
-            for gpu in gpus:
-                state = states.get((gpu.uuid, name))
+            for gpu in self._workloads if name in self._per_instance else self._whole:
+                state = states.get((gpu.id, name))
                 if state is None:
-                    state = states[(gpu.uuid, name)] = AlertState()
+                    state = states[(gpu.id, name)] = AlertState()
                 old = state.state
                 if old == FIRING:
                     state.seconds_total += dt
@@ -281,6 +347,7 @@ class RuleEngine:
                             state.state,
                             state.summary if fires else state.reason,
                             state.missing if fires else (),
+                            gpu.instance,
                         )
                     )
         if transitions or moved or sum(self.errors.values()) != errors:
@@ -301,6 +368,8 @@ class RuleEngine:
         findings = []
         for gpu in gpus:
             for rule in self.rules.rules:
+                if gpu not in (self._workloads if rule.name in self._per_instance else self._whole):
+                    continue
                 spec = rule.spec
                 down = sorted(s for s in rule.expr.sources if not self.source_up(s))
                 status, detail = NOT_EVALUABLE, ""
@@ -326,6 +395,7 @@ class RuleEngine:
                         status,
                         detail,
                         rule.remedy,
+                        gpu.instance,
                     )
                 )
         return findings
@@ -446,24 +516,27 @@ class RuleEngine:
 
     def _state_rows(self) -> dict[str, Rows]:
         out: dict[str, Rows] = defaultdict(list)
-        for gpu in self.gpus.values():
-            starved = 0.0
+        starved: dict[tuple[str, str], float] = {}
+        for gpu in self._sorted:
+            starved.setdefault((gpu.gpu, gpu.uuid), 0.0)
             for rule in self.rules.rules:
-                state = self.states.get((gpu.uuid, rule.name))
+                state = self.states.get((gpu.id, rule.name))
                 if state is None or state.state == INACTIVE:
                     continue
-                base = (gpu.gpu, gpu.uuid, rule.name)
+                base, instance = (gpu.gpu, gpu.uuid, rule.name), (gpu.instance,)
                 spec = rule.spec
                 if state.state == FIRING:
-                    starved = 1.0
-                    out[ACTIVE.name].append(((*base, spec.dimension, spec.severity), 1.0))
+                    starved[(gpu.gpu, gpu.uuid)] = 1.0
+                    out[ACTIVE.name].append(
+                        ((*base, spec.dimension, spec.severity, *instance), 1.0)
+                    )
                     labels = (*base, spec.dimension, spec.severity, state.summary, rule.remedy)
-                    out[INFO.name].append((labels, 1.0))
+                    out[INFO.name].append(((*labels, *instance), 1.0))
                 elif state.state == PENDING:
-                    out[PENDING_METRIC.name].append((base, 1.0))
+                    out[PENDING_METRIC.name].append(((*base, *instance), 1.0))
                 elif state.state == NOT_EVALUABLE and not state.waits_for_probe:
-                    out[NOT_EVALUABLE_METRIC.name].append((base, 1.0))
-            out[STARVED.name].append(((gpu.gpu, gpu.uuid), starved))
+                    out[NOT_EVALUABLE_METRIC.name].append(((*base, *instance), 1.0))
+        out[STARVED.name] += [(labels, value) for labels, value in starved.items()]
         for rule in self.rules.rules:
             if errors := self.errors.get(rule.name, 0):
                 out[ERRORS.name].append(((rule.name,), float(errors)))
@@ -475,27 +548,36 @@ class RuleEngine:
 
     def _seconds_rows(self) -> dict[str, Rows]:
         rows: Rows = []
-        for gpu in self.gpus.values():
+        for gpu in self._sorted:
             for rule in self.rules.rules:
-                state = self.states.get((gpu.uuid, rule.name))
+                state = self.states.get((gpu.id, rule.name))
                 if state is not None and state.counted:
-                    rows.append(((gpu.gpu, gpu.uuid, rule.name), state.seconds_total))
+                    labels = (gpu.gpu, gpu.uuid, rule.name, gpu.instance)
+                    rows.append((labels, state.seconds_total))
         return {SECONDS.name: rows}
 
     def firing(self) -> list[tuple[str, str, str]]:
-        """(gpu, cause, summary) of every firing cause, by GPU then rule order."""
+        """(gpu, cause, summary) of every firing cause, by GPU then rule order; a MIG GPU
+        instance's gpu is "index/GI id"."""
         rules = {r.name: (i, r) for i, r in enumerate(self.rules.rules)}
         order = {name: i for name, (i, _) in rules.items()}
         result = []
-        for (uuid, cause), state in self.states.items():
-            if state.state == FIRING and uuid in self.gpus and cause in rules:
-                gpu = self.gpus[uuid]
-                result.append((gpu.gpu, cause, self.summary(rules[cause][1], gpu)))
-        return sorted(result, key=lambda r: (_index(r[0]), order.get(r[1], 0)))
+        for gpu in self._sorted:
+            for cause, (_, rule) in rules.items():
+                state = self.states.get((gpu.id, cause))
+                if state is not None and state.state == FIRING:
+                    result.append((gpu.name, cause, self.summary(rule, gpu)))
+        return sorted(result, key=lambda r: (_name_order(r[0]), order.get(r[1], 0)))
 
 
 def _index(gpu: str) -> int:
     return int(gpu) if gpu.isdigit() else 1 << 30
+
+
+def _name_order(name: str) -> tuple[int, int]:
+    """GPU "3" before its instances "3/1", "3/2"."""
+    gpu, _, instance = name.partition("/")
+    return _index(gpu), _index(instance) if instance else -1
 
 
 def _format(value: float) -> str:

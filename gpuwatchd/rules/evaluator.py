@@ -20,10 +20,10 @@ from gpuwatchd.rules.language import (
     NIC,
     NIC_AFFINITY,
     PCIE,
-    PEER_GROUPING,
     RUN_BUDGET_FACTOR,
     WINDOW_FUNCTIONS,
     Compiled,
+    Family,
     Missing,
     OverBudget,
     Selector,
@@ -58,9 +58,27 @@ class Reads:
 
 @dataclass
 class GpuRef:
+    """What a rule judges: a GPU, or one GPU instance of a MIG GPU (`instance`: its GI id)."""
+
     gpu: str
     uuid: str
     bus_id: str | None
+    instance: str = ""
+    profile: str = ""  # the GPU instance's, e.g. 1g.10gb
+
+    @property
+    def id(self) -> str:
+        """Unique on the node: the GPU's UUID, the GI id after it for an instance."""
+        return f"{self.uuid}/{self.instance}" if self.instance else self.uuid
+
+    @property
+    def name(self) -> str:
+        return subject_name(self.gpu, self.instance)
+
+
+def subject_name(gpu: str, instance: str) -> str:
+    """How a page names what a rule judged: the GPU's index, "0"; an instance, "0/3"."""
+    return f"{gpu}/{instance}" if instance else gpu
 
 
 @dataclass
@@ -88,7 +106,9 @@ class Evaluator:
         self.gpu = GpuRef("", "", None)
         self.compiled: Compiled | None = None
         self.reads: Reads | None = None  # what the evaluation in progress reads, if asked
-        self._jobs: dict[str, float | None] = {}
+        self._jobs: dict[str, float | None] = {}  # by GpuRef.id
+        # what peers() groups by (PEER_GROUPING's families; set by the engine)
+        self.grouping: list[Selector] = []
         # rows and samples the evaluation in progress has read, and the most it may
         # (RUN_BUDGET_FACTOR times its load-time cost): past it, OverBudget
         self.work = 0
@@ -142,14 +162,24 @@ class Evaluator:
             )
 
     # lookups --------------------------------------------------------------------
+    def family(self, selector: Selector, gpu: GpuRef | None = None) -> Family:
+        """The family a lookup reads for `gpu`: the selector's, or on a GPU instance its
+        instance form (the instance's own series of the same physics)."""
+        family = selector.family
+        if (gpu or self.gpu).instance and family.instance_form is not None:
+            return family.instance_form
+        return family
+
     def rows(self, selector: Selector, gpu: GpuRef | None = None) -> list[Row]:
         gpu = gpu or self.gpu
-        family = selector.family
+        family = self.family(selector, gpu)
         name = family.spec.name
         key: Any
         if family.scope == GPU:
             key = (gpu.gpu, gpu.uuid)
             rows = self.snapshot.per_gpu.get(name, {}).get(key, [])
+            if gpu.instance and family.per_instance:  # the instance's own rows
+                rows = [r for r in rows if r[0][2] == gpu.instance]
         elif family.scope == PCIE:
             key = gpu.bus_id or ""
             rows = self.snapshot.per_bus.get(name, {}).get(key, [])
@@ -168,7 +198,9 @@ class Evaluator:
         if family.scope != NIC:
             self._spend(len(rows))
         if selector.matchers:
-            rows = [r for r in rows if all(r[0][i] in v for i, v in selector.matchers)]
+            # an instance form's labels: its family's, two more (gpu_instance, profile) before
+            shift = len(family.spec.labels) - len(selector.family.spec.labels)
+            rows = [r for r in rows if all(r[0][i + shift] in v for i, v in selector.matchers)]
         return rows
 
     def _nearest_ports(self, gpu: GpuRef) -> set[tuple[str, ...]]:
@@ -212,18 +244,19 @@ class Evaluator:
     def _job(self, gpu: GpuRef) -> float | None:
         """What peers() groups `gpu` by: its main process's job, else that process's pid
         (where the job series is absent), else None (no main process known)."""
-        key = (gpu.gpu, gpu.uuid)
-        if self.reads is not None:
-            self.reads.keys.update((PREFIX + name, key) for name in PEER_GROUPING)
-        if gpu.uuid not in self._jobs:
+        if gpu.id not in self._jobs:
             job = None
-            for name in PEER_GROUPING:
-                rows = self.snapshot.per_gpu.get(PREFIX + name, {}).get(key)
+            for selector in self.grouping:
+                rows = self.rows(selector, gpu)
                 if rows:
                     job = rows[0][1]
                     break
-            self._jobs[gpu.uuid] = job
-        return self._jobs[gpu.uuid]
+            self._jobs[gpu.id] = job
+        elif self.reads is not None:  # what it read, for this evaluation's reads too
+            for selector in self.grouping:
+                family = self.family(selector, gpu)
+                self.reads.keys.add((family.spec.name, (gpu.gpu, gpu.uuid)))
+        return self._jobs[gpu.id]
 
     def _peers(self, index: int) -> list[float]:
         """The selector's value on the other GPUs of this GPU's job."""
@@ -252,15 +285,15 @@ class Evaluator:
         return value
 
     def _peer_values(self, index: int) -> list[tuple[str, float]]:
-        """(the `gpu` label, an index; the selector's value) on the other GPUs of this
-        GPU's job."""
+        """(the `gpu` label, an index; the selector's value) on the other GPUs (and GPU
+        instances) of this GPU's job."""
         selector = self._sel(index)
         mine = self._job(self.gpu)
         if mine is None:
             return []
         values = []
         for other in self.gpus:
-            if other.uuid != self.gpu.uuid and self._job(other) == mine:
+            if other.id != self.gpu.id and self._job(other) == mine:
                 rows = self.rows(selector, other)
                 if rows:
                     values.append((other.gpu, rows[0][1]))
@@ -303,7 +336,7 @@ class Evaluator:
                 return []
             raise Missing(selector.describe(), selector.family.source)
         since = self.snapshot.now - seconds
-        name = selector.family.spec.name
+        name = self.family(selector).spec.name
         series = []
         for labels, _ in rows:
             series.append(self._window(name, labels, since))
@@ -323,7 +356,7 @@ class Evaluator:
         if not rows:
             raise Missing(selector.describe(), selector.family.source)
         first, last, values = self._values(
-            selector.family.spec.name, rows[0][0], self.snapshot.now - seconds
+            self.family(selector).spec.name, rows[0][0], self.snapshot.now - seconds
         )
         self._spend(len(values))
         reads = self.reads

@@ -16,7 +16,7 @@ import ast
 import difflib
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from simpleeval import SimpleEval
@@ -76,6 +76,15 @@ class Family:
     # gpu (joined on gpu/uuid), pcie (on gpu_bus_id), nic (an IB/RoCE port's, on the ports
     # nearest the GPU: NIC_AFFINITY; every port where the node does not show it), host
     scope: str
+    # the family's per-MIG-GPU-instance form (metrics.instance_form), read in its place
+    # when a rule judges a GPU instance (docs/mig.md)
+    instance_form: Family | None = None
+
+    @property
+    def per_instance(self) -> bool:
+        """A MIG GPU instance has its own series of this family: it is judged per instance
+        (an instance form, or a family labelled by gpu_instance itself)."""
+        return self.instance_form is not None or self.spec.labels[2:3] == ("gpu_instance",)
 
     @property
     def own_labels(self) -> tuple[str, ...]:
@@ -111,6 +120,10 @@ class Catalog:
                     scope = HOST
                 name = spec.name.removeprefix(PREFIX)
                 self.families[name] = Family(name, spec, source, scope)
+        for family in list(self.families.values()):
+            whole = (family.spec.instance_of or "").removeprefix(PREFIX)
+            if whole in self.families:
+                self.families[whole] = replace(self.families[whole], instance_form=family)
 
     @classmethod
     def builtin(cls) -> Catalog:
