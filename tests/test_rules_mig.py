@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpuwatchd.metrics import PREFIX, Sample, instance_form
 from gpuwatchd.rules import Catalog, RuleEngine, parse_rules
-from gpuwatchd.rules.engine import FIRING, INACTIVE
+from gpuwatchd.rules.engine import FIRING, INACTIVE, NOT_EVALUABLE
 from gpuwatchd.sources import load_builtin_sources
 from gpuwatchd.store import Store
 
@@ -27,7 +27,7 @@ MIG, WHOLE = ("0", "GPU-mig"), ("1", "GPU-whole")
 PROFILES = {"1": "3g.40gb", "2": "4g.40gb"}
 
 
-def rules(expr: str, name: str = "cause_x", summary: str = "") -> str:
+def rules(expr: str, name: str = "cause_x", summary: str = "", mig: str = "") -> str:
     return f"""
 rules:
   - name: {name}
@@ -37,6 +37,7 @@ rules:
     for: 0s
     summary: "{summary or "it holds"}"
     remedy: fix it
+    {f"mig: {mig}" if mig else ""}
 """
 
 
@@ -116,6 +117,16 @@ def test_a_cause_of_the_gpu_physics_stays_per_gpu():
     node = MigNode(rules("gpu_temperature_celsius > 80"))
     node.step(0, cpu={"1": 1.0, "2": 0.2}, temperature=90)
     assert node.states() == {"GPU-mig": FIRING, "GPU-whole": FIRING}
+
+
+def test_a_rule_says_what_it_judges_on_a_mig_gpu():
+    node = MigNode(rules("gpu_temperature_celsius > 80", mig="instance"))
+    node.step(0, cpu={"1": 1.0, "2": 0.2}, temperature=90)
+    assert node.states() == {"GPU-mig/1": FIRING, "GPU-mig/2": FIRING, "GPU-whole": FIRING}
+    node = MigNode(rules("gpu_process_cpu_cores > 0.9", mig="gpu"))
+    node.step(0, cpu={"1": 1.0, "2": 0.2, "whole": 1.0})
+    # the whole MIG GPU has no main process of its own: not evaluable there
+    assert node.states() == {"GPU-mig": NOT_EVALUABLE, "GPU-whole": FIRING}
 
 
 def test_peers_span_the_instances_of_one_job():

@@ -235,11 +235,10 @@ class RuleEngine:
         windowed: set[str] = set()
         for rule in rules.rules:
             for compiled in (rule.expr, *rule.summary_values()):
-                read = [s.family for s in compiled.selectors]
-                families += read
-                if any(f.per_instance for f in read):
-                    self._per_instance.add(rule.name)
+                families += [s.family for s in compiled.selectors]
                 windowed |= compiled.windowed()
+            if rule.per_instance:
+                self._per_instance.add(rule.name)
         for family in list(families):
             if family.instance_form is not None:
                 families.append(family.instance_form)

@@ -65,11 +65,12 @@ class GpuRef:
     bus_id: str | None
     instance: str = ""
     profile: str = ""  # the GPU instance's, e.g. 1g.10gb
+    # unique on the node: the GPU's UUID, the GI id after it for an instance (a field:
+    # the engine looks states up by it for every rule and GPU each cycle)
+    id: str = field(init=False, compare=False)
 
-    @property
-    def id(self) -> str:
-        """Unique on the node: the GPU's UUID, the GI id after it for an instance."""
-        return f"{self.uuid}/{self.instance}" if self.instance else self.uuid
+    def __post_init__(self) -> None:
+        self.id = f"{self.uuid}/{self.instance}" if self.instance else self.uuid
 
     @property
     def name(self) -> str:

@@ -58,6 +58,10 @@ class RuleSpec(BaseModel):
     keep_firing_for: Duration0 = 0.0
     summary: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
     remedy: Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+    # on a MIG GPU, what the rule judges: each GPU instance (the default for a rule that
+    # reads a family GPU instances have their own series of: a workload's physics), or
+    # the whole GPU (the default otherwise: its link, clocks, memory, driver)
+    mig: Literal["gpu", "instance"] | None = None
 
 
 class RuleFile(BaseModel):
@@ -91,6 +95,14 @@ class Rule:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def per_instance(self) -> bool:
+        """Judged on each GPU instance of a MIG GPU (RuleSpec.mig)."""
+        if self.spec.mig is not None:
+            return self.spec.mig == "instance"
+        compiled = (self.expr, *self.summary_values())
+        return any(s.family.per_instance for c in compiled for s in c.selectors)
 
     @property
     def remedy(self) -> str:
