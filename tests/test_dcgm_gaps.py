@@ -133,7 +133,7 @@ def test_the_fallback_read_goes_on_past_a_blob(make, monkeypatch, caplog):
 
 def hostnames(sim: Sim) -> set[str]:
     return {
-        s.labels[5]  # after gpu, UUID, pci_bus_id, device, modelName
+        s.labels[7]  # after gpu, UUID, pci_bus_id, device, modelName, GPU_I_PROFILE, GPU_I_ID
         for s in sim.source.collect()
         if s.name == "DCGM_FI_DEV_POWER_USAGE"
     }

@@ -456,6 +456,9 @@ def test_compat_names_labels_and_units_match_dcgm_exporter_defaults(make):
         "pci_bus_id": labels["pci_bus_id"],
         "device": "nvidia3",
         "modelName": "NVIDIA A100-SXM4-80GB",
+        # dcgm-exporter's MIG labels, empty on a whole GPU: to Prometheus no label at all
+        "GPU_I_PROFILE": "",
+        "GPU_I_ID": "",
         "Hostname": "sim-hgx-a100",
         "DCGM_FI_DRIVER_VERSION": "550.90.07",
     }

@@ -251,7 +251,8 @@ class _EventSet:
         self.struct = struct
         self.since = created_at  # timeline events after this are still to be delivered
         self.masks: dict[int, int] = {}  # gpu -> registered event types
-        self.pending: list[tuple[int, int, int]] = []  # (gpu, event type, data)
+        # (gpu, event type, data, GPU instance id, compute instance id)
+        self.pending: list[tuple[int, int, int, int, int]] = []
 
 
 class FakeNvmlLib(DeviceReads, MigReads):
@@ -475,13 +476,21 @@ class FakeNvmlLib(DeviceReads, MigReads):
         with self._hang_changed:
             self._hang_changed.notify_all()
 
-    def inject_xid(self, gpu: int, xid: int) -> None:
-        """Raise an Xid on `gpu` now, as the kernel driver would, for registered sets."""
+    def inject_xid(
+        self, gpu: int, xid: int, gpu_instance: int | None = None, compute_instance: int = 0
+    ) -> None:
+        """Raise an Xid on `gpu` now, as the kernel driver would, for registered sets; on
+        a MIG GPU instance (its GI and CI ids in the event) if `gpu_instance` is given."""
         xid_type = int(self.nv.nvmlEventTypeXidCriticalError)
+        ids = (
+            (NOT_AVAILABLE_UINT, NOT_AVAILABLE_UINT)
+            if gpu_instance is None
+            else (gpu_instance, compute_instance)
+        )
         with self._events_changed:
             for event_set in self._event_sets.values():
                 if event_set.masks.get(gpu, 0) & xid_type:
-                    event_set.pending.append((gpu, xid_type, xid))
+                    event_set.pending.append((gpu, xid_type, xid, *ids))
             self._events_changed.notify_all()
 
     def _injected(self, name: str, gpu: int | None) -> int | None:
@@ -718,7 +727,9 @@ class FakeNvmlLib(DeviceReads, MigReads):
         xid_type = int(self.nv.nvmlEventTypeXidCriticalError)
         for event in self.timeline.xid_events(event_set.since, now):
             if event_set.masks.get(event.gpu, 0) & xid_type:
-                event_set.pending.append((event.gpu, xid_type, event.xid))
+                values = self.timeline.state(event.time)[0][event.gpu]
+                ids = xid_instance(values.get("mig"), event.xid)
+                event_set.pending.append((event.gpu, xid_type, event.xid, *ids))
         event_set.since = max(event_set.since, now)
 
     @symbol("system")
@@ -731,7 +742,7 @@ class FakeNvmlLib(DeviceReads, MigReads):
             while True:
                 self._pull_timeline_events(event_set)
                 if event_set.pending:
-                    gpu, event_type, data = event_set.pending.pop(0)
+                    gpu, event_type, data, gi, ci = event_set.pending.pop(0)
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -740,8 +751,19 @@ class FakeNvmlLib(DeviceReads, MigReads):
         event = out._obj
         event.device = ctypes.pointer(self._devices[gpu])
         event.eventType, event.eventData = event_type, data
-        event.gpuInstanceId = event.computeInstanceId = NOT_AVAILABLE_UINT
+        # as the driver: the MIG instance the error hit, 0xFFFFFFFF for the whole GPU
+        event.gpuInstanceId, event.computeInstanceId = gi, ci
         return SUCCESS
+
+
+def xid_instance(layout: Any, xid: int) -> tuple[int, int]:
+    """(GPU instance id, compute instance id) an Xid event carries: the MIG device whose
+    scenario `xid` lists it, on a MIG-enabled GPU; else NOT_AVAILABLE_UINT for both."""
+    if layout is not None and layout.enabled:
+        for device in layout.devices:
+            if xid in device.xids:
+                return device.gpu_instance, device.compute_instance
+    return NOT_AVAILABLE_UINT, NOT_AVAILABLE_UINT
 
 
 __all__ = [
@@ -754,4 +776,5 @@ __all__ = [
     "load_private_pynvml",
     "make_pynvml",
     "nvml_bus_id",
+    "xid_instance",
 ]

@@ -14,7 +14,7 @@ import logging
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -26,6 +26,19 @@ PROCESS_TABLE = "nvml_processes"  # context.extras key of the shared ProcessTabl
 
 
 @dataclass(frozen=True)
+class ListedInstance:
+    """One MIG device (compute instance) of a MIG-enabled GPU in a ProcessTable, as the
+    nvml source read it this poll: its ids, its GPU instance's profile, UUID and the
+    compute processes on its own handle (which need no MIG monitor capability)."""
+
+    gpu_instance: int
+    compute_instance: int
+    profile: str  # the GPU instance's (3g.40gb also for a 1c.3g.40gb compute instance)
+    mig_uuid: str  # MIG-…, what CUDA_VISIBLE_DEVICES and the kubelet name
+    processes: dict[int, float]  # pid -> GPU memory bytes
+
+
+@dataclass(frozen=True)
 class ListedGpu:
     """One GPU in a ProcessTable: its labels, bus id and process lists."""
 
@@ -33,6 +46,8 @@ class ListedGpu:
     labels: tuple[str, ...]  # (gpu, uuid)
     bus_id: str  # sysfs form
     lists: dict[str, dict[int, float]] | None  # kind -> {pid: GPU memory bytes}; None: lost
+    # MIG enabled: its MIG devices (possibly none); None: a whole GPU (MIG off or unknown)
+    instances: tuple[ListedInstance, ...] | None = None
 
 
 class ProcessTable:
@@ -46,10 +61,27 @@ class ProcessTable:
         self._lock = threading.Lock()
         self._read_at: float | None = None
         self._gpus: list[ListedGpu] = []
+        self._instances: dict[str, tuple[ListedInstance, ...]] = {}  # GPU uuid -> MIG devices
 
     def publish(self, read_at: float, gpus: list[ListedGpu]) -> None:
+        """The poll's lists; a MIG-enabled GPU's get the MIG devices `instances` set."""
         with self._lock:
+            if self._instances:
+                gpus = [self._with_instances(gpu) for gpu in gpus]
             self._read_at, self._gpus = read_at, gpus
+
+    def instances(self, uuid: str, devices: tuple[ListedInstance, ...] | None) -> None:
+        """The MIG devices of GPU `uuid` read this poll (None: MIG is off), set by the
+        nvml source's per-GPU reads before it publishes the poll's lists."""
+        with self._lock:
+            if devices is None:
+                self._instances.pop(uuid, None)
+            else:
+                self._instances[uuid] = devices
+
+    def _with_instances(self, gpu: ListedGpu) -> ListedGpu:
+        found = self._instances.get(gpu.labels[1])
+        return gpu if found is None or gpu.lists is None else replace(gpu, instances=found)
 
     def fresh(self, now: float, max_age: float) -> list[ListedGpu] | None:
         """The last lists if read at most `max_age` before `now` (same clock), else None."""
@@ -90,9 +122,7 @@ class FieldValues:
         self._at = [names.index(n) for n in ("nvmlReturn", "valueType", "timestamp", "value")]
         # NVML_VALUE_TYPE_* is the index of the union's member (dVal, uiVal, ulVal, ...)
         self._values = [struct.Struct("<" + (_standard(kind) or "x")) for _, kind in union._fields_]
-        self._moduli = [
-            1 << (8 * v.size) if v.format[-1] in "BHIQ" else None for v in self._values
-        ]
+        self._moduli = [1 << (8 * v.size) if v.format[-1] in "BHIQ" else None for v in self._values]
 
     def read(self, array: Any) -> list[tuple[int, int, float | None, int | None]]:
         out = []

@@ -32,6 +32,7 @@ ST_DUPLICATE_KEY = -26
 ST_IN_USE = -34
 ST_GROUP_IS_EMPTY = -35
 ST_PROFILING_NOT_SUPPORTED = -36
+ST_INSTANCE_NOT_FOUND = -45
 
 # Blank sentinels (dcgmvalue.py / dcgm_structs.h)
 INT64_BLANK = 0x7FFFFFFFFFFFFFF0
@@ -40,6 +41,7 @@ STR_BLANK = "<<<NULL>>>"
 NOT_FOUND, NOT_SUPPORTED, NOT_PERMISSIONED = 1, 2, 3  # offsets from the blank base
 
 FE_GPU = 1
+FE_GPU_I, FE_GPU_CI = 4, 5  # MIG GPU instances and compute instances
 GROUP_DEFAULT = 0
 GROUP_EMPTY = 1
 GROUP_ALL_GPUS = 0x7FFFFFFF
@@ -185,6 +187,12 @@ FIELDS: dict[int, FieldInfo] = _fields(
     *_nvlink_link_fields(),
 )
 TAGS = {info.tag: fid for fid, info in FIELDS.items()}
+# The entity level of the fields below GPU level (dcgm_fields.cpp, DCGM 4.6): what a MIG
+# GPU instance answers itself; every other field is the GPU's (PCIe/NVLink bytes too)
+FIELD_LEVELS = {
+    **dict.fromkeys((1001, 1002, 1003, 1004, 1006, 1007, 1008, 1013, 1014), FE_GPU_CI),
+    1005: FE_GPU_I,  # DRAM: a GPU instance's memory is shared by its compute instances
+}
 
 # Profiling metric groups (majorId, minorId, field ids) as an Ampere/Hopper part reports
 # them; the minor groups of one major id need separate passes (DCGM multiplexes them).

@@ -22,6 +22,8 @@ from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.dcgm.fields import (
     FB_RESERVED_FRACTION,
     FE_GPU,
+    FE_GPU_I,
+    FIELD_LEVELS,
     FIELDS,
     GPM_PCI_DEVICE_IDS,
     GROUP_ALL_GPUS,
@@ -42,7 +44,9 @@ from gpuwatchd.sim.dcgm.fields import (
     ST_DUPLICATE_KEY,
     ST_GPU_IS_LOST,
     ST_IN_USE,
+    ST_INSTANCE_NOT_FOUND,
     ST_MAX_LIMIT,
+    ST_NO_DATA,
     ST_NOT_SUPPORTED,
     ST_NOT_WATCHED,
     ST_OK,
@@ -59,6 +63,7 @@ from gpuwatchd.sim.dcgm.fields import (
     profiling_defaults,
     serial,
 )
+from gpuwatchd.sim.dcgm.mig import GpuInstance, gpu_activity, gpu_instances
 from gpuwatchd.sim.dcgm.values import Integrals, sample_time
 from gpuwatchd.sim.fake_nvml import gpu_uuid, nvml_bus_id
 from gpuwatchd.sim.scenario import Timeline
@@ -145,6 +150,7 @@ class State:
     next_group: int = 1
     next_field_group: int = 1
     watched: dict[tuple[int, int], Watch] | None = None  # (gpu, field) -> watch, cached
+    watched_gi: dict[tuple[int, int], Watch] = field(default_factory=dict)  # MIG GIs' too
 
 
 class HostengineDown(Exception):
@@ -197,6 +203,8 @@ class SimHostengine:
             if up and not before
         ]
         self._plans: dict[tuple[Any, ...], _Plan] = {}  # values(): what each read needs
+        self._gis: tuple[float, dict[int, GpuInstance]] | None = None  # at a time, by entity
+        self._mig_activity: dict[int, tuple[Any, dict[str, float]]] = {}  # id(layout) ->
         self._state = State(self._generation(0.0))
         self._add_internal_field_groups()
         self._integrals = Integrals(timeline)
@@ -241,6 +249,34 @@ class SimHostengine:
     def gpus(self) -> list[tuple[int, int]]:
         """(DCGM_FE_GPU, DCGM GPU id) of every GPU, in id order."""
         return [(FE_GPU, gpu_id) for gpu_id in sorted(self.gpu_ids)]
+
+    def gpu_instances(self, t: float | None = None) -> list[GpuInstance]:
+        """The MIG GPU-instance entities at t (now): DCGM follows NVML's MIG config change
+        events, so they are the scenario's layouts of the moment (mig.py)."""
+        t = self.now() if t is None else t
+        cached = self._gis
+        if cached is None or cached[0] != t:
+            values = self.timeline.state(t)[0]
+            gis = [
+                gi
+                for gpu_id in sorted(self.gpu_ids)
+                for gi in gpu_instances(
+                    gpu_id, self._index[gpu_id], values[self._index[gpu_id]].get("mig")
+                )
+            ]
+            cached = self._gis = (t, {gi.entity: gi for gi in gis})
+        return list(cached[1].values())
+
+    def _gi(self, entity: int, t: float) -> GpuInstance | None:
+        self.gpu_instances(t)
+        assert self._gis is not None
+        return self._gis[1].get(entity)
+
+    def is_entity(self, kind: int, entity: int) -> bool:
+        """Whether a group may hold (kind, entity): a GPU, or a MIG GPU instance now."""
+        if kind == FE_GPU:
+            return self.nvml_index(entity) is not None
+        return kind == FE_GPU_I and self._gi(entity, self.now()) is not None
 
     def follow_timeline(self) -> None:
         self._forced = None
@@ -438,19 +474,21 @@ class SimHostengine:
         state = self._state
         if state.watched is None:
             watched: dict[tuple[int, int], Watch] = {}
+            gis: dict[tuple[int, int], Watch] = {}  # (GPU-instance entity, field)
             for watch in state.watches.values():
                 entities = self.group_entities(state, watch.group) or []
                 fg = state.field_groups.get(watch.field_group)
                 if fg is None:
                     continue
                 for kind, gpu in entities:
-                    if kind != FE_GPU:
+                    into = watched if kind == FE_GPU else gis if kind == FE_GPU_I else None
+                    if into is None:
                         continue
                     for fid in fg.field_ids:
-                        best = watched.get((gpu, fid))
+                        best = into.get((gpu, fid))
                         if best is None or watch.interval < best.interval:
-                            watched[(gpu, fid)] = watch
-            state.watched = watched
+                            into[(gpu, fid)] = watch
+            state.watched, state.watched_gi = watched, gis
         return state.watched
 
     def values(
@@ -480,7 +518,10 @@ class SimHostengine:
                 continue
             kind, gpu, index, info, slot = read
             at, ts, gpus = samples[slot]
-            value, status = value_in(index, info, at, gpus, quiet)
+            if kind == FE_GPU_I:  # a MIG GPU instance (`gpu` is its entity id)
+                value, status = self._gi_value(gpu, info, at, gpus, quiet)
+            else:
+                value, status = value_in(index, info, at, gpus, quiet)
             # set_value may give a text or a blob (bytes): a host engine of another version
             ft = "s" if isinstance(value, str) else "b" if isinstance(value, bytes) else info.type
             append((kind, gpu, info.id, ft, value, status, ts))
@@ -496,14 +537,15 @@ class SimHostengine:
         slots: dict[int, int] = {}  # id(watch) -> its index in `watches`
         watches: list[Watch | None] = []
         for kind, gpu in entities:
-            nvml = self.nvml_index(gpu) if kind == FE_GPU else None
+            nvml = self.nvml_index(gpu) if kind == FE_GPU else -1 if kind == FE_GPU_I else None
+            watches_of = watched if kind == FE_GPU else self._state.watched_gi
             for fid in field_ids:
                 info = FIELDS.get(fid)
                 ft = info.type if info is not None else "i"
                 if nvml is None or info is None:
                     entries.append(((kind, gpu, fid, ft, blank(ft, NOT_FOUND), ST_OK, 0), None))
                     continue
-                watch = watched.get((gpu, fid))
+                watch = watches_of.get((gpu, fid))
                 if watch is None and not live:
                     entries.append(((kind, gpu, fid, ft, blank(ft), ST_NOT_WATCHED, 0), None))
                     continue
@@ -549,6 +591,35 @@ class SimHostengine:
             return int(round(value)), ST_OK
         return value, ST_OK
 
+    def _whole_gpu_activity(self, layout: Any) -> dict[str, float]:
+        """gpu_activity(layout), once per layout (a phase's)."""
+        known = self._mig_activity.get(id(layout))
+        if known is None or known[0] is not layout:
+            if len(self._mig_activity) >= 64:
+                self._mig_activity.clear()
+            known = self._mig_activity[id(layout)] = (layout, gpu_activity(layout))
+        return known[1]
+
+    def _gi_value(
+        self, entity: int, info: FieldInfo, t: float, gpus: list[dict[str, Any]], quiet: bool
+    ) -> tuple[Any, int]:
+        """What a MIG GPU-instance entity answers for field `info` at t (mig.py)."""
+        gi = self._gi(entity, t)
+        if gi is None:  # destroyed, MIG disabled, or never one
+            return blank(info.type), ST_INSTANCE_NOT_FOUND
+        if info.id == 50:  # DCGM_FI_DEV_NAME: the GPU instance's profile
+            return gi.profile_name, ST_OK
+        if FIELD_LEVELS.get(info.id) is None:
+            if info.profiling:  # a GPU-level profiling field: GPM has no instance value
+                return blank(info.type), ST_NO_DATA
+            return self._value_in(gi.gpu, info, t, gpus, quiet)  # remapped to the GPU
+        if gpus[gi.gpu].get("lost"):
+            return blank(info.type), ST_GPU_IS_LOST
+        if quiet:
+            return blank(info.type), ST_OK
+        key = PROFILING_VALUES.get(info.id)
+        return (gi.activity[key] if key else 0.0), ST_OK
+
     def _build_getters(self) -> dict[int, Callable[[int, dict[str, Any], float], Any]]:
         """Field id -> f(gpu, scenario values at t, t): the value in DCGM's unit, or None
         where this GPU model does not support the field."""
@@ -561,6 +632,9 @@ class SimHostengine:
 
         def profiling(key: str) -> Callable[[int, dict[str, Any], float], Any]:
             def get(gpu: int, v: dict[str, Any], t: float) -> Any:
+                layout = v.get("mig")
+                if layout is not None and layout.enabled:  # the instances' activity (mig.py)
+                    return self._whole_gpu_activity(layout)[key]
                 value = v.get(key)
                 return profiling_defaults(v)[key] if value is None else value
 

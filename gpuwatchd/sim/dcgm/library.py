@@ -21,6 +21,7 @@ from typing import Any
 
 from gpuwatchd.sim.dcgm.fields import (
     FE_GPU,
+    FIELD_LEVELS,
     FIELDS,
     MAX_BLOB_LENGTH,
     MAX_STR_LENGTH,
@@ -51,6 +52,7 @@ from gpuwatchd.sim.dcgm.hostengine import (
     embedded,
     lookup,
 )
+from gpuwatchd.sim.dcgm.mig import MigSymbols
 from gpuwatchd.sim.fakelib import install_symbols, symbol
 
 Row = tuple[int, int, int, str, Any, int, int]  # SimHostengine.values(): one value
@@ -206,7 +208,7 @@ def _callback_errors() -> Iterator[list[Any]]:
             sys.unraisablehook = previous
 
 
-class FakeDcgmLib:
+class FakeDcgmLib(MigSymbols):
     """libdcgm.so's symbols as Python callables with the C signatures (a DCGM client)."""
 
     def __init__(self, missing: frozenset[str] = frozenset()) -> None:
@@ -358,7 +360,7 @@ class FakeDcgmLib:
         meta.size = 8 if info.type != "s" else 0
         meta.tag = info.tag.encode()
         meta.scope = 1
-        meta.entityLevel = FE_GPU
+        meta.entityLevel = FIELD_LEVELS.get(info.id, FE_GPU)
         self._keep.append(meta)
         return ctypes.pointer(meta)
 
@@ -458,7 +460,7 @@ class FakeDcgmLib:
         self, conn: _Connection, state: State, group_id: Any, kind: int, entity: int
     ) -> int:
         group = self._group(state, group_id)
-        if kind != FE_GPU or conn.engine.nvml_index(entity) is None:
+        if not conn.engine.is_entity(kind, entity):  # a GPU, or a MIG GPU instance now
             return ST_BADPARAM
         if (kind, entity) in group.entities:
             return ST_DUPLICATE_KEY

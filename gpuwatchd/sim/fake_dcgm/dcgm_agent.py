@@ -297,6 +297,14 @@ def dcgmEntitiesGetLatestValues(dcgmHandle, entities, fieldIds, flags):
 
 
 @ensure_byte_strings()
+def dcgmGetGpuInstanceHierarchy(dcgm_handle):
+    hierarchy = dcgm_structs.c_dcgmMigHierarchy_v2()
+    hierarchy.version = dcgm_structs.c_dcgmMigHierarchy_version2
+    _check(dcgmFP("dcgmGetGpuInstanceHierarchy")(dcgm_handle, byref(hierarchy)))
+    return hierarchy
+
+
+@ensure_byte_strings()
 def dcgmProfGetSupportedMetricGroups(dcgmHandle, gpuId):
     msg = dcgm_structs.c_dcgmProfGetMetricGroups_v3()
     msg.version = dcgm_structs.dcgmProfGetMetricGroups_version3

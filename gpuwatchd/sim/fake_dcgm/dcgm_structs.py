@@ -561,3 +561,43 @@ class c_dcgmHostengineHealth_v1(_PrintableStructure):
 
 dcgmHostengineHealth_version1 = make_dcgm_version(c_dcgmHostengineHealth_v1, 1)
 dcgmHostengineHealth_version = dcgmHostengineHealth_version1
+
+
+# MIG: dcgmGetGpuInstanceHierarchy's answer (dcgm_structs.h, DCGM 4.6): every GPU instance
+# (entity DCGM_FE_GPU_I, parent the GPU) and compute instance (DCGM_FE_GPU_CI, parent its
+# GPU instance) of every MIG-enabled GPU, GPU instances each followed by their CIs
+DCGM_MAX_INSTANCES_PER_GPU = 8
+DCGM_MAX_COMPUTE_INSTANCES_PER_GPU = DCGM_MAX_INSTANCES_PER_GPU
+DCGM_MAX_TOTAL_INSTANCES = 14
+DCGM_MAX_HIERARCHY_INFO = DCGM_MAX_NUM_DEVICES * DCGM_MAX_TOTAL_INSTANCES
+DCGM_MAX_INSTANCES = DCGM_MAX_NUM_DEVICES * DCGM_MAX_INSTANCES_PER_GPU
+
+
+class c_dcgmMigEntityInfo_t(_PrintableStructure):
+    _fields_ = [
+        ("gpuUuid", c_char * 128),
+        ("nvmlGpuIndex", c_uint),
+        ("nvmlInstanceId", c_uint),  # the GPU instance's NVML id (nvidia-smi's GI ID)
+        ("nvmlComputeInstanceId", c_uint),  # 0xFFFFFFFF for a GPU instance
+        ("nvmlMigProfileId", c_uint),
+        ("nvmlProfileSlices", c_uint),
+    ]
+
+
+class c_dcgmMigHierarchyInfo_v2(_PrintableStructure):
+    _fields_ = [
+        ("entity", c_dcgmGroupEntityPair_t),
+        ("parent", c_dcgmGroupEntityPair_t),
+        ("info", c_dcgmMigEntityInfo_t),
+    ]
+
+
+class c_dcgmMigHierarchy_v2(_PrintableStructure):
+    _fields_ = [
+        ("version", c_uint),
+        ("count", c_uint),
+        ("entityList", c_dcgmMigHierarchyInfo_v2 * DCGM_MAX_HIERARCHY_INFO),
+    ]
+
+
+c_dcgmMigHierarchy_version2 = make_dcgm_version(c_dcgmMigHierarchy_v2, 2)

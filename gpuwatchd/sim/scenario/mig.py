@@ -121,6 +121,9 @@ class MigInstance(Strict):
     utilization_gpu: float = Field(0, ge=0, le=100)
     memory_used_mib: float = Field(0, ge=0)
     processes: list[GpuProcess] = []
+    # Xid codes of the GPU's own (a phase's `xid`) that the driver reports on this
+    # instance (its GI and CI ids in the event); the others carry none (the whole GPU)
+    xid: list[int] = []
 
 
 class MigConfig(Strict):
@@ -150,6 +153,7 @@ class MigDevice:
     utilization_gpu: float
     memory_used_mib: float  # this compute instance's processes' share of its GI's memory
     processes: tuple[dict[str, Any], ...]
+    xids: tuple[int, ...] = ()  # the GPU's Xids that land on it (MigInstance.xid)
 
     @property
     def name(self) -> str:
@@ -201,7 +205,7 @@ def resolve(config: MigConfig, model: GpuModel) -> MigLayout:
         devices.append(MigDevice(
             inst.gpu_instance, inst.compute_instance, profile, placed[inst.gpu_instance],
             slices, inst.utilization_gpu, inst.memory_used_mib,
-            tuple(p.model_dump() for p in inst.processes),
+            tuple(p.model_dump() for p in inst.processes), tuple(inst.xid),
         ))  # fmt: skip
     layout = MigLayout(enabled, pending, tuple(sorted(devices, key=lambda d: d.key)))
     _check_sizes(layout)

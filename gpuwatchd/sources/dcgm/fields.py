@@ -11,9 +11,20 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from gpuwatchd.config import DCGM_DEFAULT_FIELDS
-from gpuwatchd.metrics import Export, MetricSpec, counter, gauge, gpu_counter, gpu_gauge
+from gpuwatchd.metrics import (
+    Export,
+    MetricSpec,
+    counter,
+    gauge,
+    gpu_counter,
+    gpu_gauge,
+    instance_form,
+)
+from gpuwatchd.sources.nvml.metrics import UTILIZATION
 
 FE_GPU = 1  # dcgm_fields.DCGM_FE_GPU
+# MIG: a GPU instance, a compute instance (dcgm_fields.DCGM_FE_GPU_I, DCGM_FE_GPU_CI)
+FE_GPU_I, FE_GPU_CI = 4, 5
 # DCGM's own test for a profiling field (DCGM_FIELD_ID_IS_PROF_FIELD, dcgm_fields_internal.hpp,
 # 4.6): DCGM_FI_PROF_FIRST_ID..LAST_ID (1001-1096) and the per-link NVLink bytes (1532/1533).
 # DCGM forwards these to the profiling module and, when it refuses, drops the watch of the
@@ -82,6 +93,19 @@ class FieldPlan:
             native=tuple(f for f in self.native if f not in drop),
             watched=tuple(f for f in self.watched if f not in drop),
         )
+
+
+def instance_level(dcgm_fields: Any, ids: Iterable[int]) -> frozenset[int]:
+    """The fields of `ids` a MIG GPU instance answers itself: DCGM's own metadata gives
+    them the entity level GPU_I or GPU_CI (DCGM 4.6: the profiling ratios 1001-1008 and
+    the tensor pipes; PCIe and NVLink bytes are the GPU's). Any other field read on a GPU
+    instance is its GPU's value (DCGM remaps it) or blank."""
+    out = set()
+    for fid in ids:
+        meta = dcgm_fields.DcgmFieldGetById(fid)
+        if meta is not None and int(meta.entityLevel) in (FE_GPU_I, FE_GPU_CI):
+            out.add(fid)
+    return frozenset(out)
 
 
 def not_numbers(dcgm_fields: Any, ids: Iterable[int]) -> dict[int, str]:
@@ -547,6 +571,23 @@ def _maps() -> dict[int, FieldMap]:
 
 FIELD_MAPS = _maps()
 
+# The per-MIG-GPU-instance form (gpuwatchd_gpu_instance_*) of each profiling family a GPU
+# instance answers (instance_level): same meaning and unit as the GPU's (docs/mig.md)
+INSTANCE_SPECS: dict[int, MetricSpec] = {
+    fid: instance_form(spec)
+    for fid in range(1001, 1009)
+    if (spec := FIELD_MAPS[fid].spec) is not None
+}
+# NVML has no utilization on a MIG GPU or its instances. An instance's graphics engine
+# activity (1001) is the same physics, the share of time a kernel ran (dcgm-exporter's
+# stand-in for DCGM_FI_DEV_GPU_UTIL on MIG): the instance's utilization, so the rules
+# that judge a workload by it judge an instance's (docs/mig.md)
+INSTANCE_UTILIZATION = instance_form(
+    UTILIZATION,
+    "Fraction of time a kernel was running on the MIG GPU instance: DCGM's graphics "
+    "engine activity of the instance (NVML has no utilization on MIG).",
+)
+
 # dcgm-exporter's default counters (etc/default-counters.csv, DCGM-Exporter 4.x): what
 # `exporter_compat` watches on top of `fields`. DCGM_FI_DEV_VGPU_LICENSE_STATUS is left
 # out (vGPU only: blank on bare metal); DCGM_FI_DRIVER_VERSION is a label.
@@ -576,7 +617,10 @@ COMPAT_DEFAULT_FIELDS: tuple[int, ...] = (
     1009,
     1010,
 )
+# dcgm-exporter's GPU labels, then its MIG ones: a GPU instance's profile (DCGM_FI_DEV_NAME
+# read on it, "1g.10gb") and NVML id; "" (no label, to Prometheus) on a whole GPU's series
 COMPAT_GPU_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName")
+COMPAT_MIG_LABELS = ("GPU_I_PROFILE", "GPU_I_ID")
 DRIVER_LABEL = "DCGM_FI_DRIVER_VERSION"
 XID_LABELS = ("err_code", "err_msg")
 
@@ -588,7 +632,7 @@ def compat_specs(hostname_label: str = "Hostname") -> list[MetricSpec]:
     cannot render that, so every compat family is a gauge here: the names, labels and
     values are dcgm-exporter's, and PromQL (rate, increase) treats them the same.
     """
-    labels = (*COMPAT_GPU_LABELS, hostname_label, DRIVER_LABEL)
+    labels = (*COMPAT_GPU_LABELS, *COMPAT_MIG_LABELS, hostname_label, DRIVER_LABEL)
     return [
         MetricSpec(m.compat, m.compat_help, labels + (XID_LABELS if m.id == 230 else ()))
         for m in FIELD_MAPS.values()

@@ -41,7 +41,7 @@ log = logging.getLogger(__package__)
 # dcgm_fields.DCGM_FT_*: chars, stored in dcgmFieldValue_v2.fieldType as their code
 FT_DOUBLE, FT_INT64, FT_TIMESTAMP, FT_STRING = (ord(c) for c in "dits")
 
-Value = tuple[int, int, Any]  # (DCGM GPU id, field id, float | something not a number)
+Value = tuple[int, int, Any]  # (DCGM entity id, field id, float | something not a number)
 # one value as read: (entity group, entity, field, type, status, int64, double, its buffer,
 # its index there)
 Record = tuple[int, int, int, int, int, int, float, Any, int]
@@ -112,6 +112,15 @@ class LatestValues:
         self.int64_blank = value.DCGM_INT64_BLANK
         self.fp64_blank = value.DCGM_FP64_BLANK
         self._pairs: dict[tuple[int, ...], list[Any]] = {}
+        # entities of the last read that answered an error (a MIG GPU instance destroyed:
+        # DCGM_ST_INSTANCE_NOT_FOUND), other than "not watched" and "no data"
+        self.failed: set[int] = set()
+        self._quiet_statuses = {
+            self.not_watched,
+            getattr(structs, "DCGM_ST_NO_DATA", -14),
+            getattr(structs, "DCGM_ST_NOT_SUPPORTED", -6),
+            getattr(structs, "DCGM_ST_GPU_IS_LOST", -18),  # the GPU's own state says it
+        }
         # the fallback: dcgmGetLatestValues_v2 and our own callback (see the module's doc)
         self._agent = bindings.agent
         self._v1 = Layout(structs.c_dcgmFieldValue_v1, Layout.V1_MEMBERS)
@@ -127,26 +136,42 @@ class LatestValues:
         log.info("dcgm: reading values with dcgmGetLatestValues_v2 instead (%s)", why)
         self.fetch = None
 
-    def read(self, handle: Any, gpus: list[int], field_ids: list[int]) -> list[Value]:
-        """The non-blank latest values of `field_ids` on the GPUs `gpus` (DCGM ids), in the
-        order DCGM returns them. Raises DCGMError; DCGM_ST_NOT_WATCHED when every value
-        says so: our watch is gone (another client removed our group or field group)."""
+    def read(
+        self,
+        handle: Any,
+        gpus: list[int],
+        field_ids: list[int],
+        group: int = FE_GPU,
+        flags: int = 0,
+    ) -> list[Value]:
+        """The non-blank latest values of `field_ids` on the entities `gpus` (DCGM ids) of
+        entity group `group` (GPUs; FE_GPU_I: MIG GPU instances), in the order DCGM
+        returns them. Raises DCGMError; DCGM_ST_NOT_WATCHED when every value says so: our
+        watch is gone (another client removed our group or field group)."""
         assert self.fetch is not None and self.layout is not None
-        key = tuple(gpus)
+        key = (group, *gpus)
         pairs = self._pairs.get(key)
         if pairs is None:
-            pairs = self._pairs[key] = [self.pair(FE_GPU, gpu) for gpu in gpus]
-        array = self.fetch(handle, pairs, field_ids, 0)
+            if len(self._pairs) >= 64:  # MIG layouts come and go: keep the cache small
+                self._pairs.clear()
+            pairs = self._pairs[key] = [self.pair(group, gpu) for gpu in gpus]
+        array = self.fetch(handle, pairs, field_ids, flags)
         layout = self.layout
         rows = zip(layout.ints.iter_unpack(array), layout.doubles.iter_unpack(array), strict=True)
         records = (
             (group, entity, fid, kind, status, i64, dbl, array, k)
             for k, ((group, entity, fid, kind, status, i64), (dbl,)) in enumerate(rows)
         )
-        return self._decode(layout, records, bool(field_ids and gpus))
+        return self._decode(layout, records, bool(field_ids and gpus), group)
 
     def read_by_callback(
-        self, handle: Any, group_id: Any, field_group_id: Any, gpus: list[int], field_ids: list[int]
+        self,
+        handle: Any,
+        group_id: Any,
+        field_group_id: Any,
+        gpus: list[int],
+        field_ids: list[int],
+        group: int = FE_GPU,
     ) -> list[Value]:
         """`read`, through dcgmGetLatestValues_v2 on our group and field group (a libdcgm
         without dcgmEntitiesGetLatestValues): the same values, by the same rules."""
@@ -158,7 +183,7 @@ class LatestValues:
             records = self._records
         finally:
             self._records = []
-        return self._decode(self._v1, records, bool(field_ids and gpus))
+        return self._decode(self._v1, records, bool(field_ids and gpus), group)
 
     def _on_values(self, group: int, entity: int, values: Any, count: int, _: Any) -> int:
         """libdcgm's enumeration callback: keeps each value's record. It must never raise
@@ -177,19 +202,24 @@ class LatestValues:
                 log.warning("dcgm: a DCGM value could not be decoded; left out (%r)", e)
         return 0
 
-    def _decode(self, layout: Layout, records: Iterable[Record], expected: bool) -> list[Value]:
+    def _decode(
+        self, layout: Layout, records: Iterable[Record], expected: bool, wanted: int = FE_GPU
+    ) -> list[Value]:
         """DcgmFieldValue's rules (see the module's doc) over (entity group, entity, field,
-        type, status, int64, double, buffer, index in it) records."""
+        type, status, int64, double, buffer, index in it) records of entity group `wanted`."""
         ok, int64_blank, fp64_blank = self.ok, self.int64_blank, self.fp64_blank
         out: list[Value] = []
         append = out.append
         watched = False
+        self.failed = failed = set()
         for group, entity, fid, kind, status, i64, dbl, buffer, k in records:
             if status != ok:
                 watched = watched or status != self.not_watched
+                if status not in self._quiet_statuses:
+                    failed.add(entity)
                 continue
             watched = True
-            if group != FE_GPU:
+            if group != wanted:
                 continue
             if kind == FT_DOUBLE:
                 if not dbl >= fp64_blank:  # DCGM_FP64_IS_BLANK: a NaN is not blank

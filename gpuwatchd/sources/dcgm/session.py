@@ -34,8 +34,10 @@ from gpuwatchd.sources.dcgm.fields import (
     PROFILING_STATE,
     PROFILING_STATES,
     FieldPlan,
+    instance_level,
 )
 from gpuwatchd.sources.dcgm.latest import LatestValues, Value
+from gpuwatchd.sources.dcgm.mig import Instance, MigInstances
 from gpuwatchd.sources.dcgm.xid import UNKNOWN_XID, XID_MESSAGES
 
 log = logging.getLogger(__package__)
@@ -64,6 +66,7 @@ class Gpu:
     fields: frozenset[int] = frozenset()  # profiling fields DCGM supports on this GPU
     emit: dict[int, list[Row]] = field(default_factory=dict)
     state_samples: dict[str, list[Sample]] = field(default_factory=dict)
+    instances: list[Instance] = field(default_factory=list)  # its MIG GPU instances (mig.py)
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -82,6 +85,7 @@ class Watch:
     fields: list[int]  # the field group's ids
     profiling: bool
     indices: bool = False  # holds DCGM_FI_DEV_NVML_INDEX
+    entity_group: int = FE_GPU  # `gpus` are GPUs, or (FE_GPU_I) MIG GPU instances
 
 
 class Session:
@@ -112,6 +116,8 @@ class Session:
         self._changes: dict[tuple[str, str, str], list[Gpu]] = {}  # profiling states to log
         self._not_numbers: set[int] = set()  # fields that gave something else, logged
         self.latest = latest or LatestValues(bindings)  # reads each watch in one call
+        self.mig = MigInstances(self)
+        self._instance_fields: dict[frozenset[int], frozenset[int]] = {}
 
     # -- setting up -----------------------------------------------------------------------
 
@@ -123,9 +129,10 @@ class Session:
         if self.gpus:
             self._watch_device()
             self._watch_profiling(now, list(self.gpus.values()))
+            self.mig.refresh()
             self.system.UpdateAllFields(1)
         for gpu in self.gpus.values():
-            self._prepare(gpu)
+            self.prepare(gpu)
 
     def _discover(self) -> None:
         ids = [int(i) for i in self.system.discovery.GetAllSupportedGpuIds()]
@@ -134,7 +141,9 @@ class Session:
             attrs = self.system.discovery.GetGpuAttributes(gpu_id).identifiers
             uuid, model = str(attrs.uuid), str(attrs.deviceName)
             bus, driver = str(attrs.pciBusId), str(attrs.driverVersion)
-            compat = (str(gpu_id), uuid, bus, f"nvidia{gpu_id}", model, self.hostname, driver)
+            # dcgm-exporter's labels; GPU_I_PROFILE and GPU_I_ID empty: a whole GPU
+            compat = (str(gpu_id), uuid, bus, f"nvidia{gpu_id}", model, "", "", self.hostname,
+                      driver)  # fmt: skip
             self.gpus[gpu_id] = Gpu(gpu_id, uuid, model, compat, indices.get(gpu_id))
         moved = [f"DCGM {g.id} = NVML {g.index}" for g in self.gpus.values() if g.label != g.id]
         if moved:
@@ -187,6 +196,40 @@ class Session:
             self._quietly(group.Delete)
             raise
         self.watches.append(Watch(group, field_group, gpus, list(ids), profiling, indices))
+
+    def watch_entities(self, name: str, kind: int, entities: list[int], ids: list[int]) -> Watch:
+        """Watch `ids` on entities of another entity group (MIG GPU instances)."""
+        group = self.system.GetEmptyGroup(name)
+        field_group = None
+        try:
+            for entity in entities:
+                group.AddEntity(kind, entity)
+            field_group = self._field_group(name, ids)
+            interval = self.config.interval
+            group.samples.WatchFields(field_group, int(interval * 1e6), max(30.0, 3 * interval), 2)
+        except Exception:
+            if field_group is not None:
+                self.bindings.delete(field_group)
+            self._quietly(group.Delete)
+            raise
+        watch = Watch(group, field_group, list(entities), list(ids), True, entity_group=kind)
+        self.watches.append(watch)
+        return watch
+
+    def drop(self, watch: Watch) -> None:
+        """Unwatch and remove one watch of ours (its group and field group)."""
+        if watch in self.watches:
+            self.watches.remove(watch)
+        self._quietly(watch.group.samples.UnwatchFields, watch.field_group)
+        self.bindings.delete(watch.field_group)
+        self._quietly(watch.group.Delete)
+
+    def instance_fields(self, ids: frozenset[int]) -> frozenset[int]:
+        """Those of `ids` a MIG GPU instance answers itself (DCGM's field metadata)."""
+        known = self._instance_fields.get(ids)
+        if known is None:
+            known = self._instance_fields[ids] = instance_level(self.bindings.fields, ids)
+        return known
 
     def _watch_device(self) -> None:
         gpus = sorted(self.gpus)
@@ -282,7 +325,9 @@ class Session:
             self._watch_profiling(now, refused)
             self.log_profiling_changes()
             for gpu in refused:
-                self._prepare(gpu)
+                self.prepare(gpu)
+            if any(g.instances for g in refused):
+                self.mig.invalidate()  # their instances' watch, with the fields now watched
 
     def apply_pause(self, wanted: bool) -> None:
         """Pause (or resume) DCGM profiling host-wide, unless it already is or cannot be."""
@@ -314,7 +359,7 @@ class Session:
 
     # -- reading --------------------------------------------------------------------------
 
-    def _prepare(self, gpu: Gpu) -> None:
+    def prepare(self, gpu: Gpu) -> None:
         """Precompute every (metric, labels, scale) a value of each field becomes."""
         compat = self.config.exporter_compat
         labels = gpu.labels
@@ -328,26 +373,42 @@ class Session:
                 else:
                     rows.append((GENERIC.name, labels + (str(fid),), 1.0))
             if compat and mapping is not None and mapping.compat:
-                rows.append((mapping.compat, gpu.compat, 1.0))
+                rows.extend(self._compat_rows(gpu, fid, mapping.compat))
             gpu.emit[fid] = rows
+        for instance in gpu.instances:
+            self.mig.prepare(instance)
         states = PROFILING_STATES
         gpu.state_samples = {
             s: [Sample(PROFILING_STATE.name, labels + (t,), float(s == t)) for t in states]
             for s in states
         }
 
+    def _compat_rows(self, gpu: Gpu, fid: int, name: str) -> list[Row]:
+        """dcgm-exporter's rows of a GPU's field. On a GPU with MIG GPU instances it
+        shows (in its default "flex" mode) the instances only: a device field once per
+        instance with the GPU's value (what DCGM answers there), a profiling field from
+        the instances' own reads (mig.py), none for the GPU itself."""
+        if not gpu.instances:
+            return [(name, gpu.compat, 1.0)]
+        if fid in self.plan.profiling_ids:
+            return []
+        return [(name, instance.compat, 1.0) for instance in gpu.instances]
+
     def read(self) -> list[Sample]:
         out: list[Sample] = []
         for watch in self.watches:
             if watch.profiling and self.profiling_paused:
                 continue  # blank while paused
-            values = self._latest(watch)
+            if watch.entity_group != FE_GPU:
+                continue  # MIG GPU instances: read by self.mig
+            values = self.read_watch(watch)
             if watch.indices:
                 self._follow_indices(values)
             self._emit(values, out)
+        self.mig.poll(out)
         return out
 
-    def _latest(self, watch: Watch) -> list[Value]:
+    def read_watch(self, watch: Watch) -> list[Value]:
         """(DCGM GPU id, field id, number or not) of the watch's non-blank latest values:
         all in one dcgmEntitiesGetLatestValues call, or, where libdcgm lacks it, through
         dcgmGetLatestValues_v2 with our own callback (latest.py: never pydcgm's)."""
@@ -356,29 +417,34 @@ class Session:
         if latest.available:
             structs = self.bindings.structs
             try:
-                return latest.read(handle, watch.gpus, watch.fields)
+                return latest.read(handle, watch.gpus, watch.fields, watch.entity_group)
             except structs.DCGMError as e:
                 if e.value != structs.DCGM_ST_FUNCTION_NOT_FOUND:
                     raise
                 latest.unavailable(self.bindings.describe(e))
         group, field_group = watch.group.GetId(), watch.field_group.fieldGroupId
-        return latest.read_by_callback(handle, group, field_group, watch.gpus, watch.fields)
+        return latest.read_by_callback(
+            handle, group, field_group, watch.gpus, watch.fields, watch.entity_group
+        )
 
     def _emit(self, values: list[Value], out: list[Sample]) -> None:
-        gpus, append = self.gpus, out.append
+        gpus, sample = self.gpus, self.sample
         for gpu_id, fid, number in values:
             gpu = gpus.get(gpu_id)
             rows = gpu.emit.get(fid) if gpu is not None else None
-            if not rows:
-                continue
-            if type(number) is not float:
-                self._not_a_number(fid, number)
-                continue
-            for name, labels, scale in rows:
-                if name == _XID:
-                    code = int(number)
-                    labels = labels + (str(code), XID_MESSAGES.get(code, UNKNOWN_XID))
-                append(Sample(name, labels, number * scale))
+            if rows:
+                sample(fid, number, rows, out)
+
+    def sample(self, fid: int, number: Any, rows: list[Row], out: list[Sample]) -> None:
+        """The samples one value of field `fid` becomes (`rows`: prepare)."""
+        if type(number) is not float:
+            self._not_a_number(fid, number)
+            return
+        for name, labels, scale in rows:
+            if name == _XID:
+                code = int(number)
+                labels = labels + (str(code), XID_MESSAGES.get(code, UNKNOWN_XID))
+            out.append(Sample(name, labels, number * scale))
 
     def _follow_indices(self, values: list[Value]) -> None:
         """Relabel a GPU whose NVML index changed while connected."""
@@ -387,7 +453,7 @@ class Session:
             if gpu is not None and type(number) is float and int(number) != gpu.label:
                 gpu.index = int(number)
                 log.info("dcgm: DCGM GPU %d is NVML GPU %d now", gpu.id, gpu.index)
-                self._prepare(gpu)
+                self.prepare(gpu)
 
     def _not_a_number(self, fid: int, value: Any) -> None:
         if fid not in self._not_numbers:
@@ -414,6 +480,7 @@ class Session:
             else:
                 self.bindings.forget(watch.field_group)
         self.watches.clear()
+        self.mig.forget()
         self.bindings.disconnect(self.handle)
 
     def _quietly(self, function: Callable[..., Any], *args: Any) -> None:

@@ -26,6 +26,8 @@ from gpuwatchd.sources.dcgm.fields import (
     FIELD_MAPS,
     GENERIC,
     INFO,
+    INSTANCE_SPECS,
+    INSTANCE_UTILIZATION,
     LOSSES,
     PAUSE_REMAINING,
     PROFILING_STATE,
@@ -76,6 +78,8 @@ class DcgmSource(Source):
         PROFILING_STATE,
         GENERIC,
         *dict.fromkeys(m.spec for m in FIELD_MAPS.values() if m.spec is not None),
+        *INSTANCE_SPECS.values(),  # per MIG GPU instance (mig.py)
+        INSTANCE_UTILIZATION,
     )
 
     def __init__(self, config: SourceConfig, context: Context) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuwatchd.metrics import GPU_LABELS, counter, gauge
+from gpuwatchd.metrics import GPU_LABELS, counter, gauge, instance_form
 from gpuwatchd.metrics import gpu_gauge as _gpu_gauge
 
 INFO = gauge(
@@ -117,6 +117,8 @@ XID = counter(
     GPU_LABELS + ("xid",),
     export="nonzero",
 )
+# an Xid NVML's event names a MIG GPU instance for (gpuInstanceId); XID counts it too
+XID_INSTANCE = instance_form(XID, "Xid errors the driver reported on the MIG GPU instance.")
 LAST_XID = _gpu_gauge(
     "gpu_last_xid_timestamp_seconds", "When the last Xid error was seen.", export="nonzero"
 )

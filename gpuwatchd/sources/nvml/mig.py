@@ -38,7 +38,7 @@ from typing import Any
 from gpuwatchd.metrics import GPU_LABELS, Sample, gauge
 from gpuwatchd.sources.nvml.metrics import SM_COUNT
 from gpuwatchd.sources.nvml.reads import SLOW_EVERY, _Gpu, _GpuLost
-from gpuwatchd.sources.nvmlapi import sm_count
+from gpuwatchd.sources.nvmlapi import ListedInstance, ProcessTable, sm_count
 
 log = logging.getLogger("gpuwatchd.sources.nvml")
 
@@ -126,6 +126,7 @@ class MigState:
     devices: list[MigDevice] = field(default_factory=list)
     stale: bool = False  # rediscover (and read the mode) at the next poll
     util_checked: bool = False  # the mode was read after utilization went unsupported
+    published: bool = False  # its MIG devices are in the ProcessTable
 
 
 def profile_of(name: str, attributes: Any) -> str:
@@ -150,6 +151,7 @@ class MigReads:
     """NvmlSource's MIG mode, discovery and per-instance reads."""
 
     _nv: Any
+    _table: ProcessTable
     _calls: dict[str, list[tuple[str, Any, tuple[Any, ...]]]]
     _describe: Callable[[Any], str]
     _log_once: Callable[[str, str, _Gpu, str], None]
@@ -173,7 +175,12 @@ class MigReads:
             )
             if state.stale or appeared:
                 self._mig_discover(gpu, state)
-            self._mig_instances(gpu, state, out)
+            listed = self._mig_instances(gpu, state, out)
+            self._table.instances(gpu.labels[1], tuple(listed))  # for the processes source
+            state.published = True
+        elif state.published:  # MIG disabled: a whole GPU again for the processes source
+            self._table.instances(gpu.labels[1], None)
+            state.published = False
         # only while set (as gpu_nvlink_down): a GPU without MIG keeps its series as before
         if state.mode == 1:
             out.append(Sample(MIG_MODE.name, gpu.labels, 1.0))
@@ -282,11 +289,13 @@ class MigReads:
         sms = None if attributes is None else int(attributes.multiprocessorCount)
         return MigDevice(index, handle, uuid, labels, sms)
 
-    def _mig_instances(self, gpu: _Gpu, state: MigState, out: list[Sample]) -> None:
+    def _mig_instances(self, gpu: _Gpu, state: MigState, out: list[Sample]) -> list[ListedInstance]:
         """Each MIG device's memory and compute processes; a handle that no longer
-        answers (its instance destroyed, MIG disabled) sends the GPU to discovery."""
+        answers (its instance destroyed, MIG disabled) sends the GPU to discovery.
+        Returns the devices read, with their processes, for the processes source."""
         nv = self._nv
         _, processes, _ = self._calls["compute_processes"][gpu.choice.get("compute_processes", 0)]
+        listed: list[ListedInstance] = []
         for device in state.devices:
             try:
                 memory = self._mig_call(gpu, nv.nvmlDeviceGetMemoryInfo, device.handle)
@@ -295,14 +304,18 @@ class MigReads:
             except nv.NVMLError as e:
                 if e.value in (nv.NVML_ERROR_INVALID_ARGUMENT, nv.NVML_ERROR_NOT_FOUND):
                     state.stale = True  # the mode and the devices, read again next poll
-                    return
+                    return listed
                 log.debug("nvml: GPU %d: MIG device %s: %s", gpu.index, device.uuid,
                           self._describe(e))  # fmt: skip
                 continue
             labels = device.labels
+            gi, ci, profile = labels[2:5]
+            listed.append(ListedInstance(int(gi), int(ci), profile, device.uuid,
+                                         dict(device.processes)))  # fmt: skip
             out.append(Sample(INSTANCE_INFO.name, labels + (device.uuid,), 1.0))
             out.append(Sample(INSTANCE_MEMORY_USED.name, labels, float(memory.used)))
             out.append(Sample(INSTANCE_MEMORY_TOTAL.name, labels, float(memory.total)))
             out.append(Sample(INSTANCE_PROCESSES.name, labels, float(len(device.processes))))
             if device.sms is not None:
                 out.append(Sample(INSTANCE_SMS.name, labels, float(device.sms)))
+        return listed

@@ -10,6 +10,7 @@ it declares.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import threading
@@ -18,9 +19,12 @@ from typing import Any
 
 from gpuwatchd.metrics import Sample
 from gpuwatchd.scheduler import name_os_thread
-from gpuwatchd.sources.nvml.metrics import HUNG, LAST_XID, STALE, XID
+from gpuwatchd.sources.nvml.metrics import HUNG, LAST_XID, STALE, XID, XID_INSTANCE
 from gpuwatchd.sources.nvml.reads import _Gpu
 from gpuwatchd.sources.nvmlapi import ListedGpu, ProcessTable
+
+NO_INSTANCE = 0xFFFFFFFF  # nvmlEventData_t's gpuInstanceId when the Xid is the whole GPU's
+_MAX_EVENTS_PER_POLL = 1024
 
 log = logging.getLogger("gpuwatchd.sources.nvml")
 
@@ -99,7 +103,12 @@ class Polling:
     _start: Callable[[], None]
     _identify: Callable[[_Gpu], None]
     _register_events: Callable[[_Gpu], None]
-    _drain_events: Callable[[], None]
+    _event_set: Any
+    _wait: Callable[..., Any]
+    _xid_type: int
+    _by_address: dict[int, _Gpu]
+    _now: Callable[[], float]
+    _describe: Callable[[Any], str]
     _collect_gpu: Callable[[_Gpu, list[Sample]], None]
 
     def collect(self) -> list[Sample]:
@@ -134,6 +143,8 @@ class Polling:
                     out.append(Sample(STALE.name, gpu.labels, float(samples is None)))
                     out.append(Sample(HUNG.name, gpu.labels, 0.0))
                 lists = gpu.last_lists
+            for (gi, profile, xid), count in gpu.instance_xids.items():
+                out.append(Sample(XID_INSTANCE.name, (*gpu.labels, gi, profile, str(xid)), count))
             listed.append(ListedGpu(gpu.index, gpu.labels, gpu.bus_id, lists))
         self._table.publish(now, listed)
         return out
@@ -177,7 +188,7 @@ class Polling:
                 self._give(gpu)
         if self._events_lock.acquire(blocking=False):  # not while a drain is stuck
             try:
-                self._drain_events()
+                self._drain_xid_events()
             finally:
                 self._events_lock.release()
         for gpu in self._gpus:
@@ -200,6 +211,36 @@ class Polling:
                     return
                 poll.read[gpu.index] = mine
 
+    def _drain_xid_events(self) -> None:
+        """Take every pending Xid event without waiting (timeout 0). On a MIG-enabled GPU
+        the event names the GPU instance it hit (gpuInstanceId; 0xFFFFFFFF: the whole
+        GPU's): counted for the GPU and for that instance."""
+        if self._event_set is None:
+            return
+        nv = self._nv
+        for _ in range(_MAX_EVENTS_PER_POLL):
+            try:
+                data = self._wait(self._event_set, 0)
+            except nv.NVMLError as e:
+                if e.value != nv.NVML_ERROR_TIMEOUT:
+                    log.debug("nvml: event wait failed: %s", self._describe(e))
+                return
+            if not data.eventType & self._xid_type:
+                continue
+            gpu = self._by_address.get(ctypes.cast(data.device, ctypes.c_void_p).value or 0)
+            if gpu is None:
+                continue
+            xid = int(data.eventData)
+            gpu.xids[xid] = gpu.xids.get(xid, 0) + 1
+            gpu.last_xid = self._now()
+            gi = int(getattr(data, "gpuInstanceId", NO_INSTANCE))
+            if gi == NO_INSTANCE:
+                log.warning("nvml: GPU %d: Xid %d", gpu.index, xid)
+                continue
+            key = (str(gi), _profile_of(gpu, gi), xid)
+            gpu.instance_xids[key] = gpu.instance_xids.get(key, 0) + 1
+            log.warning("nvml: GPU %d: Xid %d on MIG GPU instance %d", gpu.index, xid, gi)
+
     def _take(self, gpu: _Gpu, poll: _Poll) -> bool:
         if poll.closed or not gpu.lock.acquire(blocking=False):
             return False
@@ -209,3 +250,12 @@ class Polling:
     def _give(self, gpu: _Gpu) -> None:
         gpu.busy_since = None
         gpu.lock.release()
+
+
+def _profile_of(gpu: _Gpu, gi: int) -> str:
+    """The profile of the GPU's MIG GPU instance `gi`, as discovered (mig.py); "" if the
+    instance is not known yet."""
+    for device in getattr(gpu.mig, "devices", None) or ():
+        if device.labels[2] == str(gi):
+            return str(device.labels[4])
+    return ""

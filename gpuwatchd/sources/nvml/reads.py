@@ -82,7 +82,9 @@ class _Gpu:
         self.counters: dict[int, tuple[int, int | None, float | None]] = {}
         self.lists: dict[str, dict[int, float]] = {}  # process lists, by kind
         self.events = "pending"  # pending | registered | unsupported
-        self.xids: dict[int, int] = {}
+        self.xids: dict[int, int] = {}  # every Xid of the GPU, MIG instances' included
+        # a MIG GPU instance's Xids (the event's gpuInstanceId): (GI id, profile, Xid) -> count
+        self.instance_xids: dict[tuple[str, str, int], int] = {}
         self.nvlinks = 0  # how many NVLinks the driver reports
         self.nvlink_seen: set[int] = set()  # links seen active since the daemon started
         self.nvlink_remote: int | None = None  # what the first active link reaches, asked once

@@ -28,6 +28,7 @@ from gpuwatchd.sources.nvml.metrics import (
     SM_COUNT,
     SPECS,
     XID,
+    XID_INSTANCE,
 )
 from gpuwatchd.sources.nvml.mig import MIG_SPECS, MigReads
 from gpuwatchd.sources.nvml.nvlink import NvLinks
@@ -61,13 +62,11 @@ from gpuwatchd.sources.nvmlapi import (
 
 log = logging.getLogger("gpuwatchd.sources.nvml")
 
-_MAX_EVENTS_PER_POLL = 1024
-
 
 @register
 class NvmlSource(Polling, NvLinks, MigReads, Source):
     name = "nvml"
-    metrics = SPECS + MIG_SPECS
+    metrics = SPECS + MIG_SPECS + (XID_INSTANCE,)
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
@@ -241,27 +240,6 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
             if e.value in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
                 gpu.events = "unsupported"
             log.debug("nvml: GPU %d: Xid events: %s", gpu.index, self._describe(e))
-
-    def _drain_events(self) -> None:
-        """Take every pending Xid event without waiting (timeout 0)."""
-        if self._event_set is None:
-            return
-        nv = self._nv
-        for _ in range(_MAX_EVENTS_PER_POLL):
-            try:
-                data = self._wait(self._event_set, 0)
-            except nv.NVMLError as e:
-                if e.value != nv.NVML_ERROR_TIMEOUT:
-                    log.debug("nvml: event wait failed: %s", self._describe(e))
-                return
-            if not data.eventType & self._xid_type:
-                continue
-            gpu = self._by_address.get(ctypes.cast(data.device, ctypes.c_void_p).value or 0)
-            if gpu is not None:
-                xid = int(data.eventData)
-                gpu.xids[xid] = gpu.xids.get(xid, 0) + 1
-                gpu.last_xid = self._now()
-                log.warning("nvml: GPU %d: Xid %d", gpu.index, xid)
 
     def _collect_gpu(self, gpu: _Gpu, out: list[Sample]) -> None:
         if gpu.handle is None:

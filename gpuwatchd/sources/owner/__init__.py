@@ -35,6 +35,11 @@ How they combine:
 
 A GPU without a readable process is owned by its kubelet allocation, else by its job file
 (scheduler "slurm"), else by nobody (None).
+
+MIG: each GPU instance of a MIG-enabled GPU is owned as a GPU is, from its own main
+process (of the processes NVML lists on its MIG devices), its own job file ("<index>.<GI>")
+and the kubelet's allocation of one of its MIG devices (`podresources.instance_keys`):
+never from the whole GPU's, so a tenant is never charged another instance's process.
 """
 
 from __future__ import annotations
@@ -44,8 +49,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpuwatchd.sources.owner.cgroup import Placement, parse_cgroup
-from gpuwatchd.sources.owner.jobfiles import read_job_files
-from gpuwatchd.sources.owner.podresources import PodContainer, PodResources
+from gpuwatchd.sources.owner.jobfiles import read_job_files, read_job_map
+from gpuwatchd.sources.owner.podresources import PodContainer, PodResources, instance_keys
 from gpuwatchd.sources.owner.process import Launch, ProcessFacts, ProcessReader, user_name
 
 LABELS = ("scheduler", "job_id", "step", "rank", "user", "namespace", "pod", "container")
@@ -78,6 +83,21 @@ class GpuProcesses:
     memory: Mapping[int, float]  # pid -> bytes (0 where the driver cannot tell)
 
 
+@dataclass(frozen=True, slots=True)
+class InstanceProcesses:
+    """One MIG GPU instance and the processes NVML lists on its MIG devices."""
+
+    index: int  # its GPU's index
+    uuid: str  # its GPU's UUID
+    gpu_instance: int
+    mig_uuids: tuple[str, ...]  # its MIG devices' (one per compute instance)
+    memory: Mapping[int, float]  # pid -> bytes
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.uuid, self.gpu_instance)
+
+
 def owners_by_gpu(
     gpus: Iterable[GpuProcesses],
     facts: Callable[[int], ProcessFacts | None],
@@ -97,6 +117,29 @@ def owners_by_gpu(
         pod = pods.get(gpu.uuid) or pods.get(str(gpu.index))
         owner = _from_process(main, job, users) if main is not None else _from_job(job)
         owners[gpu.uuid] = _with_pod(owner, pod) if pod else owner
+    return owners
+
+
+def owners_by_instance(
+    instances: Iterable[InstanceProcesses],
+    facts: Callable[[int], ProcessFacts | None],
+    *,
+    jobs: Mapping[tuple[int, int], str] | None = None,
+    pods: Mapping[str, PodContainer] | None = None,
+    users: Callable[[int], str] = user_name,
+) -> dict[tuple[str, int], Owner | None]:
+    """(GPU uuid, GPU instance) -> owner of each MIG GPU instance, as owners_by_gpu does
+    for GPUs, from its own processes, job file ((index, GI) -> job) and MIG devices'
+    allocation only."""
+    jobs, pods = jobs or {}, pods or {}
+    owners: dict[tuple[str, int], Owner | None] = {}
+    for inst in instances:
+        main = _main_facts(inst.memory, facts)
+        job = jobs.get((inst.index, inst.gpu_instance), "")
+        keys = instance_keys(inst.index, inst.uuid, inst.gpu_instance, inst.mig_uuids)
+        pod = next((pods[k] for k in keys if k in pods), None)
+        owner = _from_process(main, job, users) if main is not None else _from_job(job)
+        owners[inst.key] = _with_pod(owner, pod) if pod else owner
     return owners
 
 
@@ -189,14 +232,29 @@ class Attribution:
     ) -> dict[str, Owner | None]:
         """uuid -> owner of each GPU given (None: nobody). `read`: how a process's facts
         are read (default self.processes.read; a caller that reads them too passes a memo)."""
-        gpus = list(gpus)
-        files = read_job_files(self.job_dir) if self.job_dir is not None else {}
-        jobs = {index: ids[0] for index, ids in files.items()}
+        return self.attribute(gpus, (), read)[0]
+
+    def attribute(
+        self,
+        gpus: Iterable[GpuProcesses],
+        instances: Iterable[InstanceProcesses],
+        read: Callable[[int], ProcessFacts | None] | None = None,
+    ) -> tuple[dict[str, Owner | None], dict[tuple[str, int], Owner | None]]:
+        """Owners of whole GPUs (by uuid) and of MIG GPU instances (by (uuid, GI)), with
+        one read of the job files and the kubelet's answer for both."""
+        gpus, instances = list(gpus), list(instances)
+        files = read_job_map(self.job_dir) if self.job_dir is not None else {}
+        by_gpu: dict[int, str] = {}
+        for (index, _), ids in files.items():  # a GPU's own file first (sorted)
+            by_gpu.setdefault(index, ids[0])
         pods = self.pod_resources.devices() if self.pod_resources is not None else {}
-        facts = read or self.processes.read
-        owners = owners_by_gpu(gpus, facts, jobs=jobs, pods=pods, users=self.users)
-        self.processes.keep({pid for gpu in gpus for pid in gpu.memory})
-        return owners
+        facts, users = read or self.processes.read, self.users
+        owners = owners_by_gpu(gpus, facts, jobs=by_gpu, pods=pods, users=users)
+        by_instance = {key: ids[0] for key, ids in files.items() if key[1] >= 0}
+        parts = owners_by_instance(instances, facts, jobs=by_instance, pods=pods, users=users)
+        pids = {pid for gpu in gpus for pid in gpu.memory}
+        self.processes.keep(pids | {pid for inst in instances for pid in inst.memory})
+        return owners, parts
 
     def close(self) -> None:
         if self.pod_resources is not None:
@@ -207,6 +265,7 @@ __all__ = [
     "LABELS",
     "Attribution",
     "GpuProcesses",
+    "InstanceProcesses",
     "Launch",
     "Owner",
     "Placement",
@@ -216,6 +275,8 @@ __all__ = [
     "ProcessReader",
     "UserNames",
     "owners_by_gpu",
+    "owners_by_instance",
     "parse_cgroup",
     "read_job_files",
+    "read_job_map",
 ]

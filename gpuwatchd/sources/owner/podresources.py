@@ -6,8 +6,13 @@ of each extended resource allocated to it. GPUs are the resources whose name sta
 `nvidia.com/` (`nvidia.com/gpu`, the MIG strategy's `nvidia.com/mig-…`, renamed shared
 resources such as `nvidia.com/gpu.shared`). Their device IDs are what the device plugin
 announced: GPU UUIDs (NVIDIA's plugin; `<UUID>::<n>` for time-sliced replicas), GPU
-indices (`deviceIDStrategy: index`), or `nvidia<N>` (GKE's plugin). MIG devices
-(`MIG-…` UUIDs) and DRA claims name no whole GPU and are skipped.
+indices (`deviceIDStrategy: index`), or `nvidia<N>` (GKE's plugin). MIG devices are
+named by their MIG UUID (`MIG-…`, R470 and later; `::<n>` when time-sliced, as on EKS)
+under `nvidia.com/mig-<profile>` (the plugin's mixed strategy) or `nvidia.com/gpu` (single
+strategy), by `MIG-GPU-<UUID>/<GI>/<CI>` before R470, and by `nvidia<N>/gi<GI>` (with
+`/vgpu<n>` when shared) on GKE; `device_key` turns the last two into `<GPU UUID>/gi<GI>`
+and `<N>/gi<GI>` (dcgm-exporter maps the same forms to (GPU, GPU instance)). DRA claims
+name no device here and are skipped.
 
 The answer is kept for `refresh` seconds. A call that fails (the socket missing, the
 kubelet down, `timeout` passed) gives no names, so owners fall back to the pod UID and
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,12 +45,29 @@ class PodContainer:
     container: str
 
 
+_GKE_MIG = re.compile(r"nvidia([0-9]{1,4})/gi([0-9]{1,4})(?:/vgpu[0-9]+)?")
+_OLD_MIG = re.compile(r"MIG-(GPU-[0-9a-fA-F-]+)/([0-9]{1,4})/[0-9]{1,4}")
+
+
 def device_key(device_id: str) -> str:
-    """The GPU a device ID names: its UUID ("GPU-…"), or its index as text ("0")."""
+    """The GPU or MIG device a device ID names: its UUID ("GPU-…", "MIG-…"), its index as
+    text ("0"), or a MIG GPU instance as "<GPU UUID>/gi<GI>" or "<index>/gi<GI>"."""
     device_id = device_id.partition("::")[0]
     if device_id.startswith("nvidia") and device_id[6:].isdigit():
         return str(int(device_id[6:]))
+    if (gke := _GKE_MIG.fullmatch(device_id)) is not None:
+        return f"{int(gke[1])}/gi{int(gke[2])}"
+    if (old := _OLD_MIG.fullmatch(device_id)) is not None:
+        return f"{old[1]}/gi{int(old[2])}"
     return device_id
+
+
+def instance_keys(
+    index: int, uuid: str, gpu_instance: int, mig_uuids: tuple[str, ...]
+) -> list[str]:
+    """The device_keys that can name a MIG GPU instance: its MIG devices' UUIDs, then the
+    pre-R470 and GKE forms."""
+    return [*mig_uuids, f"{uuid}/gi{gpu_instance}", f"{index}/gi{gpu_instance}"]
 
 
 def gpu_devices(response: Any) -> dict[str, PodContainer]:

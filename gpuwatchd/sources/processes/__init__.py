@@ -97,6 +97,19 @@ pod, its container -- from its cgroup, environment and uid, a prolog's per-GPU j
 (`job_mapping_dir`) and the kubelet's pod-resources API (`pod_resources_socket`); see
 gpuwatchd.sources.owner and docs/fleet.md. `owner: false` leaves it out.
 
+MIG
+---
+A MIG-enabled GPU has no single main process: each of its GPU instances (GI) has one,
+chosen as above among the processes NVML lists on the GI's MIG devices (its compute
+instances share it), read the same way, and exported under the instance forms of the
+families above (`gpu_instance_process_*`, `gpu_instance_owner_info`,
+`gpu_instance_other_processes`: labels gpu, uuid, gpu_instance, profile, then the
+family's own; same values and units). The GPU itself keeps only `gpu_processes`,
+`gpu_desktop_processes` and `gpu_other_processes` (besides every GI's main process).
+The per-device lists come with the nvml source's table (`ListedGpu.instances`); asked
+here, the parent's v3 list is split by its GI/CI ids (`migdevices`). A GI's owner is its
+own (gpuwatchd.sources.owner): never another tenant's.
+
 Desktop and other tenants
 -------------------------
 Display servers, compositors and their helpers (`DESKTOP_PROCESSES`) take GPU time and
@@ -131,6 +144,7 @@ module that defines it.
 
 * `procfs`: parsers of the /proc, sysfs and cgroup files (pure: bytes in, values out);
 * `gpus`: NVML's per-GPU process lists (the nvml source's table, or asked here);
+* `instances`, `migdevices`: a MIG-enabled GPU's GPU instances and their processes;
 * `facts`: one main process read per poll, its rates, threads, children and cgroup;
 * `jobs`: launch keys and `group_jobs` ("The job" above);
 * `desktop`: desktop processes and the /proc scan that finds them;

@@ -2,8 +2,9 @@
 
 Taken from the nvml source's `ProcessTable` when it is fresh (`_listed`), else asked of
 NVML by this source itself (`_start`, `_identify`, `_list`: the v3 list functions,
-falling back to v2, a list the GPU does not support left out for good). A mixin of
-ProcessesSource, which sets the state it declares.
+falling back to v2, a list the GPU does not support left out for good; on a MIG-enabled
+GPU its processes by MIG device, from the GI/CI ids of the v3 list, see migdevices). A
+mixin of ProcessesSource, which sets the state it declares.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd.sources.base import Context, SourceError
-from gpuwatchd.sources.nvmlapi import ListedGpu, identify, start_nvml
+from gpuwatchd.sources.nvmlapi import ListedGpu, ListedInstance, identify, start_nvml
+from gpuwatchd.sources.processes.migdevices import discover, instance_ids, split_by_instance
 
 log = logging.getLogger("gpuwatchd.sources.processes")
 
@@ -30,6 +32,11 @@ class _Gpu:
     local_read_at: int = -1  # poll of the last local_cpulist attempt
     choice: dict[str, int] = field(default_factory=dict)  # kind -> function in use
     disabled: set[str] = field(default_factory=set)  # kinds NVML does not support here
+    # MIG enabled: its MIG devices and their processes this poll; None: a whole GPU
+    instances: tuple[ListedInstance, ...] | None = None
+    # asked here: (GI, CI) of each compute process (MIG only) and the MIG devices known
+    mig_ids: dict[int, tuple[int, int]] = field(default_factory=dict)
+    mig_devices: tuple[ListedInstance, ...] = ()
 
 
 class NvmlLists:
@@ -104,6 +111,8 @@ class NvmlLists:
                     memory = process.usedGpuMemory or 0  # None where the driver can't tell
                     used[process.pid] = used.get(process.pid, 0.0) + memory
                 lists[kind] = used
+                if kind == "compute":
+                    gpu.mig_ids = instance_ids(processes)
                 break
         return lists
 
@@ -114,7 +123,7 @@ class NvmlLists:
             gpu = self._shared.get(listed.index)
             if gpu is None or gpu.labels != listed.labels:
                 gpu = self._shared[listed.index] = _Gpu(listed.index, labels=listed.labels)
-            gpu.bus_id = listed.bus_id
+            gpu.bus_id, gpu.instances = listed.bus_id, listed.instances
             if listed.lists is not None and listed.labels[1]:
                 on_gpu.append((gpu, listed.lists))
         return on_gpu
@@ -127,7 +136,23 @@ class NvmlLists:
                 self._identify(gpu)
                 if gpu.handle is None:
                     continue
+            gpu.mig_ids = {}
             lists = self._list(gpu)
             if lists is not None:
+                gpu.instances = self._mig_instances(gpu, lists.get("compute", {}))
                 on_gpu.append((gpu, lists))
         return on_gpu
+
+    def _mig_instances(
+        self, gpu: _Gpu, compute: dict[int, float]
+    ) -> tuple[ListedInstance, ...] | None:
+        """Asked here: a MIG-enabled GPU's MIG devices with their processes, from the
+        GI/CI ids of its aggregate list (None: no process names an instance, a whole
+        GPU or an idle one). Discovery again only when an unknown instance shows."""
+        if not gpu.mig_ids:
+            gpu.mig_devices = ()  # a layout may change while nothing runs: discover again
+            return None
+        known = {(d.gpu_instance, d.compute_instance) for d in gpu.mig_devices}
+        if not set(gpu.mig_ids.values()) <= known:
+            gpu.mig_devices = discover(self._nv, gpu.handle)
+        return split_by_instance(gpu.mig_devices, gpu.mig_ids, compute)

@@ -1,14 +1,17 @@
 """The metrics the processes source exports (specs only; the source emits the samples).
 
 Per GPU under `{gpu, uuid}` (the main process's facts, the lists' counts, the owner),
-and node-wide for desktop processes. Kept apart so that the source module holds the
-wiring, not some hundred lines of help texts.
+per MIG GPU instance under `{gpu, uuid, gpu_instance, profile}` (the instance forms of
+the main process's families, `INSTANCE_FORMS`), and node-wide for desktop processes.
+Kept apart so that the source module holds the wiring, not some hundred lines of help
+texts.
 """
 
 from __future__ import annotations
 
-from gpuwatchd.metrics import GPU_LABELS, counter, gauge, gpu_gauge
+from gpuwatchd.metrics import GPU_LABELS, MetricSpec, counter, gauge, gpu_gauge, instance_form
 from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
+from gpuwatchd.sources.procio import METRICS as PROCIO_METRICS
 
 _gpu = gpu_gauge
 
@@ -28,7 +31,8 @@ OTHERS = _gpu(
 )
 INFO = _gpu(
     "gpu_process_info",
-    "The GPU's main process (most GPU memory): its name and CUDA runtime; always 1.",
+    "The GPU's main process (most GPU memory): its name and CUDA runtime; always 1. "
+    "Absent on a MIG-enabled GPU, which has one per GPU instance (gpu_instance_process_info).",
     ("name", "cudart"),
 )
 PID = _gpu("gpu_process_pid", "Process id of the GPU's main process.")
@@ -126,3 +130,25 @@ DESKTOP_CPU_BY_NAME = gauge(
     ("name",),
     export="nonzero",
 )
+
+# A MIG-enabled GPU has no single main process: each GPU instance has its own, whose facts
+# are exported under these forms (the rules read them as the whole-GPU families when they
+# judge an instance); the whole GPU then shows only its lists' counts.
+MAIN_FAMILIES = (
+    OTHERS, INFO, PID, JOB, LAUNCHED, OWNER, CPU, BUSIEST, THREADS, WORKERS, WORKERS_CPU,
+    CPUS_ALLOWED, NUMA_ALIGNED, QUOTA, THROTTLED, THROTTLED_SECONDS, MEMORY_PRESSURE,
+    CONTAINER, CUDART, AGE, *PROCIO_METRICS,
+)  # fmt: skip
+_HELP = {
+    OTHERS: "Processes on the MIG GPU instance besides its main process.",
+    INFO: "The MIG GPU instance's main process (most GPU memory of the processes on its MIG "
+    "devices): its name and CUDA runtime; always 1.",
+    OWNER: "Who owns the MIG GPU instance: the Slurm job, Kubernetes pod, container or user "
+    "of its main process, its job file, its MIG device's allocation (docs/fleet.md); always 1.",
+    JOB: "Job of the MIG GPU instance's main process, as gpu_process_job: equal values "
+    "(across GPUs and instances), one job.",
+}
+# whole-GPU family name -> its instance form
+INSTANCE_FORMS: dict[str, MetricSpec] = {
+    spec.name: instance_form(spec, _HELP.get(spec)) for spec in MAIN_FAMILIES
+}

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.config import ProcessesConfig, SourceConfig
@@ -24,6 +25,7 @@ from gpuwatchd.sources.nvmlapi import process_table, quietly
 from gpuwatchd.sources.owner import (
     Attribution,
     GpuProcesses,
+    InstanceProcesses,
     Owner,
     PodResources,
     ProcessFacts,
@@ -31,6 +33,7 @@ from gpuwatchd.sources.owner import (
 from gpuwatchd.sources.processes.desktop import DesktopWatch, _Desktop
 from gpuwatchd.sources.processes.facts import Facts, MainProcessReader, _CgroupReading, _Known
 from gpuwatchd.sources.processes.gpus import KINDS, NvmlLists, _Gpu
+from gpuwatchd.sources.processes.instances import Instance, group_instances, instance_samples
 from gpuwatchd.sources.processes.jobs import ADOPTERS, ALONE, _Memo, group_jobs, launch_key
 from gpuwatchd.sources.processes.metrics import (
     AGE,
@@ -44,6 +47,7 @@ from gpuwatchd.sources.processes.metrics import (
     DESKTOP_CPU,
     DESKTOP_CPU_BY_NAME,
     INFO,
+    INSTANCE_FORMS,
     JOB,
     LAUNCHED,
     MEMORY_PRESSURE,
@@ -66,6 +70,17 @@ from gpuwatchd.sources.procio import JobIo
 log = logging.getLogger("gpuwatchd.sources.processes")
 
 
+@dataclass(frozen=True)
+class _Round:
+    """What one poll found, for the samples of a MIG-enabled GPU's instances."""
+
+    facts: dict[int, Facts | None]  # main pid -> its facts (None: gone, unreadable)
+    jobs: dict[int, int]
+    launched: dict[int, bool]
+    desktop: set[int]
+    scanning: bool
+
+
 def _candidates(lists: dict[str, dict[int, float]], desktop: set[int]) -> dict[int, float]:
     """The processes a GPU's main one is chosen among (ProcessesSource._main): its
     non-desktop compute processes, else its non-desktop graphics ones; pid -> memory."""
@@ -84,7 +99,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         PROCESSES, DESKTOP, OTHERS, INFO, PID, JOB, LAUNCHED, OWNER, CPU, BUSIEST, THREADS, WORKERS,
         WORKERS_CPU, CPUS_ALLOWED, NUMA_ALIGNED, QUOTA, THROTTLED, THROTTLED_SECONDS,
         MEMORY_PRESSURE, CONTAINER, CUDART, AGE, DESKTOP_CPU, DESKTOP_COUNT, DESKTOP_CPU_BY_NAME,
-        *PROCIO_METRICS,
+        *PROCIO_METRICS, *INSTANCE_FORMS.values(),
     )  # fmt: skip
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
@@ -160,7 +175,9 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
 
         # 1. who is on which GPU
         on_gpu = self._listed(shared) if shared is not None else self._ask_nvml()
+        parts = [part for gpu, _ in on_gpu for part in group_instances(gpu)]  # MIG GIs
         listed = {pid for _, lists in on_gpu for used in lists.values() for pid in used}
+        listed.update(pid for part in parts for pid in part.memory)
         names = self._names_of(listed)
 
         # 2. desktop processes: NVML's, and every scan_every polls /proc's
@@ -177,14 +194,16 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
                 if pid not in self._desktop:
                     self._desktop[pid] = _Desktop(label)
 
-        # 3. the main process of each GPU, read once however many GPUs it drives
+        # 3. the main process of each whole GPU and each MIG GPU instance (a MIG-enabled
+        # GPU has none of its own), read once however many it drives
         mains: dict[int, int | None] = {}  # gpu index -> pid
         for gpu, lists in on_gpu:
-            mains[gpu.index] = self._main(lists, desktop)
+            mains[gpu.index] = None if gpu.instances is not None else self._main(lists, desktop)
+        part_mains = {i.key: self._main({"compute": i.memory}, desktop) for i in parts}
         memo: dict[str, _CgroupReading | None] = {}
         facts: dict[int, Facts | None] = {}
         self._io.begin(now)
-        for main in mains.values():
+        for main in (*mains.values(), *part_mains.values()):
             if main is not None and main not in facts:
                 facts[main] = self._facts(main, now, scanning, memo)
         self._io.end()
@@ -195,10 +214,15 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             del self._cgroups[path]
 
         launches = _Memo(self._owners.processes.read)
-        owners = self._owned(on_gpu, desktop, launches)
+        owners, parts_owned = self._owned(on_gpu, parts, desktop, launches)
         jobs, launched = self._jobs(facts, launches)
+        poll = _Round(facts, jobs, launched, desktop, scanning)
         samples: list[Sample] = []
         for gpu, lists in on_gpu:
+            if gpu.instances is not None:
+                mine = [i for i in parts if i.gpu is gpu]
+                self._mig_samples(gpu, lists, mine, part_mains, parts_owned, poll, samples)
+                continue
             main = mains[gpu.index]
             self._gpu_samples(gpu, lists, desktop, main, facts, jobs, scanning, samples)
             if main in launched:
@@ -212,15 +236,22 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
     def _owned(
         self,
         on_gpu: list[tuple[_Gpu, dict[str, dict[int, float]]]],
+        parts: list[Instance],
         desktop: set[int],
         read: Callable[[int], ProcessFacts | None],
-    ) -> dict[str, Owner | None]:
-        """uuid -> owner of each GPU, from the processes its main one is chosen among."""
+    ) -> tuple[dict[str, Owner | None], dict[tuple[str, int], Owner | None]]:
+        """uuid -> owner of each whole GPU and (uuid, GI) -> owner of each MIG GPU
+        instance, from the processes their main one is chosen among."""
         if not self.settings.owner:
-            return {}
+            return {}, {}
         gpus = [GpuProcesses(gpu.index, gpu.labels[1], _candidates(lists, desktop))
-                for gpu, lists in on_gpu]  # fmt: skip
-        return self._owners.owners(gpus, read)
+                for gpu, lists in on_gpu if gpu.instances is None]  # fmt: skip
+        instances = [
+            InstanceProcesses(i.gpu.index, i.gpu.labels[1], i.gpu_instance, i.mig_uuids,
+                              _candidates({"compute": i.memory}, desktop))
+            for i in parts
+        ]  # fmt: skip
+        return self._owners.attribute(gpus, instances, read)
 
     def _names_of(self, pids: set[int]) -> dict[int, str | None]:
         """comm of each pid NVML lists, read once while it stays listed."""
@@ -295,20 +326,36 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         scanning: bool,
         out: list[Sample],
     ) -> None:
-        labels = gpu.labels
-        pids: set[int] = set()
+        mains = {main} if main is not None else set()
+        self._count_samples(gpu.labels, lists, (), desktop_pids, mains, out)
+        found = facts.get(main) if main is not None else None
+        if found is not None:
+            self._main_samples(gpu, found, jobs, scanning, out)
+
+    @staticmethod
+    def _count_samples(
+        labels: tuple[str, ...],
+        lists: dict[str, dict[int, float]],
+        also: Iterable[int],
+        desktop_pids: set[int],
+        mains: set[int],
+        out: list[Sample],
+    ) -> None:
+        """The lists' counts; `also`: pids on the GPU besides its lists' (MIG devices')."""
+        pids: set[int] = set(also)
         for kind in KINDS:
             if kind in lists:
                 out.append(Sample(PROCESSES.name, labels + (kind,), float(len(lists[kind]))))
                 pids.update(lists[kind])
         desktop = pids & desktop_pids
         out.append(Sample(DESKTOP.name, labels, float(len(desktop))))
-        others = len(pids - desktop - ({main} if main is not None else set()))
-        out.append(Sample(OTHERS.name, labels, float(others)))
-        found = facts.get(main) if main is not None else None
-        if found is None:
-            return
-        f = found
+        out.append(Sample(OTHERS.name, labels, float(len(pids - desktop - mains))))
+
+    def _main_samples(
+        self, gpu: _Gpu, f: Facts, jobs: dict[int, int], scanning: bool, out: list[Sample]
+    ) -> None:
+        """The main process's facts under the GPU's labels."""
+        labels = gpu.labels
         out.append(Sample(INFO.name, labels + (f.name, f.cudart or ""), 1.0))
         out.append(Sample(PID.name, labels, float(f.pid)))
         out.append(Sample(JOB.name, labels, float(jobs.get(f.pid, f.pid))))
@@ -336,6 +383,38 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             cpus = f.cpus & self._online if self._online else f.cpus
             if local is not None and cpus:
                 out.append(Sample(NUMA_ALIGNED.name, labels, float(cpus <= local)))
+
+    def _mig_samples(
+        self,
+        gpu: _Gpu,
+        lists: dict[str, dict[int, float]],
+        parts: list[Instance],
+        mains: dict[tuple[str, int], int | None],
+        owners: dict[tuple[str, int], Owner | None],
+        poll: _Round,
+        out: list[Sample],
+    ) -> None:
+        """A MIG-enabled GPU: its lists' counts (others: besides every instance's main
+        process), then per GPU instance the instance forms of its main process's
+        families and its owner."""
+        chosen = {m for i in parts if (m := mains[i.key]) is not None}
+        also = [pid for i in parts for pid in i.memory]
+        self._count_samples(gpu.labels, lists, also, poll.desktop, chosen, out)
+        for part in parts:
+            main = mains[part.key]
+            mine: list[Sample] = []
+            if part.memory:
+                others = set(part.memory) - poll.desktop - ({main} if main else set())
+                mine.append(Sample(OTHERS.name, gpu.labels, float(len(others))))
+            found = poll.facts.get(main) if main is not None else None
+            if found is not None:
+                self._main_samples(gpu, found, poll.jobs, poll.scanning, mine)
+            if main in poll.launched:
+                mine.append(Sample(LAUNCHED.name, gpu.labels, float(poll.launched[main])))
+            owner = owners.get(part.key)
+            if owner is not None:
+                mine.append(Sample(OWNER.name, gpu.labels + owner.values(), 1.0))
+            out.extend(instance_samples(mine, part.labels))
 
     def _local_cpus(self, gpu: _Gpu, scanning: bool) -> frozenset[int] | None:
         """The GPU's NUMA-local CPUs, read once (again at scans while unreadable)."""

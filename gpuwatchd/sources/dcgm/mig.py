@@ -1,0 +1,254 @@
+"""MIG GPU instances in DCGM: finding them, watching their profiling fields, reading them.
+
+On a MIG-enabled GPU NVML has no utilization; DCGM's profiling module answers per GPU
+instance (entity group DCGM_FE_GPU_I), which is what dcgm-exporter reads there. DCGM
+numbers its GPU-instance entities itself (`gpuId * maxGpcs + k`, renumbered when the MIG
+layout changes); `dcgm_agent.dcgmGetGpuInstanceHierarchy` (a dcgmMigHierarchy_v2) says
+which entity is which: each GPU instance's parent GPU, its NVML id (`nvmlInstanceId`,
+nvidia-smi's GI ID, dcgm-exporter's GPU_I_ID) and slices. Its profile ("1g.10gb",
+dcgm-exporter's GPU_I_PROFILE) is DCGM_FI_DEV_NAME read live on the entity, as
+dcgm-exporter reads it.
+
+The GPU instances go in one group of their own with one field group: the configured
+profiling fields their GPU watches that DCGM's metadata puts at the GPU_I/GPU_CI level
+(`fields.instance_level`); the others (PCIe/NVLink bytes) and every device field are the
+GPU's only (DCGM would answer a GPU-level device field on a GPU instance with its GPU's
+value, a GPU-level profiling field with no data). Each GI value becomes the instance form
+of its family (`gpuwatchd_gpu_instance_*{gpu,uuid,gpu_instance,profile}`).
+
+Finding them again is cheap and rare: the hierarchy is read when connecting, every
+`MIG_EVERY` polls (instances created at run time), and at the next poll when a GPU
+instance's read answers an error (destroyed, or MIG disabled: DCGM_ST_INSTANCE_NOT_FOUND).
+The group and field group are rebuilt only when the hierarchy changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gpuwatchd.sources.dcgm.fields import (
+    FE_GPU,
+    FE_GPU_I,
+    FIELD_MAPS,
+    INSTANCE_SPECS,
+    INSTANCE_UTILIZATION,
+)
+
+GR_ENGINE_FIELD = 1001  # DCGM_FI_PROF_GR_ENGINE_ACTIVE
+
+if TYPE_CHECKING:
+    from gpuwatchd.sources.dcgm.latest import Value
+    from gpuwatchd.sources.dcgm.session import Gpu, Row, Session, Watch
+
+log = logging.getLogger(__package__)
+
+MIG_EVERY = 6  # polls between two hierarchy reads (30 s at the default 5 s interval)
+NAME = 50  # DCGM_FI_DEV_NAME: a GPU instance's profile
+_NO_MIG = (  # the hierarchy cannot be had here: no MIG reading, said once
+    "DCGM_ST_FUNCTION_NOT_FOUND",
+    "DCGM_ST_NOT_SUPPORTED",
+    "DCGM_ST_REQUIRES_ROOT",
+    "DCGM_ST_NVML_NOT_LOADED",
+)
+
+
+@dataclass
+class Instance:
+    """A MIG GPU instance as DCGM names it, and what its values become."""
+
+    entity: int  # DCGM's DCGM_FE_GPU_I id
+    gpu: Gpu  # its GPU
+    gi: str  # its NVML id (GPU_I_ID)
+    profile: str  # its profile (GPU_I_PROFILE)
+    emit: dict[int, list[Row]] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return (*self.gpu.labels, self.gi, self.profile)
+
+    @property
+    def compat(self) -> tuple[str, ...]:
+        """dcgm-exporter's labels: its GPU's, with GPU_I_PROFILE and GPU_I_ID set."""
+        c = self.gpu.compat
+        return (*c[:5], self.profile, self.gi, *c[7:])
+
+
+class MigInstances:
+    """A session's MIG GPU instances: discovery, their watch, their values."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.instances: dict[int, Instance] = {}  # by entity id
+        self.watch: Watch | None = None
+        self.fields: frozenset[int] = frozenset()  # what a GPU instance answers itself
+        self._signature: tuple[Any, ...] = ()
+        self._polls = 0
+        self._stale = False
+        self._off = False  # this DCGM cannot say (logged once)
+
+    # -- discovery --------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Read the hierarchy; rebuild the instances and their watch if it changed."""
+        if self._off:
+            return
+        rows = self._hierarchy()
+        self._stale = False
+        if rows is None:
+            return  # unknown this time: the instances as they were, asked again later
+        signature = tuple(rows)
+        if signature == self._signature:
+            return
+        self._signature = signature
+        self._unwatch()
+        gpus = self.session.gpus
+        found = {
+            entity: (gpus[gpu_id], str(gi)) for entity, gpu_id, gi, _ in rows if gpu_id in gpus
+        }
+        profiles = self._profiles(sorted(found))
+        self.instances = {
+            entity: Instance(entity, gpu, gi, profiles.get(entity, ""))
+            for entity, (gpu, gi) in found.items()
+        }
+        before = {g.id for g in gpus.values() if g.instances}
+        for gpu in gpus.values():
+            gpu.instances = [i for i in self.instances.values() if i.gpu is gpu]
+        self._watch()
+        for gpu in gpus.values():
+            if gpu.instances or gpu.id in before:
+                self.session.prepare(gpu)  # its compat rows move to (or from) its instances
+        log.info(
+            "dcgm: MIG GPU instances: %s",
+            ", ".join(f"GPU {i.gpu.label} GI {i.gi} ({i.profile})" for i in self.instances.values())
+            or "none",
+        )
+
+    def _hierarchy(self) -> list[tuple[int, int, int, int]] | None:
+        """(entity, parent GPU id, NVML GI id, slices) of every GPU instance; None if DCGM
+        could not say this time."""
+        bindings, structs = self.session.bindings, self.session.bindings.structs
+        get = getattr(bindings.agent, "dcgmGetGpuInstanceHierarchy", None)
+        try:
+            if get is None:
+                raise structs.DCGMError(getattr(structs, "DCGM_ST_FUNCTION_NOT_FOUND", -37))
+            hierarchy = get(self.session.handle.handle)
+        except structs.DCGMError as e:
+            if e.value == structs.DCGM_ST_CONNECTION_NOT_VALID:
+                raise
+            if e.value not in {getattr(structs, n, None) for n in _NO_MIG}:
+                log.debug("dcgm: reading the MIG hierarchy failed: %s", bindings.describe(e))
+                return None
+            self._off = True
+            log.info("dcgm: no MIG GPU instances read (%s)", bindings.describe(e))
+            return []
+        rows = []
+        for k in range(hierarchy.count):
+            row = hierarchy.entityList[k]
+            if row.entity.entityGroupId == FE_GPU_I and row.parent.entityGroupId == FE_GPU:
+                info = row.info
+                rows.append(
+                    (
+                        int(row.entity.entityId),
+                        int(row.parent.entityId),
+                        int(info.nvmlInstanceId),
+                        int(info.nvmlProfileSlices),
+                    )
+                )
+        return rows
+
+    def _profiles(self, entities: list[int]) -> dict[int, str]:
+        """Each GPU instance's profile: DCGM_FI_DEV_NAME read live on it."""
+        if not entities or not self.session.latest.available:
+            return {}
+        session, structs = self.session, self.session.bindings.structs
+        live = getattr(structs, "DCGM_FV_FLAG_LIVE_DATA", 1)
+        try:
+            values = session.latest.read(session.handle.handle, entities, [NAME], FE_GPU_I, live)
+        except structs.DCGMError as e:
+            if e.value == structs.DCGM_ST_CONNECTION_NOT_VALID:
+                raise
+            log.info("dcgm: MIG profile names unreadable: %s", session.bindings.describe(e))
+            return {}
+        return {entity: str(name) for entity, _, name in values}
+
+    # -- the watch ----------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """One group of every GPU instance whose GPU watches profiling, and one field group
+        of the instance-level fields those GPUs watch."""
+        session = self.session
+        entities = [i.entity for i in self.instances.values() if i.gpu.fields]
+        wanted = frozenset().union(*(self.instances[e].gpu.fields for e in entities))
+        self.fields = session.instance_fields(wanted)
+        if not entities or not self.fields:
+            return
+        structs = session.bindings.structs
+        try:
+            self.watch = session.watch_entities(
+                f"{session.prefix}_mig", FE_GPU_I, entities, sorted(self.fields)
+            )
+        except structs.DCGMError as e:
+            if e.value == structs.DCGM_ST_CONNECTION_NOT_VALID:
+                raise
+            log.warning(
+                "dcgm: watching the MIG GPU instances failed (%s); retried when they change",
+                session.bindings.describe(e),
+            )
+            return
+        for instance in self.instances.values():
+            self.prepare(instance)
+
+    def _unwatch(self) -> None:
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            self.session.drop(watch)
+
+    def invalidate(self) -> None:
+        """Rebuild the instances and their watch at the next poll."""
+        self._signature, self._stale = (), True
+
+    def forget(self) -> None:
+        """The session closes: its watches go with it (Session.close)."""
+        self.watch = None
+
+    # -- reading ------------------------------------------------------------------------
+
+    def poll(self, out: list[Any]) -> None:
+        """This poll's GPU-instance values into `out`; the hierarchy again when due."""
+        self._polls += 1
+        if self._stale or self._polls % MIG_EVERY == 0:
+            self.refresh()
+        watch = self.watch
+        if watch is None or self.session.profiling_paused:
+            return
+        values = self.session.read_watch(watch)
+        if self.session.latest.failed & set(self.instances):
+            self._stale = True  # one is gone: find out what is left at the next poll
+        self._emit(values, out)
+
+    def prepare(self, instance: Instance) -> None:
+        """Precompute what each of the instance's values becomes."""
+        plan, compat = self.session.plan, self.session.config.exporter_compat
+        instance.emit = {}
+        for fid in self.fields:
+            rows: list[Row] = []
+            spec = INSTANCE_SPECS.get(fid)
+            if fid in plan.native and spec is not None:
+                rows.append((spec.name, instance.labels, FIELD_MAPS[fid].scale))
+                if fid == GR_ENGINE_FIELD:
+                    rows.append((INSTANCE_UTILIZATION.name, instance.labels, FIELD_MAPS[fid].scale))
+            mapping = FIELD_MAPS.get(fid)
+            if compat and mapping is not None and mapping.compat:
+                rows.append((mapping.compat, instance.compat, 1.0))
+            instance.emit[fid] = rows
+
+    def _emit(self, values: list[Value], out: list[Any]) -> None:
+        sample = self.session.sample
+        instances = self.instances
+        for entity, fid, number in values:
+            instance = instances.get(entity)
+            rows = instance.emit.get(fid) if instance is not None else None
+            if rows:
+                sample(fid, number, rows, out)
