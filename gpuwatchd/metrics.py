@@ -107,10 +107,11 @@ def gpu_counter(
 
 def instance_form(spec: MetricSpec, help: str | None = None) -> MetricSpec:
     """The per-MIG-GPU-instance form of the per-GPU family `spec`: `gpu_X` becomes
-    `gpu_instance_X`, labels INSTANCE_LABELS then the family's own; shown as `spec` is,
-    budget 0 (a healthy non-MIG node has none)."""
-    assert spec.labels[:2] == GPU_LABELS and spec.name.startswith(PREFIX + "gpu_"), spec.name
-    name = PREFIX + "gpu_instance_" + spec.name.removeprefix(PREFIX + "gpu_")
+    `gpu_instance_X` (any other `Y`, `gpu_instance_Y`), labels INSTANCE_LABELS then the
+    family's own; shown as `spec` is, budget 0 (a healthy non-MIG node has none)."""
+    assert spec.labels[:2] == GPU_LABELS, spec.name
+    bare = spec.name.removeprefix(PREFIX)
+    name = PREFIX + "gpu_instance_" + bare.removeprefix("gpu_")
     text = help or f"{spec.help.rstrip('.')}; per MIG GPU instance."
     labels = INSTANCE_LABELS + spec.labels[2:]
     return MetricSpec(name, text, labels, spec.type, spec.export, 0, spec.name)
