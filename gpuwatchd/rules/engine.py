@@ -183,6 +183,8 @@ class Transition:
 class RuleEngine:
     """Evaluates a RuleSet against the store; holds the state and the derived series."""
 
+    skipping = True  # skip the pairs whose inputs cannot have changed (tests turn it off)
+
     def __init__(
         self,
         store: Store,
@@ -307,7 +309,7 @@ class RuleEngine:
         down_cache: dict[frozenset[str], list[str]] = {}
         errors = sum(self.errors.values())
         firing = False
-        states = self.states
+        states, skipping = self.states, self.skipping
         for rule in self.rules.rules:
             name, sources = rule.name, rule.expr.sources
             down = down_cache.get(sources)
@@ -322,8 +324,12 @@ class RuleEngine:
                     state.seconds_total += dt
                 if moved:  # peers() and the GPUs' identity: evaluate everything again
                     state.reads = None
-                elif old == INACTIVE and state.outcome is False and not down:
-                    reads = state.reads  # most pairs, most cycles: nothing can change
+                elif skipping and not down and (
+                    (old == INACTIVE and state.outcome is False) or old == NOT_EVALUABLE
+                ):  # most pairs, most cycles: nothing can change (not evaluable for want
+                    # of a series: the same reason; after an error or a source down: reads
+                    # is None)
+                    reads = state.reads
                     if (
                         reads is not None
                         and not reads.always
