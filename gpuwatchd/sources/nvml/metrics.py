@@ -118,7 +118,9 @@ XID = counter(
     export="nonzero",
 )
 # an Xid NVML's event names a MIG GPU instance for (gpuInstanceId); XID counts it too
-XID_INSTANCE = instance_form(XID, "Xid errors the driver reported on the MIG GPU instance.")
+XID_INSTANCE = instance_form(
+    XID, "Xid errors the driver reported on the MIG GPU instance.", judged=False
+)
 LAST_XID = _gpu_gauge(
     "gpu_last_xid_timestamp_seconds", "When the last Xid error was seen.", export="nonzero"
 )
