@@ -17,8 +17,11 @@ series is selected by the scrape's `job` and the `node` label a relabelling give
 target (docs/dashboards.md). The recording rules of deploy/prometheus/recording.yaml
 keep `cluster`, `job` and `instance` only, so the fleet view joins them to
 `gpuwatchd_build_info` on those to filter by node and show its name. The fleet's job
-view joins per-GPU series to `gpuwatchd_gpu_owner_info` on (job, instance, uuid), as
+view joins per-GPU series to `gpuwatchd_gpu_owner_info` (and a MIG GPU instance's
+series to `gpuwatchd_gpu_instance_owner_info`) on (job, instance, uuid, gpu_instance), as
 deploy/prometheus/jobs.yaml does, and is empty until a GPU has an owner with a job id.
+A cause judged on a MIG GPU instance carries `gpu_instance` (docs/mig.md): the panels that
+list causes show it.
 """
 
 from __future__ import annotations
@@ -303,15 +306,16 @@ def fleet_now() -> dash.Row:
                   "{{cause}}", instant=True), COUNT, width=8, height=12),
         grid(
             "Firing causes", """One row per GPU and cause firing now
-            (gpuwatchd_starvation_info): the node, the GPU, the cause with its dimension and
-            severity, the evidence the daemon recorded when the cause started firing
+            (gpuwatchd_starvation_info): the node, the GPU (and MIG GPU instance, where the
+            cause is an instance's), the cause with its dimension and severity, the
+            evidence the daemon recorded when the cause started firing
             (summary) and what to do about it (remedy). Empty while nothing fires; click a
             node to open its dashboard.""",
             [query(
-                "max by (node, gpu, cause, dimension, severity, summary, remedy, job, cluster)"
-                f" (gpuwatchd_starvation_info{{{FLEET}}})", instant=True)],
-            columns=["node", "gpu", "cause", "severity", "dimension", "summary", "remedy",
-                     "job", "cluster"],
+                "max by (node, gpu, gpu_instance, cause, dimension, severity, summary, remedy,"
+                f" job, cluster) (gpuwatchd_starvation_info{{{FLEET}}})", instant=True)],
+            columns=["node", "gpu", "gpu_instance", "cause", "severity", "dimension",
+                     "summary", "remedy", "job", "cluster"],
             width=16, height=12, link=node_link("${__data.fields.job}")),
     ])
 
@@ -414,11 +418,12 @@ def fleet_worst() -> dash.Row:
 
 
 # The job view: a job's GPUs on every node, through the owner info series each node
-# exports per GPU (docs/fleet.md), joined as deploy/prometheus/jobs.yaml joins it. The
-# node selection does not apply: a job spans nodes.
-OWNER = (
-    f'gpuwatchd_gpu_owner_info{{{FLEET_RULES}, job_id=~"$job_id", job_id!=""}}'
-)
+# exports per GPU and per MIG GPU instance (docs/fleet.md), joined as
+# deploy/prometheus/jobs.yaml joins them: on (job, instance, uuid, gpu_instance), which a
+# whole GPU's series (no gpu_instance) and an instance's share. The node selection does
+# not apply: a job spans nodes.
+OWNER_INFO = '__name__=~"gpuwatchd_gpu_owner_info|gpuwatchd_gpu_instance_owner_info"'
+OWNER = f'{{{OWNER_INFO}, {FLEET_RULES}, job_id=~"$job_id", job_id!=""}}'
 # jobs.yaml's per-GPU rules keep every label of the GPU's series plus the owner's; its
 # per-job rules (job_id:..., job_id_cause:...) keep scheduler and job_id only.
 JOB_GPU_RULES = f'{FLEET_RULES}, job_id=~"$job_id"'
@@ -426,19 +431,25 @@ JOB_RULES = 'job_id=~"$job_id"'
 
 
 def of_job(expr: str, labels: str = "job_id") -> str:
-    """`expr` (per GPU) for the GPUs of $job_id only, with the owner's `labels`."""
-    return f"({expr}) * on (job, instance, uuid) group_left ({labels}) {OWNER}"
+    """`expr` (per GPU or MIG GPU instance) for the GPUs and instances of $job_id only,
+    with the owner's `labels`."""
+    return f"({expr}) * on (job, instance, uuid, gpu_instance) group_left ({labels}) {OWNER}"
 
 
 def fleet_job() -> dash.Row:
     per_gpu_legend = "{{node}} GPU {{gpu}}"
+    per_device_legend = per_gpu_legend + WHERE
     utilization = f"gpu:gpuwatchd_utilization:avg1m{{{JOB_GPU_RULES}}}"
     median = f"quantile by (scheduler, job_id) (0.5, {utilization})"
     last_active = f"gpu:gpuwatchd_last_active_timestamp_seconds{{{JOB_GPU_RULES}}}"
     starved_seconds = f"gpuwatchd_starvation_seconds_total{{{FLEET_RULES}}}"
 
-    def by_gpu(metric: str) -> str:
-        return f"max by (node, gpu) ({of_job(f'gpuwatchd_{metric}{{{FLEET_RULES}}}')})"
+    def by_device(metric: str) -> str:
+        """gpuwatchd_gpu_<metric> per GPU of the job, and its instance form per MIG GPU
+        instance of the job (a MIG GPU has no series of the per-GPU form)."""
+        either = (f"gpuwatchd_gpu_{metric}{{{FLEET_RULES}}}"
+                  f" or gpuwatchd_gpu_instance_{metric}{{{FLEET_RULES}}}")
+        return with_where(f"max by (node, gpu, gpu_instance) ({of_job(either)})")
 
     return row("Job $job_id", [
         big_number(
@@ -465,22 +476,25 @@ def fleet_job() -> dash.Row:
             query(f"sum(gpu:gpuwatchd_nccl_stall:active{{{JOB_GPU_RULES}}})"),
             COUNT, red_from=1),
         heatmap(
-            "GPU utilization of the job, per node and GPU", """One row per GPU of the
-            selected job, on every node it runs on (gpuwatchd_gpu_utilization_ratio joined
-            with gpuwatchd_gpu_owner_info on job, instance and uuid): green is busy, red
-            idle. A row (or a node's rows) red while the others are green is the
+            "GPU utilization of the job, per node and GPU", """One row per GPU (or MIG
+            GPU instance, "(instance N)") of the selected job, on every node it runs on
+            (gpuwatchd_gpu_utilization_ratio or, on MIG, gpuwatchd_gpu_instance_utilization_ratio,
+            joined with the owner on job, instance, uuid and gpu_instance): green is busy,
+            red idle. A row (or a node's rows) red while the others are green is the
             straggler the rest of the job waits for.""",
-            query(by_gpu("gpu_utilization_ratio"), per_gpu_legend)),
+            query(by_device("utilization_ratio"), per_device_legend)),
         heatmap(
             "SM activity of the job, per node and GPU (DCGM)", """Share of cycles an SM
             had work on each GPU of the selected job (DCGM profiling,
             gpuwatchd_gpu_sm_active_ratio), one row per node and GPU. Utilization can read
             100 % while ranks spin in NCCL; SM activity falls, on every row at once in a
-            job-wide hang. Empty where DCGM is not enabled.""",
-            query(by_gpu("gpu_sm_active_ratio"), per_gpu_legend)),
+            job-wide hang. A MIG GPU instance has its own row (its instance form).
+            Empty where DCGM is not enabled.""",
+            query(by_device("sm_active_ratio"), per_device_legend)),
         grid(
-            "GPUs of the job, slowest first", """Each GPU of the selected job with its
-            rank, its 1-minute utilization (gpu:gpuwatchd_utilization:avg1m) and that over
+            "GPUs of the job, slowest first", """Each GPU (and MIG GPU instance,
+            gpu_instance) of the selected job with its rank, its 1-minute
+            utilization (gpu:gpuwatchd_utilization:avg1m) and that over
             the job's median: the straggler heads the table. GpuJobStraggler fires for a
             GPU under 20 % for 5 minutes while half the job runs at 80 % or more. Click a
             node to open its dashboard.""",
@@ -489,7 +503,7 @@ def fleet_job() -> dash.Row:
                 query(of_job(f"{utilization} / on (scheduler, job_id) group_left {median}",
                              "rank"), instant=True),
             ],
-            columns=["node", "gpu", "rank", "user", "namespace", "job"],
+            columns=["node", "gpu", "gpu_instance", "rank", "user", "namespace", "job"],
             display={
                 "Value #A": ("Utilization (1m)", RATIO),
                 "Value #B": ("vs job median", RATIO),
@@ -501,7 +515,8 @@ def fleet_job() -> dash.Row:
             job, how long ago it last drew over 40 % of its power limit
             (gpu:gpuwatchd_last_active_timestamp_seconds, 30 minutes back), longest first.
             In a job-wide hang every GPU goes quiet; the one quiet longest stopped first
-            and is the rank to look at.""",
+            and is the rank to look at. Whole GPUs only: a MIG GPU's power is all its
+            instances'.""",
             query(f"sort_desc(time() - max by (node, gpu) ({last_active}))", per_gpu_legend,
                   instant=True),
             SECONDS, height=10),
@@ -517,16 +532,18 @@ def fleet_job() -> dash.Row:
             model.Threshold(value=None, color="green"), model.Threshold(value=1, color="red"),
         ])).show_value(common.VisibilityMode.AUTO),
         grid(
-            "Firing causes on the job's GPUs", """One row per GPU of the selected job and
-            cause firing now (gpuwatchd_starvation_info joined with the owner): node, GPU,
-            rank, cause, severity, the evidence recorded when it started (summary) and the
+            "Firing causes on the job's GPUs", """One row per GPU (or MIG GPU instance)
+            of the selected job and cause firing now (gpuwatchd_starvation_info joined with
+            the owner): node, GPU, gpu_instance, rank, cause, severity, the evidence
+            recorded when it started (summary) and the
             remedy. Empty while nothing fires on the job; click a node to open its
             dashboard.""",
             [query(
-                "max by (node, gpu, rank, cause, severity, summary, remedy, job) ("
-                + of_job(f"gpuwatchd_starvation_info{{{FLEET_RULES}}}", "job_id, rank")
+                "max by (node, gpu, gpu_instance, rank, cause, severity, summary, remedy,"
+                " job) (" + of_job(f"gpuwatchd_starvation_info{{{FLEET_RULES}}}", "job_id, rank")
                 + ")", instant=True)],
-            columns=["node", "gpu", "rank", "cause", "severity", "summary", "remedy", "job"],
+            columns=["node", "gpu", "gpu_instance", "rank", "cause", "severity", "summary",
+                     "remedy", "job"],
             width=12, height=8, link=node_link("${__data.fields.job}")),
         graph(
             "GPU-hours the job lost in the last hour, by cause", """GPU-hours each cause
@@ -569,7 +586,7 @@ def fleet() -> dash.Dashboard:
         "node", "Node", 'gpuwatchd_build_info{cluster=~"$cluster", job=~"$job"}', multi=True))
     d = d.with_variable(label_variable(
         "job_id", "Job ID",
-        'gpuwatchd_gpu_owner_info{cluster=~"$cluster", job=~"$job", job_id!=""}', multi=False))
+        f'{{{OWNER_INFO}, cluster=~"$cluster", job=~"$job", job_id!=""}}', multi=False))
     for r in (fleet_now(), fleet_lost(), fleet_worst(), fleet_job()):
         d = d.with_row(r)
     return d
@@ -619,6 +636,38 @@ def host(metric: str, by: str, how: str = "max", extra: str = "") -> str:
     return f"{how} by ({by}) (gpuwatchd_{metric}{{{selector}}})"
 
 
+def per_device(whole: str, instance: str, *, by: str = "", how: str = "max",
+               skip_mig_gpus: bool = False) -> str:
+    """A per-GPU family per whole GPU and its instance form per MIG GPU instance, each
+    labelled `device` as the status page names it: "0" for GPU 0, "0/2" for its GPU
+    instance 2 (with gpu_instance and profile). A MIG-enabled GPU has no series of the
+    per-GPU families that have an instance form (utilization, main process, owner), so
+    each GPU shows once, whole or by its instances; `skip_mig_gpus` leaves out the whole
+    GPU's series where it has them (memory: the sum over its instances). `by`: labels
+    kept besides the device's (an owner's)."""
+    extra = f", {by}" if by else ""
+    gpus = f"{how} by (gpu{extra}) (gpuwatchd_{whole}{{{GPU}}})"
+    if skip_mig_gpus:
+        gpus += f" unless on (gpu) (gpuwatchd_gpu_mig_mode{{{GPU}}} == 1)"
+    instances = f"{how} by (gpu, gpu_instance, profile{extra}) (gpuwatchd_{instance}{{{GPU}}})"
+    return (f'label_replace({gpus}, "device", "$1", "gpu", "(.*)")'
+            f' or label_join({instances}, "device", "/", "gpu", "gpu_instance")')
+
+
+# a cause judged on a MIG GPU instance carries gpu_instance (empty on a whole GPU): the
+# legend suffix that names it, from `where` (label_replace below)
+WHERE = "{{where}}"
+
+
+def with_where(expr: str) -> str:
+    """`expr` with a `where` label " (instance N)" where it has gpu_instance N (none on a
+    whole GPU): joined from constant parts, as a replacement's "$1" reads as a variable."""
+    parts = (f'label_replace(label_replace({expr}, "open", " (instance ", "gpu_instance",'
+             ' ".+"), "close", ")", "gpu_instance", ".+")')
+    return ('max without (open, close) '
+            f'(label_join({parts}, "where", "", "open", "gpu_instance", "close"))')
+
+
 STATES = {  # the cause matrix's values
     0: ("ok", "green"),
     1: ("pending", "yellow"),
@@ -628,15 +677,18 @@ STATES = {  # the cause matrix's values
 
 
 def node_causes() -> dash.Row:
-    states = (  # a GPU x cause is in one state at a time, and only then has a series
-        f"max by (gpu, cause) (2 * gpuwatchd_starvation_active{{{GPU}}}"
+    # a GPU (or MIG GPU instance) x cause is in one state at a time, and only then has a
+    # series
+    states = with_where(
+        f"max by (gpu, gpu_instance, cause) (2 * gpuwatchd_starvation_active{{{GPU}}}"
         f" or gpuwatchd_starvation_pending{{{GPU}}}"
         f" or 3 * gpuwatchd_starvation_not_evaluable{{{GPU}}})"
     )
     firing = timeline(
         "Causes firing per GPU", """Per GPU, how many starvation causes fire
-        (sum of gpuwatchd_starvation_active): green while none does, red with the count
-        while one or more do. The per-GPU matrices below say which.""",
+        (sum of gpuwatchd_starvation_active), those on its MIG GPU instances included:
+        green while none does, red with the count while one or more do. The per-GPU
+        matrices below say which.""",
         [query(count_per_gpu("starvation_active"), "GPU {{gpu}}")],
         {0: ("none", "green")}, width=24, height=6,
     ).thresholds(dash.ThresholdsConfig().mode(model.ThresholdsMode.ABSOLUTE).steps([
@@ -647,16 +699,20 @@ def node_causes() -> dash.Row:
         time range, one row per cause: pending (yellow: its condition holds, waiting out
         its `for`), firing (red), or not evaluable (grey: an input is missing, e.g. no
         DCGM profiling or no probe); gaps are ok (the daemon exports a cause only while
-        it is in one of those states). Repeated for each selected GPU.""",
-        [query(states, "{{cause}}")], STATES, height=14,
+        it is in one of those states). On a MIG GPU a cause judged on a GPU instance
+        has its own row, "(instance N)" after the cause. Repeated for each selected
+        GPU.""",
+        [query(states, "{{cause}}" + WHERE)], STATES, height=14,
     ).repeat("gpu").repeat_direction("h")
     table_ = grid(
-        "Firing causes on this node", """One row per GPU and cause firing now
+        "Firing causes on this node", """One row per GPU (or MIG GPU instance: its
+        gpu_instance, empty for a whole GPU) and cause firing now
         (gpuwatchd_starvation_info): the evidence recorded when it started firing
         (summary) and what to do (remedy). Empty while nothing fires.""",
-        [query("max by (gpu, cause, dimension, severity, summary, remedy)"
+        [query("max by (gpu, gpu_instance, cause, dimension, severity, summary, remedy)"
                f" (gpuwatchd_starvation_info{{{GPU}}})", instant=True)],
-        columns=["gpu", "cause", "severity", "dimension", "summary", "remedy"], height=6,
+        columns=["gpu", "gpu_instance", "cause", "severity", "dimension", "summary",
+                 "remedy"], height=6,
     )
     return row("Causes", [firing, table_, matrix])
 
@@ -802,6 +858,64 @@ def node_input() -> dash.Row:
     ])
 
 
+def node_instances() -> dash.Row:
+    device = "GPU {{device}}"
+    memory = [
+        per_device(f"gpu_memory_{m}_bytes", f"gpu_instance_memory_{m}_bytes",
+                   skip_mig_gpus=True)
+        for m in ("used", "total")
+    ]
+    owner_labels = "scheduler, job_id, rank, user, namespace, pod, container"
+    return row("GPUs and MIG GPU instances", [
+        grid(
+            "GPUs and GPU instances: utilization, memory, main process", """One row per
+            tenant's device: each whole GPU ("0") and each GPU instance of a MIG-enabled
+            GPU ("0/2": GPU 0's GI 2, with its profile), as the status page names them.
+            Utilization is NVML's for a whole GPU and DCGM's graphics engine activity of
+            the instance on MIG (gpuwatchd_gpu_instance_utilization_ratio; empty without
+            DCGM), memory the instance's own (its compute instances share it), and the
+            pid of the device's main process (the one with the most GPU memory).""",
+            [query(per_device("gpu_utilization_ratio", "gpu_instance_utilization_ratio"),
+                   instant=True),
+             *(query(m, instant=True) for m in memory),
+             query(per_device("gpu_process_pid", "gpu_instance_process_pid"), instant=True)],
+            columns=["device", "profile", "gpu", "gpu_instance"],
+            display={
+                "Value #A": ("Utilization", RATIO),
+                "Value #B": ("Memory used", "bytes"),
+                "Value #C": ("Memory total", "bytes"),
+                "Value #D": ("Main process", "none"),
+            },
+            width=14, height=8),
+        grid(
+            "Owners of GPUs and GPU instances", """Who owns each whole GPU and each MIG
+            GPU instance (gpuwatchd_gpu_owner_info, gpuwatchd_gpu_instance_owner_info):
+            the scheduler, job, rank, user, namespace, pod and container of its main
+            process, its job file or its device's kubelet allocation. An instance's owner
+            is its own, never its neighbour's; a device nobody owns has no row.""",
+            [query(per_device("gpu_owner_info", "gpu_instance_owner_info", by=owner_labels),
+                   instant=True)],
+            columns=["device", "profile", "scheduler", "job_id", "rank", "user",
+                     "namespace", "pod", "container"],
+            width=10, height=8),
+        graph(
+            "Utilization per GPU and GPU instance", """Share of time a kernel ran on each
+            whole GPU (NVML) and each MIG GPU instance ("GPU 0/2": DCGM's graphics engine
+            activity of the instance, NVML having none on MIG). One tenant's instance low
+            while its neighbours are busy is that tenant's problem, not the GPU's.""",
+            [query(per_device("gpu_utilization_ratio", "gpu_instance_utilization_ratio"),
+                   device + " {{profile}}")],
+            RATIO, max_val=1),
+        graph(
+            "Memory used vs total per GPU and GPU instance", """Device memory in use next
+            to the total of each whole GPU and each MIG GPU instance (its own slice of the
+            GPU's memory, shared by its compute instances). An instance at its total runs
+            out of memory however empty its neighbours are.""",
+            [query(memory[0], device + " used"), query(memory[1], device + " total")],
+            "bytes"),
+    ])
+
+
 IB_STATES = {
     0: ("NOP", "text"),
     1: ("DOWN", "red"),
@@ -933,7 +1047,7 @@ def node() -> dash.Dashboard:
     d = d.with_variable(label_variable(
         "gpu", "GPU", 'gpuwatchd_gpu_info{job=~"$job", node=~"$node"}', multi=True,
         sort=model.VariableSort.NUMERICAL_ASC))
-    for r in (node_causes(), node_pcie(), node_compute(), node_input(),
+    for r in (node_causes(), node_pcie(), node_compute(), node_instances(), node_input(),
               node_communication(), node_driver(), node_system(), node_self()):
         d = d.with_row(r)
     return d
@@ -946,7 +1060,14 @@ JOB_UID = "gpuwatchd-job"
 # GPU-hours of one minute, so sum_over_time over the time range is the range's GPU-hours,
 # the totals `gpuwatchd report` prints for the same window (docs/report.md).
 THE_JOB = 'job_id="$job_id"'
-JOB_OWNER = f'gpuwatchd_gpu_owner_info{{{THE_JOB}}}'
+# the job's owner series, per GPU and per MIG GPU instance
+JOB_OWNER = f'{{{OWNER_INFO}, {THE_JOB}}}'
+# 1 while any cause fires on a GPU (gpuwatchd_gpu_starved) or on a MIG GPU instance (its
+# own causes; 0 while none does), to join with JOB_OWNER
+STARVED_DEVICE = (
+    "(gpuwatchd_gpu_starved or max by (job, instance, node, gpu, uuid, gpu_instance)"
+    ' (gpuwatchd_starvation_active{gpu_instance!=""} or 0 * gpuwatchd_gpu_instance_info))'
+)
 
 
 def job_total(rule: str, by: str = "") -> str:
@@ -976,9 +1097,10 @@ def job_summary() -> dash.Row:
             GPU time the job held, over the time range: the headline of gpuwatchd report.""",
             query(f"{starved} / {HELD}", instant=True), RATIO, red_from=0.1),
         big_number(
-            "GPUs of the job", """GPUs that gpuwatchd_gpu_owner_info names as the job's at
-            any time in the range, on every node it ran on.""",
-            query(f"count(group by (job, instance, uuid) "
+            "GPUs of the job", """GPUs (and MIG GPU instances) that
+            gpuwatchd_gpu_owner_info (gpuwatchd_gpu_instance_owner_info) names as the job's
+            at any time in the range, on every node it ran on.""",
+            query(f"count(group by (job, instance, uuid, gpu_instance) "
                   f"(max_over_time({JOB_OWNER}[$__range])))", instant=True), COUNT),
         bars(
             "GPU-hours lost per cause", """GPU-hours each starvation cause cost the job over
@@ -1002,22 +1124,27 @@ def job_summary() -> dash.Row:
             [query(f"sum by (cause) ({CAUSE_GPU_HOURS}{{{THE_JOB}}}) * 60 > 0", "{{cause}}")],
             COUNT, stack=True, width=24),
         bars(
-            "Worst GPUs of the job", """The 10 GPUs of the job starved the largest share
-            of the time range (gpuwatchd_gpu_starved joined with the owner, averaged over
-            the range): a node or rank that stands out is where to look first.""",
-            query("sort_desc(topk(10, avg by (node, gpu) (avg_over_time((gpuwatchd_gpu_starved"
-                  f" * on (job, instance, uuid) group_left () {JOB_OWNER})[$__range:]))))",
-                  "{{node}} GPU {{gpu}}", instant=True),
+            "Worst GPUs of the job", """The 10 GPUs (or MIG GPU instances) of the job
+            starved the largest share of the time range (gpuwatchd_gpu_starved, or an
+            instance's own causes, joined with the owner, averaged over the range): a node
+            or rank that stands out is where to look first.""",
+            query("sort_desc(" + with_where(
+                "topk(10, avg by (node, gpu, gpu_instance) (avg_over_time(("
+                f"{STARVED_DEVICE} * on (job, instance, uuid, gpu_instance) group_left ()"
+                f" {JOB_OWNER})[$__range:])))") + ")",
+                  "{{node}} GPU {{gpu}}" + WHERE, instant=True),
             RATIO, width=12, height=10),
         grid(
-            "What the daemon saw, and the fix", """Each cause that fired on a GPU of the
-            job in the time range, per node and GPU, with the evidence the daemon froze when
+            "What the daemon saw, and the fix", """Each cause that fired on a GPU (or
+            MIG GPU instance) of the job in the time range, per node and GPU, with
+            the evidence the daemon froze when
             it started firing (summary) and the remedy (gpuwatchd_starvation_info joined
             with the owner). Empty when nothing fired.""",
-            [query("max by (node, gpu, cause, dimension, summary, remedy) (max_over_time(("
-                   f"gpuwatchd_starvation_info * on (job, instance, uuid) group_left () "
-                   f"{JOB_OWNER})[$__range:]))", instant=True)],
-            columns=["node", "gpu", "cause", "dimension", "summary", "remedy"],
+            [query("max by (node, gpu, gpu_instance, cause, dimension, summary, remedy)"
+                   " (max_over_time((gpuwatchd_starvation_info * on (job, instance, uuid,"
+                   f" gpu_instance) group_left () {JOB_OWNER})[$__range:]))", instant=True)],
+            columns=["node", "gpu", "gpu_instance", "cause", "dimension", "summary",
+                     "remedy"],
             width=12, height=10),
     ])
 
@@ -1032,7 +1159,7 @@ def job() -> dash.Dashboard:
         "One job's GPU-hours, what starved them and the fix: gpuwatchd report's numbers.",
     ).time("now-24h", "now").with_variable(datasource_variable())
     d = d.with_variable(label_variable(
-        "job_id", "Job ID", 'gpuwatchd_gpu_owner_info{job_id!=""}', multi=False))
+        "job_id", "Job ID", f'{{{OWNER_INFO}, job_id!=""}}', multi=False))
     return d.with_row(job_summary())
 
 

@@ -317,3 +317,60 @@ def test_every_panel_query_returns_data(tmp_path: Path):
         **POD,
     }
     assert owners == {str(gpu): {"uuid": uuid, **owner} for gpu, uuid in enumerate(gpus)}
+
+
+# The node dashboard's MIG panels (row "GPUs and MIG GPU instances"): on a non-MIG node
+# they show the whole GPUs (test_every_panel_query_returns_data); on a MIG node each GPU
+# instance as device "<gpu>/<gi>".
+MIG_SCENARIO = "mig-dataloader-one-instance-h100"  # 2 GPUs, each a 4g (GI 1) and a 3g (GI 2)
+MIG_PANELS = {
+    "GPUs and GPU instances: utilization, memory, main process",
+    "Owners of GPUs and GPU instances",
+    "Utilization per GPU and GPU instance",
+    "Memory used vs total per GPU and GPU instance",
+}
+
+
+def test_mig_panels_show_each_gpu_instance(tmp_path: Path):
+    """On a MIG node (MIG_SCENARIO served by `gpuwatchd run --simulate`, DCGM simulated)
+    every target of the MIG panels returns the GPU instances, named "0/1" ... as the
+    status page names them, and no whole MIG GPU beside them; the cause matrix gives a
+    cause judged on an instance its own row ("(instance N)")."""
+    with running_daemon(MIG_SCENARIO) as metrics_url:
+        target = urllib.parse.urlparse(metrics_url).netloc
+        queries = [
+            (title, expr)
+            for title, expr in panel_queries(NODE, example_values(node=target))
+            if title in MIG_PANELS
+        ]
+        assert {title for title, _ in queries} == MIG_PANELS
+        (matrix,) = [
+            expr
+            for title, expr in panel_queries(NODE, example_values(node=target))
+            if title == "Causes on GPU $gpu"
+        ]
+        with running_prometheus(tmp_path, {"gpuwatchd": [target]}) as prometheus:
+            deadline = time.monotonic() + 45
+            while True:
+                results = {expr: prometheus.query(expr) for _, expr in queries}
+                rows = prometheus.query(matrix)
+                devices = {
+                    expr: {s["metric"].get("device") for s in result}
+                    for expr, result in results.items()
+                }
+                wheres = {s["metric"].get("where") for s in rows}
+                done = all(
+                    found >= {"0/1", "0/2", "1/1"} for found in devices.values()
+                ) and " (instance 2)" in wheres
+                if done or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+    for title, expr in queries:
+        found = devices[expr]
+        assert {"0/1", "0/2", "1/1"} <= found, f"{title}: {sorted(map(str, found))}: {expr}"
+        assert not found & {"0", "1"}, f"{title}: a whole MIG GPU beside its instances"
+        for series in results[expr]:
+            metric = series["metric"]
+            assert metric["device"] == f"{metric['gpu']}/{metric['gpu_instance']}"
+            assert metric["profile"] in ("4g.40gb", "3g.40gb")
+    assert " (instance 2)" in wheres, sorted(map(str, wheres))

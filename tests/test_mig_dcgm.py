@@ -143,11 +143,14 @@ def test_the_source_exports_each_gpu_instance_s_activity_as_the_instance_form(ma
     assert spec.instance_of == P + "gpu_gr_engine_active_ratio"
     assert spec.labels == ("gpu", "uuid", "gpu_instance", "profile")
     assert all(s.name in specs for s in INSTANCE_SPECS.values())
+    # the engine's activity is the instance's utilization (the same value, shown once)
+    assert instances(samples, "gpu_instance_utilization_ratio") == gr
     text = exposition(sim, samples)
-    assert P + "gpu_instance_gr_engine_active_ratio" in text
+    assert P + "gpu_instance_gr_engine_active_ratio" not in text  # detail: shown as ...
     uuid = sim.engine.uuids[0]
-    labels = text[P + "gpu_instance_gr_engine_active_ratio"]
+    labels = text[P + "gpu_instance_utilization_ratio"]
     assert {"gpu": "0", "uuid": uuid, "gpu_instance": "9", "profile": "1g.10gb"} in labels
+    assert P + "gpu_instance_sm_active_ratio" in text
 
 
 def exposition(sim: Sim, samples: list[Sample]) -> dict[str, list[dict[str, str]]]:

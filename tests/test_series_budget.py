@@ -100,3 +100,20 @@ def test_rules_waiting_for_the_probe_are_not_exported_as_not_evaluable():
     body = exposition("healthy-8gpu").decode()
     assert "gpuwatchd_starvation_not_evaluable{" not in body
     assert 'cause="input_pipeline_stall"' not in body
+
+
+SERIES_PER_INSTANCE = 20
+
+
+def test_a_mig_gpu_costs_a_gpu_plus_a_bounded_share_per_instance():
+    """Fourteen 1g.10gb instances on two A100s cost the node's Prometheus what the same
+    node without MIG costs (its twin: the same tenants on whole GPUs) and at most
+    SERIES_PER_INSTANCE a GPU instance (its memory, processes, activity, main process
+    and owner), not a copy of every per-GPU family."""
+    shown = series_by_family(exposition("mig-7x1g-a100-mixed-tenants"))
+    per_instance = sum(n for name, n in shown.items() if "_gpu_instance_" in name)
+    instances = shown["gpuwatchd_gpu_instance_info"]
+    assert instances == 14
+    assert per_instance <= SERIES_PER_INSTANCE * instances, per_instance
+    twin = sum(series_by_family(exposition("mig-twin-shared-a100-no-mig")).values())
+    assert sum(shown.values()) - per_instance <= twin

@@ -573,8 +573,12 @@ FIELD_MAPS = _maps()
 
 # The per-MIG-GPU-instance form (gpuwatchd_gpu_instance_*) of each profiling family a GPU
 # instance answers (instance_level): same meaning and unit as the GPU's (docs/mig.md)
+# Shown: what a rule or panel reads per instance; the graphics engine's activity is shown
+# as the instance's utilization (below: the same value), the FP pipes only as detail (up
+# to 7 instances a GPU: every series is paid for by the fleet's Prometheus)
+_DETAIL_PER_INSTANCE = (1001, 1006, 1007, 1008)
 INSTANCE_SPECS: dict[int, MetricSpec] = {
-    fid: instance_form(spec)
+    fid: instance_form(spec, export="detail" if fid in _DETAIL_PER_INSTANCE else None)
     for fid in range(1001, 1009)
     if (spec := FIELD_MAPS[fid].spec) is not None
 }
