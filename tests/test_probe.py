@@ -561,7 +561,7 @@ def test_no_reports_no_nvml(nodes: Any) -> None:
     node = nodes(two_jobs(), Datagrams())
     m = node.poll(1)
     assert m.node("probe_processes") == 0
-    assert node.source._nv is None  # nothing to attribute: NVML not even started
+    assert node.source._placer.nv is None  # nothing to attribute: NVML not even started
 
 
 def test_a_quiet_poll_hands_back_the_last_samples(nodes: Any) -> None:

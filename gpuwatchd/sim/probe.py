@@ -5,6 +5,10 @@ Stands in for the probe source's socket (`context.extras["probe_receiver"]`): ea
 pid the kernel would have attributed it to. Counters integrate the scenario's rates
 over the clock (batches at 1/`step_seconds`, wait and compute seconds as shares of
 wall time), so the source sees what a real probe sending once per poll would send.
+
+A process on a MIG device sees only that device (CUDA enumerates one MIG device per
+process): its `cuda_device` is the MIG device, and torch reports the MIG device's UUID,
+printed without NVML's "MIG-" as a GPU's is without "GPU-".
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 from gpuwatchd.probe import VERSION
 from gpuwatchd.sim.counters import Integrator
 from gpuwatchd.sim.fake_nvml import gpu_uuid
+from gpuwatchd.sim.fake_nvml_mig import mig_uuid
 from gpuwatchd.sim.scenario import Timeline
 
 MIB = 1 << 20
@@ -80,10 +85,12 @@ class SimProbeReceiver:
         if loader:
             report["loader"] = loader
         device = v.get("cuda_device")
-        if device is not None and device < len(self._uuids):
+        mig = self._mig_device(pid) if device is not None else None
+        if device is not None and (device < len(self._uuids) or mig is not None):
+            uuid = mig or self._uuids[device]
             cuda: dict[str, Any] = {
                 "device": device,
-                "uuid": self._uuids[device].removeprefix("GPU-"),  # as torch prints it
+                "uuid": uuid.removeprefix("GPU-").removeprefix("MIG-"),  # as torch prints it
                 "alloc_retries": int(totals[(pid, "retries")]),
             }
             for name in _MEMORY:
@@ -93,6 +100,18 @@ class SimProbeReceiver:
                 cuda["init_seconds"], cuda["init_timestamp"] = v["cuda_init_seconds"], at
             report["cuda"] = cuda
         return report
+
+    def _mig_device(self, pid: int) -> str | None:
+        """The UUID of the MIG device `pid` runs on now, if it runs on one."""
+        node = self.timeline.scenario.node
+        for gpu, values in enumerate(self.timeline.state(self._elapsed())[0]):
+            layout = values.get("mig")
+            if layout is None or not layout.enabled:
+                continue
+            for device in layout.devices:
+                if any(process["pid"] == pid for process in device.processes):
+                    return mig_uuid(node.hostname, gpu, device)
+        return None
 
     def close(self) -> None:
         pass

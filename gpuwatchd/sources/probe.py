@@ -21,7 +21,8 @@ until a datagram comes instead of polling every second (scheduler.py).
 
 Per GPU, the probed process with the most memory on it supplies the series: its batch
 counters, DataLoader settings and, on the GPU its CUDA device is, the caching
-allocator's state. The simulator stands in for the kernel with
+allocator's state; on a MIG-enabled GPU, per GPU instance, under the families' instance
+forms (probe_gpus: where the reports land). The simulator stands in for the kernel with
 `context.extras["probe_receiver"]`, which hands over (pid, datagram) pairs the same way.
 """
 
@@ -43,15 +44,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuwatchd.config import ProbeConfig, SourceConfig
-from gpuwatchd.metrics import GPU_LABELS, Sample, counter, gauge
+from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
 from gpuwatchd.sources.base import Context, Source, SourceError, read_small
-from gpuwatchd.sources.nvmlapi import quietly, start_nvml
+from gpuwatchd.sources.nvmlapi import quietly
+from gpuwatchd.sources.probe_gpus import GPU_SPECS, INSTANCE_FORMS, Placer
 
 log = logging.getLogger(__name__)
 
@@ -117,41 +119,6 @@ class Report(_Part):
 # -- metrics ----------------------------------------------------------------------------
 
 
-def _gpu(kind: Callable[..., Any], name: str, help: str, export: str = "detail") -> Any:
-    """What a process reports of itself: its configuration and allocator numbers are the
-    rules' evidence (exported with `detail_metrics`), its batch timings always."""
-    return kind("probe_" + name, help, GPU_LABELS, export)
-
-
-PID = _gpu(gauge, "pid", "Pid of the probed process whose reports this GPU's probe series are")
-RANK = _gpu(gauge, "rank", "That process's RANK (torch.distributed), when set")
-BATCHES = _gpu(counter, "batches_total", "Batches the probed process fetched", "always")
-WAIT = _gpu(
-    counter, "wait_seconds_total", "Seconds the process waited for the next batch", "always"
-)
-COMPUTE = _gpu(counter, "compute_seconds_total", "Seconds between batches (computing)", "always")
-WORKERS = _gpu(gauge, "loader_workers", "DataLoader num_workers (0: loads in the main process)")
-PIN = _gpu(gauge, "loader_pin_memory", "DataLoader pin_memory (1 true, 0 false)")
-PREFETCH = _gpu(gauge, "loader_prefetch_factor", "DataLoader prefetch_factor (batches per worker)")
-PERSISTENT = _gpu(gauge, "loader_persistent_workers", "DataLoader persistent_workers (1/0)")
-BATCH_SIZE = _gpu(gauge, "loader_batch_size", "DataLoader batch_size")
-RESERVED = _gpu(gauge, "cuda_reserved_bytes", "Bytes the caching allocator holds on this GPU")
-ALLOCATED = _gpu(gauge, "cuda_allocated_bytes", "Bytes allocated to tensors on this GPU")
-INACTIVE_SPLIT = _gpu(
-    gauge, "cuda_inactive_split_bytes", "Free bytes inside split blocks (fragmentation)"
-)
-LARGEST_FREE = _gpu(gauge, "cuda_largest_free_block_bytes", "Largest free cached block")
-RETRIES = _gpu(
-    counter,
-    "cuda_alloc_retries_total",
-    "cudaMalloc failures the allocator retried after a flush",
-    "nonzero",
-)
-OOMS = _gpu(counter, "cuda_ooms_total", "Out-of-memory errors the allocator raised", "nonzero")
-INIT_SECONDS = _gpu(gauge, "cuda_init_seconds", "Seconds the process's CUDA initialisation took")
-INIT_TIME = _gpu(
-    gauge, "cuda_init_timestamp_seconds", "When the process's CUDA initialisation finished"
-)
 REPORTS = counter(
     "probe_reports_total",
     "Probe reports received, by result: accepted, or dropped as malformed (not JSON, not "
@@ -510,11 +477,8 @@ class _Pid:
 @register
 class ProbeSource(Source):
     name = "probe"
-    metrics = (
-        PID, RANK, BATCHES, WAIT, COMPUTE, WORKERS, PIN, PREFETCH, PERSISTENT, BATCH_SIZE,
-        RESERVED, ALLOCATED, INACTIVE_SPLIT, LARGEST_FREE, RETRIES, OOMS, INIT_SECONDS,
-        INIT_TIME, REPORTS, PROCESSES, UNPLACED,
-    )  # fmt: skip
+    # per GPU, the node's, then per MIG GPU instance (the per-GPU ones' instance forms)
+    metrics = (*GPU_SPECS, REPORTS, PROCESSES, UNPLACED, *INSTANCE_FORMS.values())
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
@@ -531,17 +495,15 @@ class ProbeSource(Source):
         self._warned: set[tuple[int, str]] = set()
         self._new_drops: list[tuple[int, str, str]] = []  # this poll's, logged in one line
         self._unplaced: set[int] = set()
-        self._nv: Any = None
-        self._gpus: dict[int, tuple[Any, str]] = {}  # index -> (handle, uuid), once known
-        self._gpu_count = 0
+        self._placer = Placer(context, self.settings.interval, self._clock)  # NVML's side
         self._quiet: list[Sample] | None = None  # the last samples, while no pid is known
 
     def close(self) -> None:
         receiver, self._receiver = self._receiver, None
         if receiver is not None:
             receiver.close()
-        nv, self._nv = self._nv, None
-        self._gpus = {}
+        nv = self._placer.nv
+        self._placer.close()
         if nv is not None:
             quietly(nv, nv.nvmlShutdown)
 
@@ -560,7 +522,8 @@ class ProbeSource(Source):
         self._log_drops()
         self._expire(now)
         samples: list[Sample] = []
-        placed = self._gpu_samples(samples) if self._pids else set()
+        reports = {pid: state.report for pid, state in self._pids.items()}
+        placed = self._placer.samples(reports, samples) if reports else set()
         unplaced = self._pids.keys() - placed
         for pid in unplaced - self._unplaced:
             log.warning(
@@ -666,83 +629,3 @@ class ProbeSource(Source):
         reports is never in _pids, and must still be warned about once, not per poll."""
         if self._warned:
             self._warned = {w for w in self._warned if os.path.isdir(f"{self._proc}/{w[0]}")}
-
-    # -- attributing --------------------------------------------------------------------
-
-    def _gpu_samples(self, samples: list[Sample]) -> set[int]:
-        """The series of each GPU a probed pid is on, per NVML; returns the pids placed."""
-        if self._nv is None:
-            self._nv, _, self._gpu_count = start_nvml(self.context)
-        nv = self._nv
-        best: dict[int, tuple[float, int]] = {}  # pid -> (memory on the GPU, gpu index)
-        owners: dict[int, tuple[tuple[str, str], int, float]] = {}  # gpu -> labels, pid, mem
-        placed: set[int] = set()
-        for index in range(self._gpu_count):
-            try:
-                if index not in self._gpus:  # a GPU's handle and uuid do not change
-                    handle = nv.nvmlDeviceGetHandleByIndex(index)
-                    self._gpus[index] = (handle, nv.nvmlDeviceGetUUID(handle))
-                handle, uuid = self._gpus[index]
-                processes = nv.nvmlDeviceGetComputeRunningProcesses(handle)
-            except nv.NVMLError as e:
-                log.debug("probe: GPU %d: cannot list its processes: %s", index, e)
-                continue
-            for process in processes:
-                if process.pid not in self._pids:
-                    continue
-                placed.add(process.pid)
-                memory = float(process.usedGpuMemory or 0)
-                held = owners.get(index)
-                if held is None or memory > held[2]:
-                    owners[index] = ((str(index), uuid), process.pid, memory)
-                if memory > best.get(process.pid, (-1.0, 0))[0]:
-                    best[process.pid] = (memory, index)
-        for index, (labels, pid, _) in sorted(owners.items()):
-            report = self._pids[pid].report
-            cuda = report.cuda
-            mine = cuda is not None and (
-                _same_uuid(cuda.uuid, labels[1])
-                if cuda.uuid
-                else best.get(pid, (0.0, -1))[1] == index
-            )
-            _emit(labels, pid, report, cuda if mine else None, samples)
-        return placed
-
-
-def _same_uuid(reported: str | None, nvml_uuid: str) -> bool:
-    """torch prints a device's uuid without NVML's "GPU-" prefix."""
-    return reported is not None and _bare(reported) == _bare(nvml_uuid)
-
-
-def _bare(uuid: str) -> str:
-    return uuid.lower().removeprefix("gpu-")
-
-
-def _emit(
-    labels: tuple[str, str], pid: int, report: Report, cuda: Cuda | None, out: list[Sample]
-) -> None:
-    def put(spec: Any, value: float | bool | None) -> None:
-        if value is not None:
-            out.append(Sample(spec.name, labels, float(value)))
-
-    put(PID, pid)
-    put(RANK, report.rank)
-    put(BATCHES, report.batches)
-    put(WAIT, report.wait_seconds)
-    put(COMPUTE, report.compute_seconds)
-    loader = report.loader
-    if loader is not None:
-        put(WORKERS, loader.num_workers)
-        put(PIN, loader.pin_memory)
-        put(PREFETCH, loader.prefetch_factor)
-        put(PERSISTENT, loader.persistent_workers)
-        put(BATCH_SIZE, loader.batch_size)
-    if cuda is not None:
-        put(RESERVED, cuda.reserved_bytes)
-        put(ALLOCATED, cuda.allocated_bytes)
-        put(INACTIVE_SPLIT, cuda.inactive_split_bytes)
-        put(LARGEST_FREE, cuda.largest_free_block_bytes)
-        put(RETRIES, cuda.alloc_retries)
-        put(OOMS, cuda.ooms)
-        put(INIT_SECONDS, cuda.init_seconds)
-        put(INIT_TIME, cuda.init_timestamp)
