@@ -105,16 +105,20 @@ def gpu_counter(
     return counter(name, help, GPU_LABELS + extra, export, budget)
 
 
-def instance_form(spec: MetricSpec, help: str | None = None, judged: bool = True) -> MetricSpec:
+def instance_form(
+    spec: MetricSpec, help: str | None = None, judged: bool = True, export: Export | None = None
+) -> MetricSpec:
     """The per-MIG-GPU-instance form of the per-GPU family `spec`: `gpu_X` becomes
     `gpu_instance_X` (any other `Y`, `gpu_instance_Y`), labels INSTANCE_LABELS then the
     family's own; shown as `spec` is, budget 0 (a healthy non-MIG node has none).
     `judged`: the rules read it in place of `spec` when they judge an instance (the
     instance's share of the physics); False for a detail of the GPU's own physics that
-    the GPU's family keeps counting (an Xid hits the GPU, whichever instance it names)."""
+    the GPU's family keeps counting (an Xid hits the GPU, whichever instance it names).
+    `export`: what the exposition shows, where not `spec`'s (up to 7 instances a GPU)."""
     assert spec.labels[:2] == GPU_LABELS, spec.name
     bare = spec.name.removeprefix(PREFIX)
     name = PREFIX + "gpu_instance_" + bare.removeprefix("gpu_")
     text = help or f"{spec.help.rstrip('.')}; per MIG GPU instance."
     labels = INSTANCE_LABELS + spec.labels[2:]
-    return MetricSpec(name, text, labels, spec.type, spec.export, 0, spec.name if judged else None)
+    shown = export or spec.export
+    return MetricSpec(name, text, labels, spec.type, shown, 0, spec.name if judged else None)
