@@ -200,3 +200,23 @@ class Webhook:
     def __exit__(self, *exc: object) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+@contextmanager
+def serving_pod_resources(lister: object, socket_path: str | Path) -> Iterator[None]:
+    """`lister` (a PodResourcesListerServicer) served over gRPC on the unix socket
+    `socket_path`, as the kubelet serves its pod-resources API."""
+    from concurrent import futures
+
+    import grpc
+
+    from gpuwatchd.sources.owner.podresources_v1 import api_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    api_pb2_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+    server.add_insecure_port(f"unix://{socket_path}")
+    server.start()
+    try:
+        yield
+    finally:
+        server.stop(grace=None)

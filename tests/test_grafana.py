@@ -12,7 +12,6 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Iterator
-from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 import yaml
 from daemon_process import require_tool, running_daemon
 from dashboards import DASHBOARDS, REGENERATE, generator, panel_queries, panels, substitute
-from servers import running_prometheus
+from servers import running_prometheus, serving_pod_resources
 
 from gpuwatchd.sim.fake_nvml import gpu_uuid
 from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
@@ -252,14 +251,8 @@ def running_kubelet(socket: Path, gpus: list[str]) -> Iterator[None]:
             )
             return api_pb2.ListPodResourcesResponse(pod_resources=[pod])
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    api_pb2_grpc.add_PodResourcesListerServicer_to_server(Kubelet(), server)
-    server.add_insecure_port(f"unix://{socket}")
-    server.start()
-    try:
+    with serving_pod_resources(Kubelet(), socket):
         yield
-    finally:
-        server.stop(grace=None)
 
 
 def test_every_panel_query_returns_data(tmp_path: Path):
@@ -359,9 +352,10 @@ def test_mig_panels_show_each_gpu_instance(tmp_path: Path):
                     for expr, result in results.items()
                 }
                 wheres = {s["metric"].get("where") for s in rows}
-                done = all(
-                    found >= {"0/1", "0/2", "1/1"} for found in devices.values()
-                ) and " (instance 2)" in wheres
+                done = (
+                    all(found >= {"0/1", "0/2", "1/1"} for found in devices.values())
+                    and " (instance 2)" in wheres
+                )
                 if done or time.monotonic() > deadline:
                     break
                 time.sleep(1)

@@ -7,13 +7,13 @@ files -- and a whole GPU next to it is read as before."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import yaml
+from servers import serving_pod_resources
 
 from gpuwatchd.config import NvmlConfig, ProcessesConfig
 from gpuwatchd.metrics import Sample
@@ -347,10 +347,6 @@ class Lister(api_pb2_grpc.PodResourcesListerServicer):
 @pytest.fixture
 def kubelet(tmp_path: Path) -> Iterator[tuple[Lister, str]]:
     lister = Lister()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    api_pb2_grpc.add_PodResourcesListerServicer_to_server(lister, server)
     socket = str(tmp_path / "kubelet.sock")
-    server.add_insecure_port(f"unix://{socket}")
-    server.start()
-    yield lister, socket
-    server.stop(grace=None)
+    with serving_pod_resources(lister, socket):
+        yield lister, socket

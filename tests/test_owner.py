@@ -12,12 +12,11 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
-from servers import wait_until
+from servers import serving_pod_resources, wait_until
 
 from gpuwatchd.sources.owner import (
     LABELS,
@@ -626,13 +625,9 @@ class Lister(api_pb2_grpc.PodResourcesListerServicer):
 def kubelet(tmp_path: Path) -> Iterator[tuple[Lister, str]]:
     """A gRPC server implementing PodResourcesLister on a unix socket, as the kubelet does."""
     lister = Lister()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    api_pb2_grpc.add_PodResourcesListerServicer_to_server(lister, server)
     socket = str(tmp_path / "kubelet.sock")
-    server.add_insecure_port(f"unix://{socket}")
-    server.start()
-    yield lister, socket
-    server.stop(grace=None)
+    with serving_pod_resources(lister, socket):
+        yield lister, socket
 
 
 class Clock:
