@@ -6,7 +6,8 @@ Starts `gpuwatchd run --simulate healthy-8gpu` on loopback with a web config mad
 (trustme certificates, a cost-10 bcrypt password for `prometheus`), runs one attack from
 issue 23, and meanwhile scrapes /metrics as Prometheus does (keep-alive, a new connection
 after a failure, 10 s timeout, one scrape a second). Prints, per attack, the scrapes that
-succeeded, their p50/p99 latency and the daemon's peak RSS:
+succeeded, their p50/p99 latency, the daemon's RSS before the attack and at its peak,
+and the peak of its connections' kernel send queues (`ss`):
 - busy-http: plain HTTP, no auth; 256 connections pipeline `GET /metrics` x40 and never
   read (reconnecting when dropped);
 - busy-tls: TLS + basic auth; 256 TLS connections pipeline anonymous `GET /healthz` and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import base64
 import http.client
+import re
 import resource
 import socket
 import ssl
@@ -206,28 +208,50 @@ def scrape_like_prometheus(address, context, auth: bool, seconds: float) -> dict
     }
 
 
-def _during(
-    attack: Callable[[], None], stop: threading.Event, victim: Callable[[], dict], pid: int
-) -> dict:
-    process, peak = psutil.Process(pid), [0.0]
-    attacker = threading.Thread(target=attack, daemon=True)
-    attacker.start()
-    time.sleep(2)  # let the attack fill the daemon (a measurement, not a test)
+def _send_queues(port: int) -> int:
+    """Bytes in the kernel's send queues of the daemon's connections (`ss`'s skmem `w`):
+    kernel memory, which its cgroup is charged for as it is for RSS."""
+    command = ["ss", "-Htmn", "state", "established", f"( sport = :{port} )"]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(int(queued) for queued in re.findall(r"skmem:\(.*?\bw(\d+)", out))
 
-    def watch() -> None:
+
+def _during(
+    attack: Callable[[], None],
+    stop: threading.Event,
+    victim: Callable[[], dict],
+    pid: int,
+    port: int,
+) -> dict:
+    process, peak, queued = psutil.Process(pid), [0.0], [0]
+    idle = process.memory_info().rss / 2**20  # after start-up and a first render
+
+    def watch() -> None:  # from the attack's first connection: its fill is the peak
         while not stop.is_set():
             peak[0] = max(peak[0], process.memory_info().rss / 2**20)
-            stop.wait(0.2)
+            queued[0] = max(queued[0], _send_queues(port))
+            stop.wait(0.1)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    attacker = threading.Thread(target=attack, daemon=True)
+    attacker.start()
+    time.sleep(2)  # let the attack fill the daemon (a measurement, not a test)
     try:
         result = victim()
     finally:
         stop.set()
         attacker.join(30)
         watcher.join(5)
-    return {**result, "daemon peak RSS MiB": peak[0]}
+    return {
+        **result,
+        "daemon RSS MiB before": idle,
+        "daemon peak RSS MiB": peak[0],
+        "peak kernel send queues MiB": queued[0] / 2**20,
+    }
 
 
 def run_attack(name: str, seconds: float) -> dict:
@@ -238,7 +262,7 @@ def run_attack(name: str, seconds: float) -> dict:
         victim = lambda: scrape_like_prometheus(address, ctx, auth, seconds)  # noqa: E731
         if name == "bcrypt":
             guesser = Guesser(address, ctx)
-            result = _during(guesser.run, guesser.stop, victim, pid)
+            result = _during(guesser.run, guesser.stop, victim, pid, address[1])
             return {**result, "attacker's answers": guesser.answers}
         if name == "busy-http":
             payload = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 40
@@ -246,7 +270,7 @@ def run_attack(name: str, seconds: float) -> dict:
         else:
             payload = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /metrics HTTP/1.1\r\n\r\n" * 20
             attacker = Attacker(address, ctx, payload, 256, repeat=True)
-        return _during(attacker.run, attacker.stop, victim, pid)
+        return _during(attacker.run, attacker.stop, victim, pid, address[1])
 
 
 def main() -> None:

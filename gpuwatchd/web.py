@@ -12,9 +12,12 @@ it is bounded (`Limits`):
   client does not read within `send_timeout` is dropped, and a connection whose reply
   took over `slow_reply` to send is closed after it, so a pipeline of requests that are
   never read holds at most one reply (aiohttp parses at most 32 ahead);
-- bytes: at most `send_buffer` of kernel buffer and one reply per connection, and
-  `max_unsent` of replies waiting on their clients in all: past it, the connection
-  stuck the longest is dropped;
+- bytes: per connection, at most `send_buffer` of kernel buffer, `kernel_unsent` of it
+  not yet sent, and about twice `reply_buffer` of the daemon's memory, whatever the
+  reply's size: a body goes to the transport `reply_buffer` at a time, each piece once
+  it holds under that (gpuwatchd/webpace.py), and a pipelined request waits for the
+  reply before it; at most `max_unsent` waiting on clients in all: past it, the
+  connection stuck the longest is dropped;
 - bodies: no endpoint takes one. aiohttp's parser (llhttp) frames every request itself
   and answers a malformed length with 400; a body over `max_body` or chunked is refused
   with 413 before a byte of it is read and the connection is closed, so nothing that
@@ -50,7 +53,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from aiohttp import BasicAuth as BasicCredentials
 from aiohttp import web
@@ -61,6 +64,7 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 from gpuwatchd.status_page import StatusPage
 from gpuwatchd.webconfig import BasicAuth, WebConfig, load_web_config, peer_sans, ssl_context
 from gpuwatchd.weblimits import ClientBuckets, FairTurns, TokenBucket
+from gpuwatchd.webpace import pace
 
 if TYPE_CHECKING:
     from gpuwatchd.exporter import Exporter
@@ -70,6 +74,7 @@ log = logging.getLogger(__name__)
 TEXT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PLAIN = "text/plain; charset=utf-8"
 READ = ("GET", "HEAD")
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's; Python has it since 3.7
 
 
 @dataclass(frozen=True)
@@ -80,9 +85,14 @@ class Limits:
     send_timeout: float = 30.0
     slow_reply: float = 2.0  # a reply that took longer: the connection is closed after it
     max_unsent: int = 32 << 20  # bytes of replies waiting on their clients, all together
+    # a connection's transport buffer (the daemon's memory) holds at most about twice
+    # this of a reply the client is not reading: its high-water mark and one write
+    reply_buffer: int = 16 << 10
     backlog: int = 1024
-    # kernel send buffer per connection (Linux doubles it): one exposition in one send()
+    # kernel send buffer per connection (Linux doubles it): a reader takes an exposition
+    # without a trip through the loop
     send_buffer: int = 256 << 10
+    kernel_unsent: int = 128 << 10  # of it not yet sent (TCP_NOTSENT_LOWAT)
     max_body: int = 4096
     max_header: int = 8190  # one header line; aiohttp also caps their number (128)
     api_burst: int = 3  # /api/: 3 calls at once, then one every api_interval seconds
@@ -90,6 +100,16 @@ class Limits:
     bcrypt_waiting: int = 64  # password checks queued behind the one running; more: 429
     bcrypt_per_client: int = 2  # of them from one client address
     api_timeout: float = 10.0  # DCGM may hang: the caller gets 504, a worker thread waits
+
+
+class Held(NamedTuple):
+    """A connection's bytes of replies not taken by its client: in the daemon's memory
+    (its transport's buffer), in the kernel's send queue (`SIOCOUTQ`); and whether its
+    writes wait on the client to read."""
+
+    daemon: int
+    kernel: int
+    waiting: bool
 
 
 def wants_openmetrics(accept: str | None) -> bool:
@@ -107,12 +127,14 @@ class _Connection(RequestHandler):
         "busy",
         "first_request_due",
         "last_active",
+        "reply_buffer",
         "requests",
         "sending_since",
     )
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, reply_buffer: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.reply_buffer = reply_buffer
         self.busy = False  # inside our handler: evicted only while sending
         self.sending_since: float | None = None  # a reply is being sent since
         self.authenticated = False  # has given a right password: evicted last
@@ -122,6 +144,10 @@ class _Connection(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        # pause_writing (aiohttp's drain waits) past `reply_buffer` held, not asyncio's
+        # 64 KB: with PacedBody, what a connection holds of a reply is bounded by this
+        with contextlib.suppress(AttributeError, NotImplementedError):
+            transport.set_write_buffer_limits(high=self.reply_buffer)  # type: ignore[attr-defined]
         # aiohttp's idle timer starts at connect only in recent releases: make sure a
         # connection that never completes a first request is closed all the same
         loop = asyncio.get_running_loop()
@@ -178,8 +204,12 @@ class _Connection(RequestHandler):
 class _Connections(web.Server):
     """aiohttp's low-level server, making `_Connection`s."""
 
+    def __init__(self, *args: Any, reply_buffer: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reply_buffer = reply_buffer
+
     def __call__(self) -> _Connection:
-        return _Connection(self, loop=self._loop, **self._kwargs)
+        return _Connection(self, loop=self._loop, reply_buffer=self.reply_buffer, **self._kwargs)
 
     def open_connections(self) -> list[_Connection]:
         return [c for c in self.connections if c.transport is not None]  # type: ignore[misc]
@@ -313,6 +343,7 @@ class MetricsServer:
             lingering_time=0,  # never read a body we refused, not even to keep the connection
             max_line_size=self.limits.max_header,
             max_field_size=self.limits.max_header,
+            reply_buffer=self.limits.reply_buffer,
         )
         accepting = asyncio.create_task(self._accept_forever())
         await self._stopping.wait()
@@ -340,6 +371,9 @@ class MetricsServer:
             # an 8-GPU exposition is ~220 KB: let one send() take it rather than a dozen
             # trips through the loop (kernel memory, held only while a client is slow)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer)
+            # ... of which at most `kernel_unsent` not yet sent: a client that does not
+            # read leaves the rest of its reply in the shared exposition (PacedBody)
+            conn.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, self.limits.kernel_unsent)
             task = loop.create_task(self._open(conn))
             self._handshakes[task] = time.monotonic()
             await asyncio.sleep(0)  # let it start: from then on, cancelling it closes `conn`
@@ -356,6 +390,22 @@ class MetricsServer:
             log.debug("web: connection dropped before its first request: %s", e)
         finally:
             self._handshakes.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+
+    def held_replies(self, timeout: float = 10.0) -> list[Held]:
+        """Each open connection's bytes of replies its client has not taken, and whether
+        its writes wait on the client; from any thread (tests, diagnostics)."""
+
+        async def held() -> list[Held]:
+            return [
+                Held(
+                    mine := c.transport.get_write_buffer_size(),  # type: ignore[union-attr]
+                    c.unsent() - mine,
+                    c.writing_paused,
+                )
+                for c in self._server.open_connections()
+            ]
+
+        return asyncio.run_coroutine_threadsafe(held(), self._loop).result(timeout)
 
     def _open_count(self) -> int:
         return len(self._handshakes) + len(self._server.open_connections())
@@ -416,6 +466,7 @@ class MetricsServer:
             await response.write_eof()
 
         connection: _Connection = request.protocol  # type: ignore[assignment]
+        pace(request, response, self.limits.reply_buffer)
         self._drop_stuck_writers()
         started = connection.sending_since = time.monotonic()
         try:

@@ -100,6 +100,46 @@ def test_clients_that_never_read_their_replies_do_not_lock_scrapers_out():
                 sock.close()
 
 
+def test_replies_that_are_never_read_hold_a_bounded_buffer_per_connection():
+    """8 connections pipeline GET /metrics (a ~4 MB exposition) and never read. The old
+    server handed each reply whole to asyncio's transport, which copied what the kernel
+    did not take into the daemon's memory (3.2 MB a connection here, up to 220 KB x 256
+    under the busy-http attack), past 370 KB queued in the kernel; now a connection
+    holds at most about twice `reply_buffer` of it and `kernel_unsent` in the kernel,
+    and a scraper still gets its scrape."""
+    limits = Limits(max_connections=16)
+    stalled = 8
+    with serving(limits=limits, series=60000) as (server, _):
+        pipeline = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 5
+        stuck = []
+        for _ in range(stalled):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the reply cannot fit
+            sock.bind(ATTACKER)
+            sock.settimeout(10)
+            sock.connect(server.address)
+            sock.sendall(pipeline)
+            stuck.append(sock)
+        try:
+            # every reply has filled the kernel's buffers and waits on its client
+            wait_until(
+                "every pipeline's reply to wait on its client",
+                lambda: sum(h.waiting for h in server.held_replies()) >= stalled,
+                30,
+            )
+            held = server.held_replies()
+            bound = 2 * limits.reply_buffer + 4096  # its high-water mark, one write, a head
+            assert max(h.daemon for h in held) <= bound, held
+            assert sum(h.daemon for h in held) <= stalled * bound, held
+            # and the kernel's send queue: its not-yet-sent mark, passed by one write at most
+            assert max(h.kernel for h in held) <= limits.kernel_unsent + bound, held
+            assert once(server) == 200
+            assert once(server, "/healthz") == 200
+        finally:
+            for sock in stuck:
+                sock.close()
+
+
 def test_connections_with_a_right_password_are_evicted_last(tmp_path, ca):
     """TLS + basic auth at the connection cap: anonymous clients that keep connecting
     (and pass for the most recently active) close one another, not Prometheus' keep-alive
