@@ -159,3 +159,20 @@ def test_invalid_resolution_fields_name_the_field(tmp_path, fields, error):
 def test_resolved_by_equal_to_ends_is_valid():
     e = scenario(onset="4m", ends="10m", resolved_by="10m").expect[0]
     assert (e.ends, e.resolved_by) == (600.0, 600.0)
+
+
+def test_a_mig_gpus_instances_keep_their_own_intervals():
+    """Two instances of GPU 1 fire the same cause, overlapping: each resolution closes its
+    own instance's interval, not the other's."""
+    from gpuwatchd.rules.check import firing_intervals
+    from gpuwatchd.rules.engine import FIRING, INACTIVE, Transition
+
+    def t(at: float, instance: str, old: str, new: str) -> Transition:
+        return Transition(at, "1", "GPU-b", CAUSE, old, new, "", (), instance)
+
+    transitions = [
+        t(10, "1", INACTIVE, FIRING),
+        t(20, "2", INACTIVE, FIRING),
+        t(30, "1", FIRING, INACTIVE),
+    ]
+    assert firing_intervals(transitions, 0) == {(1, CAUSE): [(10, 30), (20, None)]}

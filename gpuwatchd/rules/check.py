@@ -35,14 +35,18 @@ class Verdict:
 
 
 def firing_intervals(transitions: list[Transition], start: float) -> Intervals:
-    """(gpu index, cause) -> [(from, to or None)] in seconds since the scenario start."""
-    out: Intervals = defaultdict(list)
+    """(gpu index, cause) -> [(from, to or None)] in seconds since the scenario start,
+    by when they began: a MIG GPU's instances' intervals are its own."""
+    each: dict[tuple[int, str, str], list[tuple[float, float | None]]] = defaultdict(list)
     for t in transitions:
-        key = (int(t.gpu), t.cause)
+        key = (int(t.gpu), t.instance, t.cause)
         if t.new == FIRING:
-            out[key].append((t.at - start, None))
-        elif t.old == FIRING and out[key] and out[key][-1][1] is None:
-            out[key][-1] = (out[key][-1][0], t.at - start)
+            each[key].append((t.at - start, None))
+        elif t.old == FIRING and each[key] and each[key][-1][1] is None:
+            each[key][-1] = (each[key][-1][0], t.at - start)
+    out: Intervals = defaultdict(list)
+    for (gpu, _, cause), intervals in each.items():
+        out[(gpu, cause)] = sorted(out[(gpu, cause)] + intervals, key=lambda i: i[0])
     return out
 
 
