@@ -1,14 +1,18 @@
 """`gpuwatchd report JOB`: what a job's GPUs lost to starvation, per cause, from Prometheus.
 
 The job's GPUs are those whose gpuwatchd_gpu_owner_info names it (a Slurm job id or a
-torchrun run id as `job_id`, else a Kubernetes pod). Each GPU's time is sampled on one
-grid (query_range, `step` = the scrape interval): a step counts as the job's GPU time
-where the owner series is present, and as lost to a cause where that cause fires. Where
-Prometheus has deploy/prometheus/jobs.yaml's accounting rules for the job, the totals
-are theirs (`sum_over_time` over the window), so the report, the Grafana job dashboard
-and any PromQL over those rules give the same GPU-hours; the per-GPU and per-node
-figures come from the grid. Scrape gaps are listed, and their time counted nowhere.
-Formatting: gpuwatchd/report_format.py; the format of every field: docs/report.md.
+torchrun run id as `job_id`, else a Kubernetes pod), and the MIG GPU instances whose
+gpuwatchd_gpu_instance_owner_info does: an instance is one of the job's GPUs, as in
+deploy/prometheus/jobs.yaml, its series joined on (job, instance, uuid, gpu_instance), so
+a cause judged on a MIG GPU as a whole (no gpu_instance) is charged to no tenant. Each
+GPU's time is sampled on one grid (query_range, `step` = the scrape interval): a step
+counts as the job's GPU time where the owner series is present, and as lost to a cause
+where that cause fires. Where Prometheus has deploy/prometheus/jobs.yaml's accounting
+rules for the job, the totals are theirs (`sum_over_time` over the window), so the
+report, the Grafana job dashboard and any PromQL over those rules give the same
+GPU-hours; the per-GPU and per-node figures come from the grid. Scrape gaps are
+listed, and their time counted nowhere. Formatting: gpuwatchd/report_format.py; the
+format of every field: docs/report.md.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from typing import Any
 from gpuwatchd.report_prometheus import Prometheus, PrometheusError, regex_of, string
 
 OWNER = "gpuwatchd_gpu_owner_info"
+INSTANCE_OWNER = "gpuwatchd_gpu_instance_owner_info"  # a MIG GPU instance's (docs/mig.md)
+# a series of a whole GPU has no gpu_instance (""): the same `on` joins it to its owner
+JOIN = "on (job, instance, uuid, gpu_instance)"
 # deploy/prometheus/jobs.yaml, group gpuwatchd.jobs.accounting: GPU-hours per minute
 HELD_RULE = "job_id:gpuwatchd_gpu_hours:sampled1m"
 STARVED_RULE = "job_id:gpuwatchd_starvation_gpu_hours:sampled1m"
@@ -38,7 +45,8 @@ class ReportError(Exception):
 
 @dataclass(frozen=True)
 class Gpu:
-    """One GPU, equal to another by its key (job, instance, uuid) only."""
+    """One GPU or MIG GPU instance, equal to another by its key (job, instance, uuid,
+    gpu_instance)."""
 
     job: str  # the scrape job
     instance: str
@@ -46,14 +54,21 @@ class Gpu:
     gpu: str
     uuid: str
     rank: str = field(default="", compare=False)
+    gpu_instance: str = ""  # the MIG GPU instance's id; "" for a whole GPU
+    profile: str = field(default="", compare=False)  # the instance's, e.g. 3g.40gb
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.job, self.instance, self.uuid)
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.job, self.instance, self.uuid, self.gpu_instance)
+
+    @property
+    def device(self) -> str:
+        """The GPU as the status page names it: "0", or "0/2" for its GPU instance 2."""
+        return f"{self.gpu}/{self.gpu_instance}" if self.gpu_instance else self.gpu
 
     @property
     def name(self) -> str:
-        return f"{self.node} GPU {self.gpu}"
+        return f"{self.node} GPU {self.device}"
 
 
 @dataclass
@@ -109,7 +124,7 @@ class JobReport:
     end: float
     step: float
     nodes: list[str]
-    gpus: int
+    gpus: int  # whole GPUs and MIG GPU instances
     gpu_hours: float
     starved_gpu_hours: float
     causes: list[CauseLoss]
@@ -120,13 +135,17 @@ class JobReport:
     accounting: str  # "rules" (jobs.yaml's) or "samples" (the grid)
     verdict: str = ""
     version: int = 1
+    gpu_instances: int = 0  # of `gpus`, MIG GPU instances (in JSON only where some)
 
     @property
     def starved_share(self) -> float:
         return self.starved_gpu_hours / self.gpu_hours if self.gpu_hours else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "starved_share": self.starved_share}
+        fields = asdict(self)
+        if not self.gpu_instances:  # a job without MIG: the document as before MIG
+            del fields["gpu_instances"]
+        return {**fields, "starved_share": self.starved_share}
 
 
 def build_report(
@@ -151,24 +170,35 @@ def build_report(
     return _assemble(job, selector, gpus, since, until, start, end, step, grid, gaps, rules)
 
 
-def _find_gpus(prometheus: Prometheus, job: str, window: str, until: float
-               ) -> tuple[str, dict[tuple[str, str, str], dict[str, str]]]:
-    """The owner selector that names `job` and the owner labels of each GPU it held: a
-    job_id first (Slurm job, torchrun run), else a pod ("namespace/pod" or "pod")."""
+def owners(selector: str) -> str:
+    """The owner series of whole GPUs and MIG GPU instances matching `selector`."""
+    return f"{OWNER}{{{selector}}} or {INSTANCE_OWNER}{{{selector}}}"
+
+
+def _find_gpus(
+    prometheus: Prometheus, job: str, window: str, until: float
+) -> tuple[str, dict[tuple[str, str, str, str], dict[str, str]]]:
+    """The owner selector that names `job` and the owner labels of each GPU (or MIG GPU
+    instance) it held: a job_id first (Slurm job, torchrun run), else a pod
+    ("namespace/pod" or "pod")."""
     namespace, _, pod = job.rpartition("/")
     candidates = [f"job_id={string(job)}", f"pod={string(pod)}"]
     if namespace:
         candidates[1] += f", namespace={string(namespace)}"
     for selector in candidates:
-        found = prometheus.query(f"last_over_time({OWNER}{{{selector}}}[{window}])", until)
+        expr = (
+            f"last_over_time({OWNER}{{{selector}}}[{window}])"
+            f" or last_over_time({INSTANCE_OWNER}{{{selector}}}[{window}])"
+        )
+        found = prometheus.query(expr, until)
         if found:
-            owners: dict[tuple[str, str, str], dict[str, str]] = {}
+            held: dict[tuple[str, str, str, str], dict[str, str]] = {}
             for series in found:  # a GPU whose rank changed has two series: keep one
-                m = series["metric"]
-                owners.setdefault((m.get("job", ""), m.get("instance", ""), m["uuid"]), m)
-            return selector, owners
+                held.setdefault(_gpu(series["metric"]).key, series["metric"])
+            return selector, held
     raise ReportError(
-        f"no GPU owned by {job!r} in the window: Prometheus has no {OWNER} with "
+        f"no GPU owned by {job!r} in the window: Prometheus has no {OWNER} or "
+        f"{INSTANCE_OWNER} with "
         f"{' or '.join(candidates)} (is the job id right, and the window? see --since)"
     )
 
@@ -181,6 +211,8 @@ def _gpu(labels: dict[str, str]) -> Gpu:
         gpu=labels.get("gpu", ""),
         uuid=labels.get("uuid", ""),
         rank=labels.get("rank", ""),
+        gpu_instance=labels.get("gpu_instance", ""),
+        profile=labels.get("profile", ""),
     )
 
 
@@ -194,7 +226,11 @@ def _node_samples(prometheus: Prometheus, gpus: dict, selector: str, window: str
         one_per_node.setdefault(gpu.node, gpu)
     samples = {}
     for node, gpu in one_per_node.items():
-        expr = (f"{OWNER}{{{selector}, job={string(gpu.job)}, instance={string(gpu.instance)},"
+        name, matchers = OWNER, selector
+        if gpu.gpu_instance:  # a range selector has one name: the instance's own series
+            name = INSTANCE_OWNER
+            matchers += f", gpu_instance={string(gpu.gpu_instance)}"
+        expr = (f"{name}{{{matchers}, job={string(gpu.job)}, instance={string(gpu.instance)},"
                 f" uuid={string(gpu.uuid)}}}[{window}]")
         times = sorted({float(t) for s in prometheus.query(expr, until) for t, _ in s["values"]})
         if times:
@@ -219,9 +255,9 @@ class _Grid:
         self.start, self.step = start, step
         uuids = regex_of([labels["uuid"] for labels in gpus.values()])
         instances = regex_of([labels.get("instance", "") for labels in gpus.values()])
-        own = f"{OWNER}{{{selector}}}"
+        own = owners(selector)
         on_job = f"{{instance=~{instances}, uuid=~{uuids}}}"
-        join = f"* on (job, instance, uuid) group_left () {own}"
+        join = f"* {JOIN} group_left () ({own})"
 
         def fetch(expr: str) -> list[dict]:
             return prometheus.query_range(expr, start, end, step)
@@ -242,8 +278,9 @@ class _Grid:
             known = self.onsets.get(m["cause"])
             if known is None or at < known.at:
                 gpu = _gpu(m)
-                self.onsets[m["cause"]] = Onset(at, gpu.node, gpu.gpu, m.get("summary", ""),
-                                                m.get("remedy", ""))
+                self.onsets[m["cause"]] = Onset(
+                    at, gpu.node, gpu.device, m.get("summary", ""), m.get("remedy", "")
+                )
 
     def _steps(self, series: dict) -> set[int]:
         return {round((float(t) - self.start) / self.step) for t, _ in series["values"]}
@@ -310,7 +347,7 @@ def _rule_totals(prometheus: Prometheus, gpus: dict, selector: str, window: str,
 def _assemble(job: str, selector: str, owners: dict, since: float, until: float, start: float,
               end: float, step: float, grid: _Grid, gaps: list[Gap],
               rules: dict[str, dict[str, float]] | None) -> JobReport:
-    gpus = sorted(grid.owned, key=lambda g: (g.node, g.gpu.zfill(4)))
+    gpus = sorted(grid.owned, key=lambda g: (g.node, g.gpu.zfill(4), g.gpu_instance.zfill(4)))
     held = grid.hours(sum(len(grid.owned[g]) for g in gpus))
     starved = grid.hours(sum(len(grid.starved(g)) for g in gpus))
     causes = sorted(grid.dimension)
@@ -359,13 +396,17 @@ def _assemble(job: str, selector: str, owners: dict, since: float, until: float,
         worst_nodes=_worst(grid, _by_node(gpus)),
         gaps=gaps,
         accounting="rules" if rules is not None else "samples",
+        gpu_instances=sum(1 for g in gpus if g.gpu_instance),
     )
     report.verdict = verdict(report)
     return report
 
 
 def _ranked(gpu: Gpu) -> str:
-    return f"{gpu.name} (rank {gpu.rank})" if gpu.rank else gpu.name
+    """The GPU with its rank, "node1 GPU 0 (rank 0)"; a MIG GPU instance with its profile
+    too, "node1 GPU 0/2 (3g.40gb, rank 0)"."""
+    details = [d for d in (gpu.profile, f"rank {gpu.rank}" if gpu.rank else "") if d]
+    return f"{gpu.name} ({', '.join(details)})" if details else gpu.name
 
 
 def _pairs(times: list[float]) -> list[tuple[float, float]]:

@@ -35,6 +35,16 @@ def _owner(report: JobReport) -> str:
     return ", ".join(who)
 
 
+def _gpus(report: JobReport) -> str:
+    """The job's GPUs, "4"; with MIG GPU instances among them (each one GPU of the job,
+    whatever its profile) "3 (2 of them MIG GPU instances)"."""
+    n = report.gpu_instances
+    if not n:
+        return str(report.gpus)
+    what = "MIG GPU instance" + ("s" if n > 1 else "")
+    return f"{report.gpus} ({what})" if n == report.gpus else f"{report.gpus} ({n} of them {what})"
+
+
 def _accounting(report: JobReport) -> str:
     if report.accounting == "rules":
         return ("totals from deploy/prometheus/jobs.yaml's accounting rules (the Grafana job "
@@ -74,7 +84,7 @@ def as_text(report: JobReport, markdown: bool = False) -> str:
     summary = [
         ("Verdict", report.verdict),
         ("Nodes", f"{len(report.nodes)} ({', '.join(report.nodes)})"),
-        ("GPUs", str(report.gpus)),
+        ("GPUs", _gpus(report)),
         ("Run time", f"{_duration(report.end - report.start)} "
                      f"({_time(report.start)} to {_time(report.end)})"),
         ("GPU-hours", _hours(report.gpu_hours)),

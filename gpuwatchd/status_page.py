@@ -56,6 +56,7 @@ class Cause:
     summary: str  # the evidence frozen when it started firing; empty while pending
     remedy: str
     instance: str = ""  # on a MIG GPU instance: "GI 3 (1g.10gb)"; "" for the whole GPU
+    subject: str = ""  # what it was judged on, as pages name it: "0", "0/3"
 
 
 @dataclass(frozen=True)
@@ -295,23 +296,22 @@ def _causes(
     firing: list[Cause] = []
     pending: list[Cause] = []
     unevaluable: list[tuple[str, str]] = []
-    instance = f"GI {ref.instance} ({ref.profile})" if ref.instance else ""
     for rule in rules:
         state = states.get((ref.id, rule.name))
         if state is None:
             continue
         kind = state.state
         if kind == FIRING:
-            firing.append(_cause(rule, state, now, shift, instance))
+            firing.append(_cause(rule, state, now, shift, ref))
         elif kind == PENDING:
-            pending.append(_cause(rule, state, now, shift, instance))
+            pending.append(_cause(rule, state, now, shift, ref))
         elif kind == NOT_EVALUABLE:
             reason = NO_PROBE if state.waits_for_probe else state.reason
             unevaluable.append((rule.name, reason))
     return firing, pending, unevaluable
 
 
-def _cause(rule: Rule, state: AlertState, now: float, shift: float, instance: str) -> Cause:
+def _cause(rule: Rule, state: AlertState, now: float, shift: float, ref: GpuRef) -> Cause:
     spec = rule.spec
     active_at = state.active_at  # once: the evaluation thread may be between two writes
     holds_since = (now if active_at is None else active_at) + shift
@@ -323,7 +323,8 @@ def _cause(rule: Rule, state: AlertState, now: float, shift: float, instance: st
         fires_at=holds_since + spec.for_,  # the engine fires on the first cycle after this
         summary=state.summary,
         remedy=" ".join(spec.remedy.split()),
-        instance=instance,
+        instance=f"GI {ref.instance} ({ref.profile})" if ref.instance else "",
+        subject=ref.name,
     )
 
 
@@ -331,22 +332,24 @@ def group_causes(gpus: Sequence[Gpu]) -> tuple[CauseGroup, ...]:
     """Each firing cause once, over the GPUs it fires on. A cause on a GPU whose job has
     other GPUs stalled in a collective is the rank they wait for: it comes first, then the
     worst severity, then the most GPUs."""
-    by_cause: dict[str, list[Gpu]] = {}
+    by_cause: dict[str, list[tuple[Gpu, Cause]]] = {}
     for gpu in gpus:
-        for cause in gpu.firing:
-            by_cause.setdefault(cause.name, []).append(gpu)
-    stalled = by_cause.get(STALL, [])
+        for cause in gpu.firing:  # once per GPU, or per MIG instance it fires on
+            by_cause.setdefault(cause.name, []).append((gpu, cause))
+    stalled = [gpu for gpu, _ in by_cause.get(STALL, [])]
     groups = []
     for name, hit in by_cause.items():
-        first = next(c for c in hit[0].firing if c.name == name)
-        jobs = {gpu.where.job for gpu in hit if gpu.where.job} if name != STALL else set()
-        waiting = tuple(g.index for g in stalled if g.where.job in jobs and g not in hit)
+        first = hit[0][1]
+        on = [gpu for gpu, _ in hit]
+        jobs = {gpu.where.job for gpu in on if gpu.where.job} if name != STALL else set()
+        waiting = tuple(g.index for g in stalled if g.where.job in jobs and g not in on)
+        subjects = tuple(cause.subject or gpu.index for gpu, cause in hit)
         groups.append(
             CauseGroup(
                 name,
                 first.severity,
                 first.dimension,
-                tuple(g.index for g in hit),
+                subjects,
                 first.summary,
                 first.remedy,
                 waiting,
@@ -507,7 +510,9 @@ def _verdict(node: NodeStatus) -> str:
 
 def _gpu_list(indexes: Sequence[str], links: bool = False) -> str:
     """ "GPU 3", "GPUs 0, 1, 2" (each a link to its card, with `links`)."""
-    shown = (f'<a href="#gpu-{_e(i)}">{_e(i)}</a>' if links else _e(i) for i in indexes)
+    shown = (  # an instance "0/3" links to its GPU's card
+        f'<a href="#gpu-{_e(i.partition("/")[0])}">{_e(i)}</a>' if links else _e(i) for i in indexes
+    )
     return ("GPU " if len(indexes) == 1 else "GPUs ") + ", ".join(shown)
 
 

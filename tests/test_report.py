@@ -6,6 +6,7 @@ daemons: tests/test_report_e2e.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -120,3 +121,89 @@ def test_verdict_without_starvation():
     report = build_report(FakePrometheus(), "42", T0 - 600, T0 + 900)
     report.causes, report.dimensions = [], {}
     assert verdict(report) == "no starvation cause fired on the job's 2 GPUs"
+
+
+# MIG (docs/mig.md): job 900 holds GPU instance 1 of m1's GPU 0 (3g.40gb, rank 0) and the
+# whole GPU 1 (rank 1); the MIG GPU 0 has no owner of its own. tests/prometheus/
+# report.test.yaml runs the queries the report sends here on the same series in promtool.
+MIG_TARGET = {"job": "gpuwatchd", "instance": "m1:9766", "node": "m1"}
+MIG_OWNERS = [
+    {**MIG_TARGET, "gpu": "0", "uuid": "m1-GPU0", "gpu_instance": "1", "profile": "3g.40gb",
+     "scheduler": "slurm", "job_id": "900", "rank": "0", "user": "ivy"},
+    {**MIG_TARGET, "gpu": "1", "uuid": "m1-GPU1", "scheduler": "slurm", "job_id": "900",
+     "rank": "1", "user": "ivy"},
+]
+PROMTOOL_CASES = Path(__file__).parent / "prometheus" / "report.test.yaml"
+
+
+class MigPrometheus:
+    """What Prometheus answers for job 900 (tests/prometheus/report.test.yaml's MIG
+    case): an owner query naming the instance form finds both devices, one naming only
+    gpuwatchd_gpu_owner_info the whole GPU; GI 1 starved on input at 1060-1105."""
+
+    base = "http://fake"
+
+    def __init__(self) -> None:
+        self.times = [T0 + i * SCRAPE for i in range(SCRAPES)]
+        self.ranges: list[str] = []
+
+    def owners(self, expr: str) -> list[dict[str, str]]:
+        return [m for m in MIG_OWNERS
+                if "gpu_instance" not in m or "gpuwatchd_gpu_instance_owner_info" in expr]
+
+    def query(self, expr: str, at: float) -> list[dict]:
+        if expr.startswith("last_over_time(gpuwatchd_gpu_owner_info{job_id="):
+            return [{"metric": m, "value": [at, "1"]} for m in self.owners(expr)]
+        if expr.startswith("gpuwatchd_gpu_instance_owner_info{"):  # GI 1's raw samples
+            assert 'gpu_instance="1"' in expr, expr
+            return [{"metric": MIG_OWNERS[0], "values": [[t, "1"] for t in self.times]}]
+        if expr.startswith("gpuwatchd_gpu_owner_info{"):
+            return [{"metric": MIG_OWNERS[1], "values": [[t, "1"] for t in self.times]}]
+        if expr.startswith("up{"):
+            return [{"metric": MIG_TARGET, "values": [[t, "1"] for t in self.times]}]
+        return []  # no accounting rules
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict]:
+        self.ranges.append(expr)
+        grid = [start + i * step for i in range(int((end - start) / step) + 1)]
+        if expr.startswith("gpuwatchd_gpu_owner_info{"):
+            return [{"metric": m, "values": [[t, "1"] for t in grid]} for m in self.owners(expr)]
+        labels = {**MIG_TARGET, "gpu": "0", "uuid": "m1-GPU0", "gpu_instance": "1",
+                  "cause": "dataloader_single_process", "dimension": "input"}
+        values = [[t, "1"] for t in grid if 1060 <= t <= 1105]
+        if "gpu_instance)" not in expr:  # joined on (job, instance, uuid): no instance cause
+            return []
+        if expr.startswith("gpuwatchd_starvation_info{"):
+            labels = {**labels, "summary": "0 worker processes", "remedy": "Raise num_workers."}
+        return [{"metric": labels, "values": values}]
+
+
+def test_mig_gpu_instances_are_the_jobs_gpus():
+    fake = MigPrometheus()
+    report = build_report(fake, "900", T0 + 300 - 1800, T0 + 300)
+    assert (report.gpus, report.gpu_instances, report.nodes) == (2, 1, ["m1"])
+    assert report.gpu_hours == pytest.approx(2 * SCRAPES * SCRAPE / 3600)
+    (cause,) = report.causes
+    assert (cause.cause, cause.gpus, cause.gpu_hours) == (
+        "dataloader_single_process", 1, pytest.approx(4 * SCRAPE / 3600))
+    assert cause.onset is not None and (cause.onset.node, cause.onset.gpu) == ("m1", "0/1")
+    assert [u.name for u in report.worst_gpus] == ["m1 GPU 0/1 (3g.40gb, rank 0)"]
+    assert report.verdict == ("10 % of GPU time lost to input: dataloader_single_process on 1 "
+                              "of 2 GPUs — Raise num_workers")
+    document = json.loads(as_json(report))
+    assert document["gpu_instances"] == 1 and document["causes"][0]["onset"]["gpu"] == "0/1"
+    text = as_text(report)
+    assert "GPUs:             2 (1 of them MIG GPU instance)\n" in text
+    assert "  m1 GPU 0/1 (3g.40gb, rank 0)  " in text and "on m1 GPU 0/1" in text
+    # promtool runs these very queries on the same series: a cause of the MIG GPU as a
+    # whole, or of the neighbour's instance, is never the job's
+    cases = PROMTOOL_CASES.read_text()
+    assert len(fake.ranges) == 3
+    for expr in fake.ranges:
+        assert f"expr: '{expr}'" in cases, expr
+
+
+def test_a_job_without_mig_has_no_gpu_instances_in_its_document():
+    report = build_report(FakePrometheus(), "42", T0 - 600, T0 + 900)
+    assert report.gpu_instances == 0 and "gpu_instances" not in json.loads(as_json(report))
+    assert "GPUs:             2\n" in as_text(report)

@@ -19,8 +19,15 @@ rules). Prometheus starts first, so it scrapes each daemon from its first second
 The report must find the job's 2 nodes and 4 GPUs, its run time and GPU-hours, and
 3 x THROTTLED GPU-seconds lost to clock_throttled (compute) on 3 of 4 GPUs, each within
 a scrape interval of the daemons' own counts; its totals must equal the rules' sums.
+
+Beside them, node3 runs the built-in mig-owners-pod-slurm-a100 throughout (MIG,
+docs/mig.md): Slurm job 7001 holds only GPU instance 5 (2g.20gb) of its GPU 0, where a
+helper process contends with its main process (gpu_contention, its `for` cut to 0), and
+job 7002 the whole GPU 1. The report of job 7001 must count its instance as its one GPU,
+"node3 GPU 0/5", with the contention's time, equal to the rules' sums.
+
 `python tests/test_report_e2e.py DIR` writes the text and Markdown reports of a run to
-DIR (docs/report.md's sample output).
+DIR (docs/report.md's sample output; report-sample-mig.txt: job 7001's).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ BEFORE, TRAINING, THROTTLED, RECOVERED = 8, 3, 10, 4  # seconds
 SCRAPE = 1.0  # Prometheus's scrape and evaluation interval, seconds
 JOB, TWIN = "5120", "5121"
 THROTTLED_GPUS = {"node1": [0], "node2": [0, 1, 2]}  # node2 GPU 2 is job 5121's
+MIG_SCENARIO, MIG_JOB, MIG_WHOLE_GPU_JOB = "mig-owners-pod-slurm-a100", "7001", "7002"
 CAUSE_RULE = "job_id_cause:gpuwatchd_starvation_gpu_hours:sampled1m"
 
 
@@ -61,8 +69,9 @@ def short_rules(tmp_path: Path) -> tuple[Path, Path]:
         assert rule["expr"].rstrip().endswith("/ 60"), rule["record"]
         rule["expr"] = rule["expr"].rstrip()[: -len("60")] + f"{3600 / SCRAPE:g}"
     daemon = yaml.safe_load(DEFAULT_RULES.read_text())
-    (throttled,) = [r for r in daemon["rules"] if r["name"] == "clock_throttled"]
-    throttled["for"] = throttled["keep_firing_for"] = "0s"
+    for rule in daemon["rules"]:  # node3's MIG instance: gpu_contention at once too
+        if rule["name"] in ("clock_throttled", "gpu_contention"):
+            rule["for"] = rule["keep_firing_for"] = "0s"
     paths = tmp_path / "jobs.yaml", tmp_path / "rules.yaml"
     for path, data in zip(paths, (jobs, daemon), strict=True):
         path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -110,7 +119,7 @@ def run_job(tmp_path: Path) -> dict[str, Any]:
         "rules_file": str(daemon_rules),
         "sources": {"processes": {"interval": "1s"}},  # owners seen within a second
     }))
-    ports = {"node1": free_port(), "node2": free_port()}
+    ports = {"node1": free_port(), "node2": free_port(), "node3": free_port()}
     targets = {f"127.0.0.1:{port}": node for node, port in ports.items()}
     with ExitStack() as stack:
         prometheus = stack.enter_context(running_prometheus(
@@ -124,6 +133,9 @@ def run_job(tmp_path: Path) -> dict[str, Any]:
                 str(timeline(scenario, node, tmp_path)), "--config", str(config),
                 "--listen", f"127.0.0.1:{ports[node]}"))
             launched[node] = time.time()
+        mig = shorten(MIG_SCENARIO, {"two-tenants": "10m"}, tmp_path)
+        stack.enter_context(running_daemon(
+            str(mig), "--config", str(config), "--listen", f"127.0.0.1:{ports['node3']}"))
 
         owner = f'gpuwatchd_gpu_owner_info{{job_id="{JOB}"}}'
         wait_until("job 5120 on both nodes",
@@ -132,6 +144,9 @@ def run_job(tmp_path: Path) -> dict[str, Any]:
         wait_until("job 5120 to end", lambda: not prometheus.query(owner), 60)
         wait_until("the accounting rules past its end", lambda: prometheus.query(
             f'absent(job_id:gpuwatchd_gpu_hours:sampled1m{{job_id="{JOB}"}})'), 30)
+        # job 7001's instance contended and accounted for (at once: it ran all along)
+        wait_until("gpu_contention on node3 GPU 0/5 in the accounting", lambda: prometheus.query(
+            f'{CAUSE_RULE}{{job_id="{MIG_JOB}", cause="gpu_contention"}} > 0'), 30)
         until = time.time()
         window = f"{round(until - since) + 1}s"
         counted = {
@@ -140,12 +155,22 @@ def run_job(tmp_path: Path) -> dict[str, Any]:
                 'max_over_time(gpuwatchd_starvation_seconds_total{cause="clock_throttled"}'
                 f"[{window}]) > 0")
         }
-        rules = {
-            s["metric"]["cause"]: float(s["value"][1])
-            for s in prometheus.query(
-                f'sum by (cause) (sum_over_time({CAUSE_RULE}{{job_id="{JOB}"}}[{window}])) > 0',
-            )
-        }
+        rules, mig_rules = (
+            {
+                s["metric"]["cause"]: float(s["value"][1])
+                for s in prometheus.query(
+                    f'sum by (cause) (sum_over_time({CAUSE_RULE}{{job_id="{job}"}}[{window}])) > 0',
+                )
+            }
+            for job in (JOB, MIG_JOB)
+        )
+        mig_counted = prometheus.query(
+            'max_over_time(gpuwatchd_starvation_seconds_total{cause="gpu_contention"}'
+            f"[{window}]) > 0")
+        # when Prometheus first saw job 7001's instance owner
+        mig_first = prometheus.query(
+            "min_over_time(timestamp(gpuwatchd_gpu_instance_owner_info"
+            f'{{job_id="{MIG_JOB}"}})[{window}:{SCRAPE:g}s])')
         # the job dashboard's panels over the same window (its time range)
         panels = panel_queries(GRAFANA / "job.json", {"job_id": JOB, "__range": window})
         dashboard = {
@@ -173,6 +198,12 @@ def run_job(tmp_path: Path) -> dict[str, Any]:
             "until": until,
             "counted": counted,
             "rules": rules,
+            "mig_rules": mig_rules,
+            "mig_counted": mig_counted,
+            "mig_first": mig_first,
+            "mig": report(prometheus, MIG_JOB, since, until, "--json"),
+            "mig_text": report(prometheus, MIG_JOB, since, until),
+            "mig_whole_gpu": report(prometheus, MIG_WHOLE_GPU_JOB, since, until, "--json"),
             "json": report(prometheus, JOB, since, until, "--json"),
             "twin": report(prometheus, TWIN, since, until, "--json"),
             "samples": report(prometheus, JOB, since, until, "--json", "--step", "1"),
@@ -252,6 +283,32 @@ def test_report_matches_the_timeline_and_the_rules(tmp_path: Path) -> None:
 
     for text in (run["text"], run["markdown"]):
         assert "clock_throttled" in text and "Check cooling" in text and "node2" in text
+    assert "gpu_instances" not in got and "gpu_instances" not in twin
+
+    # MIG: job 7001's one GPU is node3's GPU instance 0/5, contended from its start
+    mig = run["mig"]
+    assert (mig["nodes"], mig["gpus"], mig["gpu_instances"]) == (["node3"], 1, 1)
+    assert (mig["scheduler"], mig["user"], mig["accounting"]) == ("slurm", "ada", "rules")
+    (contention,) = mig["causes"]
+    assert (contention["cause"], contention["dimension"], contention["gpus"]) == (
+        "gpu_contention", "system", 1)
+    assert (contention["onset"]["node"], contention["onset"]["gpu"]) == ("node3", "0/5")
+    assert run["mig_rules"] == {"gpu_contention": contention["gpu_hours"]}
+    (first,) = run["mig_first"]
+    held = mig["gpu_hours"] * 3600
+    assert abs(held - (run["until"] - float(first["value"][1]))) <= 3 * SCRAPE, held
+    # the daemon's own count, on the instance (the cause carries its gpu_instance)
+    (counted_mig,) = run["mig_counted"]
+    assert (counted_mig["metric"]["node"], counted_mig["metric"]["gpu_instance"]) == ("node3", "5")
+    assert abs(contention["gpu_hours"] * 3600 - float(counted_mig["value"][1])) <= 3 * SCRAPE
+    assert [u["name"] for u in mig["worst_gpus"]] == ["node3 GPU 0/5 (2g.20gb, rank 0)"]
+    assert " of GPU time lost to system: gpu_contention on 1 of 1 GPUs — " in mig["verdict"]
+    text = run["mig_text"]
+    assert "GPUs:             1 (MIG GPU instance)\n" in text
+    assert "node3 GPU 0/5 (2g.20gb, rank 0)" in text and "on node3 GPU 0/5" in text
+    # job 7002 on the same node's whole GPU 1: as without MIG, and none of GI 5's causes
+    whole = run["mig_whole_gpu"]
+    assert (whole["gpus"], whole["causes"]) == (1, []) and "gpu_instances" not in whole
 
 
 if __name__ == "__main__":  # sample output for docs/report.md
@@ -263,4 +320,5 @@ if __name__ == "__main__":  # sample output for docs/report.md
     (out / "report-sample.txt").write_text(result["text"])
     (out / "report-sample.md").write_text(result["markdown"])
     (out / "report-sample.json").write_text(json.dumps(result["json"], indent=2))
+    (out / "report-sample-mig.txt").write_text(result["mig_text"])
     print(f"daemons' counts (s): {result['counted']}; rules (GPU-h): {result['rules']}")

@@ -708,3 +708,21 @@ def test_dataloader_single_process_leaves_a_process_start_alone():
     assert {states[t] for t in states if t < 120} == {INACTIVE}
     assert states[120.0] == PENDING and states[170.0] == PENDING
     assert states[180.0] == FIRING
+
+
+def test_a_branch_not_taken_needs_no_source():
+    """`a if cond else b` reads each branch's series only where taken: DCGM down does not
+    make a rule not evaluable on a GPU whose branch reads NVML (a MIG GPU's busyness is
+    DCGM's, a whole GPU's NVML's)."""
+    from gpuwatchd.rules.language import compile_expression
+
+    text = (
+        "gpu_temperature_celsius > 0 and (gpu_utilization_ratio if present("
+        "gpu_utilization_ratio) else max(gpu_instance_utilization_ratio)) >= 0.5"
+    )
+    assert compile_expression(text, CATALOG).sources == {"nvml"}
+    node = Node(rule(text.replace("'", '"')))  # dcgm is not up
+    assert node.step(0, gpu_temperature_celsius=[50, 50], gpu_utilization_ratio=[0.9, 0.1]) == (
+        FIRING
+    )
+    assert node.state(gpu=1) == INACTIVE

@@ -46,13 +46,14 @@ class MigNode:
 
     def __init__(self, text: str) -> None:
         self.store = Store(history_seconds=600)
+        self.up = {"nvml", "processes"}
         self.engine = RuleEngine(
-            self.store,
-            parse_rules(text, "test.yaml", CATALOG),
-            {"nvml", "processes"}.__contains__,
-            CATALOG,
+            self.store, parse_rules(text, "test.yaml", CATALOG), self.up.__contains__, CATALOG
         )
         self.instances = dict(PROFILES)
+        self.mig_uuids = {gi: f"MIG-{gi}" for gi in PROFILES}
+        self.nvml_lists_instances = True  # False: NVML's instance info is missing
+        self.transitions: list = []
 
     def step(
         self,
@@ -61,23 +62,25 @@ class MigNode:
         jobs: dict[str, float] | None = None,
         temperature: float = 50,
     ) -> None:
-        """`cpu`/`jobs`: by GI id on GPU 0, "whole" for GPU 1."""
+        """`cpu`/`jobs`: by GI id on GPU 0, "whole" for GPU 1, "mig" for GPU 0 itself
+        (before MIG is on)."""
         nvml = []
         for gpu, uuid in (MIG, WHOLE):
             info = (gpu, uuid, "A100", f"0000:1{gpu}:00.0", "550", "12.4")
             nvml.append(Sample(PREFIX + "gpu_info", info, 1))
             nvml.append(Sample(PREFIX + "gpu_temperature_celsius", (gpu, uuid), temperature))
-        for gi, profile in self.instances.items():
-            labels = (*MIG, gi, "0", profile, f"MIG-{gi}")
+        for gi, profile in self.instances.items() if self.nvml_lists_instances else ():
+            labels = (*MIG, gi, "0", profile, self.mig_uuids[gi])
             nvml.append(Sample(PREFIX + "gpu_instance_info", labels, 1))
         self.store.update("nvml", now, nvml)
         processes = []
         for where, value in cpu.items():
             job = (jobs or {}).get(where, 100.0)
-            if where == "whole":
-                processes.append(Sample(PREFIX + "gpu_process_cpu_cores", WHOLE, value))
-                processes.append(Sample(PREFIX + "gpu_process_job", WHOLE, job))
-                info = (*WHOLE, "python", "12.4")
+            if where in ("whole", "mig"):
+                gpu = WHOLE if where == "whole" else MIG
+                processes.append(Sample(PREFIX + "gpu_process_cpu_cores", gpu, value))
+                processes.append(Sample(PREFIX + "gpu_process_job", gpu, job))
+                info = (*gpu, "python", "12.4")
                 processes.append(Sample(PREFIX + "gpu_process_info", info, 1))
             elif where in self.instances:
                 labels = (*MIG, where, self.instances[where])
@@ -86,7 +89,7 @@ class MigNode:
                 info = (*labels, "python" if where == "1" else "vllm", "12.4")
                 processes.append(Sample(PREFIX + "gpu_instance_process_info", info, 1))
         self.store.update("processes", now, processes)
-        self.engine.evaluate(now)
+        self.transitions = self.engine.evaluate(now)
 
     def states(self, cause: str = "cause_x", gpu: str = "GPU-") -> dict[str, str]:
         """GpuRef.id -> state of `cause` wherever the engine judges it (on GPUs whose
@@ -170,3 +173,64 @@ def test_an_instance_destroyed_takes_its_state_with_it():
     node.instances.clear()
     node.step(20, cpu={})
     assert set(node.states(gpu="GPU-mig")) == {"GPU-mig"}
+
+
+def test_a_mig_gpus_own_state_ends_once_its_instances_are_judged():
+    """MIG enabled under a cause firing on the whole GPU: the GPU's state for a rule now
+    judged on its instances ends (resolved, not left firing), and nothing is exported
+    for it; MIG off again, the GPU is judged afresh."""
+    node = MigNode(rules("gpu_process_cpu_cores > 0.9"))
+    node.instances.clear()
+    node.step(0, cpu={"mig": 1.0})
+    assert node.states(gpu="GPU-mig") == {"GPU-mig": FIRING}
+    node.instances = dict(PROFILES)
+    node.step(10, cpu={"1": 0.2, "2": 0.2})
+    assert node.states(gpu="GPU-mig") == {"GPU-mig/1": INACTIVE, "GPU-mig/2": INACTIVE}
+    ended = [(t.gpu, t.instance, t.old, t.new) for t in node.transitions]
+    assert ended == [("0", "", FIRING, INACTIVE)]
+    rows = node.engine.rows()
+    assert rows[PREFIX + "starvation_active"] == []
+    assert dict(rows[PREFIX + "gpu_starved"])[MIG] == 0
+    node.instances.clear()
+    node.step(20, cpu={"mig": 0.2})
+    assert node.states(gpu="GPU-mig") == {"GPU-mig": INACTIVE}
+
+
+def test_an_instance_created_again_is_a_new_tenants():
+    """GI 1 destroyed and created again between two polls (same id, a new MIG device):
+    the old tenant's firing state is not the new one's."""
+    node = MigNode(rules("gpu_process_cpu_cores > 0.9"))
+    node.step(0, cpu={"1": 1.0, "2": 0.2})
+    assert node.states()["GPU-mig/1"] == FIRING
+    node.mig_uuids["1"] = "MIG-new"
+    node.step(10, cpu={"1": 1.0, "2": 0.2})
+    moves = [(t.instance, t.old, t.new) for t in node.transitions]
+    assert moves == [("1", FIRING, INACTIVE), ("1", INACTIVE, FIRING)]
+
+
+def test_instances_stand_while_nvml_is_down():
+    """A stale NVML source shows no instances for a while: they are as last known, their
+    states kept (no flapping of every instance's causes on a restart)."""
+    node = MigNode(rules("gpu_process_cpu_cores > 0.9"))
+    node.step(0, cpu={"1": 1.0, "2": 0.2})
+    node.up.discard("nvml")
+    node.nvml_lists_instances = False
+    node.step(10, cpu={"1": 1.0, "2": 0.2})
+    assert node.states(gpu="GPU-mig") == {"GPU-mig/1": FIRING, "GPU-mig/2": INACTIVE}
+    assert node.transitions == []
+
+
+def test_a_mig_gpu_in_a_vm_throttled_and_stolen():
+    """The corpus's mig-thermal-steal-a100: clock_throttled on the GPU (as busy as its
+    busiest instance), cpu_steal on the busy instance only, never on the empty one."""
+    from gpuwatchd.config import Config
+    from gpuwatchd.sim.scenario import load_scenario
+    from gpuwatchd.simulate import Simulation
+
+    simulation = Simulation(load_scenario("mig-thermal-steal-a100"), Config())
+    try:
+        result = simulation.run()
+    finally:
+        simulation.close()
+    fired = {(t.cause, t.where) for t in result.transitions if t.new == FIRING}
+    assert fired == {("clock_throttled", "0"), ("cpu_steal", "0/1")}

@@ -309,13 +309,38 @@ def test_a_hang_is_one_cause_and_the_rank_it_waits_for_comes_first():
     )
     causes = dom["causes"]
     assert causes.index("straggler_gpu GPU 3") < causes.index(f"nccl_stall {stalled}")
-    assert f"culprit its job's {stalled} wait in a collective for this rank" in (
-        dom["cause-straggler_gpu"]
+    assert (
+        f"culprit its job's {stalled} wait in a collective for this rank"
+        in (dom["cause-straggler_gpu"])
     )
     assert "NCCL_DEBUG=INFO" in dom["cause-nccl_stall"]  # the remedy, once
     assert "Remedy with the cause" in dom["gpu-0-nccl_stall"]
     assert "NCCL_DEBUG" not in dom["gpu-0-nccl_stall"]
     assert re.search(r"PCI \S+:\S+ · pid 4004 · job of pid 4000", dom["gpu-3"]), dom["gpu-3"]
+
+
+def test_a_cause_on_a_mig_instance_names_the_instance():
+    """mig-thermal-steal-a100: clock_throttled on GPU 0 itself, cpu_steal on its GPU
+    instance 1 only: the verdict and the cause group name "GPU 0/1" (a link to GPU 0's
+    card), and the card says which instance."""
+    sim = Simulation(load_scenario("mig-thermal-steal-a100"), Config(evaluation_interval=5))
+    try:
+        p = sim.pipeline
+        page = StatusPage(p.store, p.pollers, p.now, p.engine, sim.scenario.node.hostname)
+        while sim.node.clock.elapsed() < 480:
+            sim.step()
+            states = p.engine.states.items()
+            if any(s.state == FIRING for (_, cause), s in states if cause == "cpu_steal"):
+                break
+            sim.node.clock.advance(5)
+        html = page().decode()
+    finally:
+        sim.close()
+    dom = Dom(html)
+    assert "cpu_steal on GPU 0/1" in dom["verdict"], dom["verdict"]
+    assert "clock_throttled on GPU 0" in dom["verdict"]
+    assert '<a href="#gpu-0">0/1</a>' in html
+    assert "on GI 1 (3g.40gb)" in dom["gpu-0"]
 
 
 RULE = """rules:

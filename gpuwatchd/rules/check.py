@@ -222,14 +222,25 @@ class MetricWatch:
             values = self._values(e, now)
             for g in range(self._count):
                 value = values.get(str(g), values.get(None))
-                holds = value is not None and (e.above is None or value > e.above) and (
-                    e.below is None or value < e.below
+                holds = (
+                    value is not None
+                    and (e.above is None or value > e.above)
+                    and (e.below is None or value < e.below)
                 )
                 if holds != self._holds.get((g, what), False):
                     self._holds[(g, what)] = holds
                     old, new = (INACTIVE, FIRING) if holds else (FIRING, INACTIVE)
-                    out.append(Transition(now, str(g), "", what, old, new, f"value {value:g}"
-                                          if value is not None else "no value"))
+                    out.append(
+                        Transition(
+                            now,
+                            str(g),
+                            "",
+                            what,
+                            old,
+                            new,
+                            f"value {value:g}" if value is not None else "no value",
+                        )
+                    )
         return out
 
     def _values(self, e: Expectation, now: float) -> dict[str | None, float]:

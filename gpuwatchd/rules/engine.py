@@ -221,6 +221,10 @@ class RuleEngine:
         self._whole: list[GpuRef] = []
         self._workloads: list[GpuRef] = []
         self._per_instance: set[str] = set()  # rules that judge a MIG GPU's instances
+        # per rule, the sources of the instance forms it reads on a GPU instance
+        self._instance_sources: dict[str, frozenset[str]] = {}
+        self._renewed: set[str] = set()  # instances re-created since the last cycle
+        self._regrouped = True  # the subjects or the rules changed: prune the states
         self.set_rules(rules)
 
     def set_rules(self, rules: RuleSet) -> None:
@@ -234,13 +238,16 @@ class RuleEngine:
         # its instance forms), the GPUs' and instances' identity, their main processes
         families = [s.family for s in self.evaluator.grouping if s.family.name == "gpu_process_pid"]
         self._per_instance = set()
+        self._instance_sources = {}
         windowed: set[str] = set()
         for rule in rules.rules:
-            for compiled in (rule.expr, *rule.summary_values()):
-                families += [s.family for s in compiled.selectors]
-                windowed |= compiled.windowed()
+            read = [s.family for c in (rule.expr, *rule.summary_values()) for s in c.selectors]
+            families += read
+            windowed |= {w for c in (rule.expr, *rule.summary_values()) for w in c.windowed()}
             if rule.per_instance:
                 self._per_instance.add(rule.name)
+            forms = {f.instance_form.source for f in read if f.instance_form is not None}
+            self._instance_sources[rule.name] = frozenset(forms - rule.expr.sources)
         for family in list(families):
             if family.instance_form is not None:
                 families.append(family.instance_form)
@@ -250,6 +257,7 @@ class RuleEngine:
         scopes = {name: self._scope[name] for name in wanted if name in self._scope}
         self.index = LiveIndex(self.store, scopes)
         self.store.keep_history(windowed)  # history only where a window reads it
+        self._regrouped = True
         self.changes += 1
 
     # one cycle --------------------------------------------------------------------
@@ -281,22 +289,50 @@ class RuleEngine:
         """Track the MIG GPU instances of gpu_instance_info's rows (labels gpu, uuid,
         gpu_instance, compute_instance, profile, ...): True if they changed. An instance
         destroyed takes its rules' state with it."""
-        found = {}
+        if not self.source_up("nvml"):  # stale or down: the instances are as last known
+            return False
+        found: dict[str, GpuRef] = {}
         for (_, uuid), rows in rows_by_gpu.items():
             whole = self.gpus.get(uuid)
-            for labels, _ in rows:
-                ref = GpuRef(labels[0], uuid, whole.bus_id if whole else None, labels[2], labels[4])
-                found[ref.id] = ref
+            bus = whole.bus_id if whole else None
+            for labels, _ in sorted(rows, key=lambda row: row[0][3]):  # by compute instance
+                ref = GpuRef(labels[0], uuid, bus, labels[2], labels[4], labels[5])
+                found.setdefault(ref.id, ref)
         known = {k: g for k, g in self.gpus.items() if g.instance}
         if known == found:
             return False
         for gone in known.keys() - found.keys():
             del self.gpus[gone]
-        self.states = {
-            k: v for k, v in self.states.items() if k[0] not in known.keys() - found.keys()
-        }
+        self._renewed |= {k for k in known.keys() & found.keys() if known[k] != found[k]}
         self.gpus.update(found)
         return True
+
+    def _prune(self, now: float) -> list[Transition]:
+        """Drop the states of what a rule no longer judges: a GPU instance destroyed or
+        re-created (another tenant's), a MIG GPU's own state for a rule that now judges its
+        instances (or the instances' once MIG is off), a rule whose `mig:` changed. A cause
+        that was pending, firing or not evaluable ends there (a transition to inactive)."""
+        judged = {
+            False: {g.id for g in self._whole},
+            True: {g.id for g in self._workloads},
+        }
+        out: list[Transition] = []
+        for key, state in list(self.states.items()):
+            subject, name = key
+            if subject in judged[name in self._per_instance] and subject not in self._renewed:
+                continue
+            del self.states[key]
+            if state.state != INACTIVE:
+                uuid, _, instance = subject.partition("/")
+                whole = self.gpus.get(uuid)
+                gpu = whole.gpu if whole is not None else ""
+                why = "no longer judged there (MIG instances changed)"
+                out.append(
+                    Transition(now, gpu, uuid, name, state.state, INACTIVE, why, (), instance)
+                )
+        self._renewed.clear()
+        self._regrouped = False
+        return out
 
     def evaluate(self, now: float) -> list[Transition]:
         """Evaluate every rule on every GPU at `now`; the state changes it made."""
@@ -305,17 +341,21 @@ class RuleEngine:
         gpus = self._sorted
         self.evaluator.begin(self.index.snapshot, gpus)
         dt = 0.0 if self.last_eval is None else max(0.0, now - self.last_eval)
-        transitions: list[Transition] = []
+        transitions = self._prune(now) if moved or self._regrouped else []
         down_cache: dict[frozenset[str], list[str]] = {}
         errors = sum(self.errors.values())
         firing = False
         states, skipping = self.states, self.skipping
         for rule in self.rules.rules:
             name, sources = rule.name, rule.expr.sources
-            down = down_cache.get(sources)
-            if down is None:
-                down = down_cache[sources] = sorted(s for s in sources if not self.source_up(s))
+            on_gpu = down_cache.get(sources)
+            if on_gpu is None:
+                on_gpu = down_cache[sources] = sorted(s for s in sources if not self.source_up(s))
+            on_instance = on_gpu  # and the sources of the instance forms it reads there
+            if extra := self._instance_sources.get(name):
+                on_instance = sorted({*on_gpu, *(s for s in extra if not self.source_up(s))})
             for gpu in self._workloads if name in self._per_instance else self._whole:
+                down = on_instance if gpu.instance else on_gpu
                 state = states.get((gpu.id, name))
                 if state is None:
                     state = states[(gpu.id, name)] = AlertState()
@@ -324,8 +364,10 @@ class RuleEngine:
                     state.seconds_total += dt
                 if moved:  # peers() and the GPUs' identity: evaluate everything again
                     state.reads = None
-                elif skipping and not down and (
-                    (old == INACTIVE and state.outcome is False) or old == NOT_EVALUABLE
+                elif (
+                    skipping
+                    and not down
+                    and ((old == INACTIVE and state.outcome is False) or old == NOT_EVALUABLE)
                 ):  # most pairs, most cycles: nothing can change (not evaluable for want
                     # of a series: the same reason; after an error or a source down: reads
                     # is None)

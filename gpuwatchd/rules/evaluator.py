@@ -65,6 +65,9 @@ class GpuRef:
     bus_id: str | None
     instance: str = ""
     profile: str = ""  # the GPU instance's, e.g. 1g.10gb
+    # a GPU instance's MIG device (its first compute instance's UUID): a GI destroyed and
+    # created again with the same id is another instance, another tenant's
+    mig_uuid: str = ""
     # unique on the node: the GPU's UUID, the GI id after it for an instance (a field:
     # the engine looks states up by it for every rule and GPU each cycle)
     id: str = field(init=False, compare=False)
@@ -219,7 +222,7 @@ class Evaluator:
     def _one(self, selector: Selector, gpu: GpuRef | None = None) -> float:
         rows = self.rows(selector, gpu)
         if not rows:
-            raise Missing(selector.describe(), selector.family.source)
+            raise Missing(selector.describe(), self.family(selector, gpu).source)
         return rows[0][1]
 
     def _value(self, index: int) -> float:
@@ -309,7 +312,7 @@ class Evaluator:
             if how == "sum":
                 return math.fsum(r[1] for r in rows)
             if not rows:
-                raise Missing(selector.describe(), selector.family.source)
+                raise Missing(selector.describe(), self.family(selector).source)
             values = [r[1] for r in rows]
             return _reduce(how, values)
 
@@ -335,7 +338,7 @@ class Evaluator:
         if not rows:
             if selector.multi:
                 return []
-            raise Missing(selector.describe(), selector.family.source)
+            raise Missing(selector.describe(), self.family(selector).source)
         since = self.snapshot.now - seconds
         name = self.family(selector).spec.name
         series = []
@@ -344,7 +347,7 @@ class Evaluator:
             self._spend(len(series[-1]))
         reads = self.reads
         if reads is not None:  # a new point, or the oldest leaving, changes the window
-            reads.sources.add(selector.family.source)
+            reads.sources.add(self.family(selector).source)
             for points in series:
                 if points:
                     reads.until = min(reads.until, points[0][0] + seconds)
@@ -355,7 +358,7 @@ class Evaluator:
         selector = self._sel(index)
         rows = self.rows(selector)
         if not rows:
-            raise Missing(selector.describe(), selector.family.source)
+            raise Missing(selector.describe(), self.family(selector).source)
         first, last, values = self._values(
             self.family(selector).spec.name, rows[0][0], self.snapshot.now - seconds
         )
@@ -366,10 +369,10 @@ class Evaluator:
             # or fewer change nothing, until the window is empty (the last one leaves it)
             reads.until = min(reads.until, last + seconds)
         elif reads is not None:  # a new point, or the oldest leaving, changes the window
-            reads.sources.add(selector.family.source)
+            reads.sources.add(self.family(selector).source)
             reads.until = min(reads.until, first + seconds)
         if not values:
-            raise Missing(selector.describe(), selector.family.source)
+            raise Missing(selector.describe(), self.family(selector).source)
         return values
 
     def _w_avg_over(self, index: int, seconds: float) -> float:

@@ -483,7 +483,12 @@ class _Checker:
             operand = self.expect(node.operand, NUM)
             return (NUM, ast.UnaryOp(op=node.op, operand=operand)) if operand else (None, None)
         if isinstance(node, ast.IfExp):
-            parts = [self.expect(n, NUM) for n in (node.test, node.body, node.orelse)]
+            test = self.expect(node.test, NUM)
+            # a branch's series are needed only where the test takes it: not required
+            # sources (down, the branch taken finds no value: not evaluable all the same)
+            self._optional += 1
+            parts = [test, *(self.expect(n, NUM) for n in (node.body, node.orelse))]
+            self._optional -= 1
             if any(p is None for p in parts):
                 return None, None
             return NUM, ast.IfExp(test=parts[0], body=parts[1], orelse=parts[2])  # type: ignore[arg-type]

@@ -32,11 +32,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuwatchd.metrics import GPU_LABELS, Sample, gauge
-from gpuwatchd.sources.nvml.metrics import SM_COUNT
+from gpuwatchd.sources.nvml.metrics import MEMORY_TOTAL, MEMORY_USED, PROCESSES, SM_COUNT
 from gpuwatchd.sources.nvml.reads import SLOW_EVERY, _Gpu, _GpuLost
 from gpuwatchd.sources.nvmlapi import ListedInstance, ProcessTable, sm_count
 
@@ -68,23 +68,34 @@ INSTANCE_INFO = gauge(
     MIG_LABELS + ("mig_uuid",),
     budget=0,
 )
-INSTANCE_MEMORY_USED = gauge(
-    "gpu_instance_memory_used_bytes",
-    "Device memory in use in the MIG device's GPU instance (its compute instances share it).",
-    MIG_LABELS,
-    budget=0,
+# what the rules read on a GPU instance for the GPU's memory and process count (the
+# instance's rows; of a GI with several compute instances, its first's process count)
+INSTANCE_MEMORY_USED = replace(
+    gauge(
+        "gpu_instance_memory_used_bytes",
+        "Device memory in use in the MIG device's GPU instance (its compute instances share it).",
+        MIG_LABELS,
+        budget=0,
+    ),
+    instance_of=MEMORY_USED.name,
 )
-INSTANCE_MEMORY_TOTAL = gauge(
-    "gpu_instance_memory_total_bytes",
-    "Device memory of the MIG device's GPU instance.",
-    MIG_LABELS,
-    budget=0,
+INSTANCE_MEMORY_TOTAL = replace(
+    gauge(
+        "gpu_instance_memory_total_bytes",
+        "Device memory of the MIG device's GPU instance.",
+        MIG_LABELS,
+        budget=0,
+    ),
+    instance_of=MEMORY_TOTAL.name,
 )
-INSTANCE_PROCESSES = gauge(
-    "gpu_instance_compute_processes",
-    "Compute processes running on the MIG device.",
-    MIG_LABELS,
-    budget=0,
+INSTANCE_PROCESSES = replace(
+    gauge(
+        "gpu_instance_compute_processes",
+        "Compute processes running on the MIG device.",
+        MIG_LABELS,
+        budget=0,
+    ),
+    instance_of=PROCESSES.name,
 )
 INSTANCE_SMS = gauge(
     "gpu_instance_multiprocessors",

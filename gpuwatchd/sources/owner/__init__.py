@@ -244,9 +244,9 @@ class Attribution:
         one read of the job files and the kubelet's answer for both."""
         gpus, instances = list(gpus), list(instances)
         files = read_job_map(self.job_dir) if self.job_dir is not None else {}
-        by_gpu: dict[int, str] = {}
-        for (index, _), ids in files.items():  # a GPU's own file first (sorted)
-            by_gpu.setdefault(index, ids[0])
+        # a GPU's own file (`0`) names the whole GPU; an instance's (`0.5`) only that
+        # instance, never the GPU (whose other instances are other tenants')
+        by_gpu = {index: ids[0] for (index, gi), ids in files.items() if gi < 0}
         pods = self.pod_resources.devices() if self.pod_resources is not None else {}
         facts, users = read or self.processes.read, self.users
         owners = owners_by_gpu(gpus, facts, jobs=by_gpu, pods=pods, users=users)
