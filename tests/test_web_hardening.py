@@ -75,21 +75,27 @@ def once(server, path="/metrics", headers=None, context=None, source=None, metho
 # finding 1: busy connections ------------------------------------------------------------
 
 
+
+def stuck_readers(server, count: int, pipelined: int) -> list[socket.socket]:
+    """`count` attacker connections that pipeline `pipelined` GET /metrics and never read
+    (a receive buffer too small for one reply)."""
+    stuck = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the reply cannot fit
+        sock.bind(ATTACKER)
+        sock.settimeout(10)
+        sock.connect(server.address)
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * pipelined)
+        stuck.append(sock)
+    return stuck
+
 def test_clients_that_never_read_their_replies_do_not_lock_scrapers_out():
     """Every slot held by a pipeline whose (4 MB) replies are never read: the old server
     never evicted a connection mid-reply and refused every new one for 30 s."""
     limits = Limits(max_connections=8)
     with serving(limits=limits, series=60000) as (server, _):
-        pipeline = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 3
-        stuck = []
-        for _ in range(limits.max_connections):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the reply cannot fit
-            sock.bind(ATTACKER)
-            sock.settimeout(10)
-            sock.connect(server.address)
-            sock.sendall(pipeline)
-            stuck.append(sock)
+        stuck = stuck_readers(server, limits.max_connections, pipelined=3)
         try:
             for sock in stuck:  # every reply has begun: each connection is mid-reply
                 assert sock.recv(1, socket.MSG_PEEK)
@@ -110,16 +116,7 @@ def test_replies_that_are_never_read_hold_a_bounded_buffer_per_connection():
     limits = Limits(max_connections=16)
     stalled = 8
     with serving(limits=limits, series=60000) as (server, _):
-        pipeline = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 5
-        stuck = []
-        for _ in range(stalled):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the reply cannot fit
-            sock.bind(ATTACKER)
-            sock.settimeout(10)
-            sock.connect(server.address)
-            sock.sendall(pipeline)
-            stuck.append(sock)
+        stuck = stuck_readers(server, stalled, pipelined=5)
         try:
             # every reply has filled the kernel's buffers and waits on its client
             wait_until(
