@@ -329,7 +329,17 @@ def test_mig_panels_show_each_gpu_instance(tmp_path: Path):
     every target of the MIG panels returns the GPU instances, named "0/1" ... as the
     status page names them, and no whole MIG GPU beside them; the cause matrix gives a
     cause judged on an instance its own row ("(instance N)")."""
-    with running_daemon(MIG_SCENARIO) as metrics_url:
+    # a rule that fires at once on the instance whose main thread is saturated (GI 2's
+    # num_workers=0 rank; the default rule waits out its grace and `for`)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "rules:\n  - {name: busy_thread, dimension: input, severity: info, for: 0s,\n"
+        "     expr: 'gpu_process_busiest_thread_cpu_ratio >= 0.9', summary: busy,\n"
+        "     remedy: none}\n"
+    )
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(f"rules_file: {rules}\n")
+    with running_daemon(MIG_SCENARIO, "--config", str(config)) as metrics_url:
         target = urllib.parse.urlparse(metrics_url).netloc
         queries = [
             (title, expr)
