@@ -170,16 +170,18 @@ def test_the_source_follows_instances_created_and_destroyed_at_run_time(make):
     # 6m: two 3g.40gb created; found within MIG_EVERY polls (no hierarchy read per poll)
     found = instances(poll_until(sim, 6 * 60 + 5 * MIG_EVERY), gr)
     assert found == pytest.approx({("1", "3g.40gb"): 0.90, ("2", "3g.40gb"): 0.50})
-    # 11m: destroyed, seven 1g.10gb created (DCGM reuses entity ids for other instances)
-    found = instances(poll_until(sim, 11 * 60 + 5 * MIG_EVERY), gr)
+    # 11m: destroyed, seven 1g.10gb created (DCGM reuses entity ids for other instances):
+    # the first poll after reads the new layout, never an old GI's label on a new one's
+    found = instances(poll_until(sim, 11 * 60 + 5), gr)
     assert set(found) == {(str(gi), "1g.10gb") for gi in range(7, 14)}
     # 16m: MIG disabled: the instances' reads fail, the next poll finds none
     at_16m = poll_until(sim, 16 * 60 + 10)
     assert not instances(at_16m, gr)
     assert instances(at_16m, "gpu_gr_engine_active_ratio")[()] == pytest.approx(0.92)
     hierarchy_reads = sim.engine.calls["dcgmGetGpuInstanceHierarchy"]
-    polls = (16 * 60 + 10) // 5 + 1
-    assert hierarchy_reads <= polls // MIG_EVERY + 4  # connect, and MIG disabled
+    without = (6 * 60) // 5  # polls before any instance: one read in MIG_EVERY
+    with_instances = (10 * 60 + 10) // 5 + 1  # from 6m to 16m10s: one read a poll
+    assert hierarchy_reads <= without // MIG_EVERY + with_instances + 4
 
 
 def test_without_the_hierarchy_call_the_source_reads_the_gpus_as_before(make, caplog):

@@ -16,10 +16,13 @@ GPU's only (DCGM would answer a GPU-level device field on a GPU instance with it
 value, a GPU-level profiling field with no data). Each GI value becomes the instance form
 of its family (`gpuwatchd_gpu_instance_*{gpu,uuid,gpu_instance,profile}`).
 
-Finding them again is cheap and rare: the hierarchy is read when connecting, every
-`MIG_EVERY` polls (instances created at run time), and at the next poll when a GPU
-instance's read answers an error (destroyed, or MIG disabled: DCGM_ST_INSTANCE_NOT_FOUND).
-The group and field group are rebuilt only when the hierarchy changed.
+Finding them again is cheap: the hierarchy is read when connecting, every `MIG_EVERY`
+polls on a node without GPU instances (MIG enabled at run time), every poll on a node
+with some (DCGM renumbers the entities when the layout changes: an entity id read a poll
+later may be another tenant's GPU instance, and its read still succeeds), and at once
+when a GPU instance's read answers an error (destroyed, or MIG disabled:
+DCGM_ST_INSTANCE_NOT_FOUND). The group and field group are rebuilt only when the
+hierarchy changed.
 """
 
 from __future__ import annotations
@@ -218,7 +221,7 @@ class MigInstances:
     def poll(self, out: list[Any]) -> None:
         """This poll's GPU-instance values into `out`; the hierarchy again when due."""
         self._polls += 1
-        if self._stale or self._polls % MIG_EVERY == 0:
+        if self._stale or self.instances or self._polls % MIG_EVERY == 0:
             self.refresh()
         watch = self.watch
         if watch is None or self.session.profiling_paused:
