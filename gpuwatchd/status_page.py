@@ -581,7 +581,8 @@ def _firing(gpu: Gpu, cause: Cause, now: float, shared: bool) -> str:
         if shared
         else f'<p class="remedy"><strong>Remedy:</strong> {_prose(cause.remedy)}</p>'
     )
-    anchor = f"gpu-{gpu.index}-{cause.name}" + re.sub(r"\W+", "-", f" {cause.instance}".rstrip())
+    where = (cause.subject or gpu.index).replace("/", "-gi")  # GPU 0/3: "0-gi3"
+    anchor = f"gpu-{where}-{cause.name}"
     return (
         f'<article class="cause firing" id="{_e(anchor)}">'
         f"<h4>{_e(cause.name)}{_on(cause)}</h4>{_badges(cause)}"

@@ -241,9 +241,10 @@ class RuleEngine:
         self._instance_sources = {}
         windowed: set[str] = set()
         for rule in rules.rules:
-            read = [s.family for c in (rule.expr, *rule.summary_values()) for s in c.selectors]
+            compiled = (rule.expr, *rule.summary_values())
+            read = [s.family for c in compiled for s in c.selectors]
             families += read
-            windowed |= {w for c in (rule.expr, *rule.summary_values()) for w in c.windowed()}
+            windowed |= {w for c in compiled for w in c.windowed()}
             if rule.per_instance:
                 self._per_instance.add(rule.name)
             forms = {f.instance_form.source for f in read if f.instance_form is not None}
@@ -276,8 +277,9 @@ class RuleEngine:
                         moved = True
             moved = self._find_instances(per_gpu.get(_INSTANCES, {})) or moved
         if moved or len(self._sorted) != len(self.gpus):
-            self._sorted = sorted(
-                self.gpus.values(), key=lambda g: (_index(g.gpu), g.uuid, _index(g.instance))
+            self._sorted = sorted(  # a GPU, then its instances
+                self.gpus.values(),
+                key=lambda g: (_index(g.gpu), g.uuid, _index(g.instance) if g.instance else -1),
             )
             split = {g.uuid for g in self._sorted if g.instance}
             self._whole = [g for g in self._sorted if not g.instance]
@@ -312,14 +314,11 @@ class RuleEngine:
         re-created (another tenant's), a MIG GPU's own state for a rule that now judges its
         instances (or the instances' once MIG is off), a rule whose `mig:` changed. A cause
         that was pending, firing or not evaluable ends there (a transition to inactive)."""
-        judged = {
-            False: {g.id for g in self._whole},
-            True: {g.id for g in self._workloads},
-        }
+        judged = {name: {g.id for g in self._subjects(name)} for name in self._rule_names()}
         out: list[Transition] = []
         for key, state in list(self.states.items()):
             subject, name = key
-            if subject in judged[name in self._per_instance] and subject not in self._renewed:
+            if subject in judged.get(name, ()) and subject not in self._renewed:
                 continue
             del self.states[key]
             if state.state != INACTIVE:
@@ -333,6 +332,14 @@ class RuleEngine:
         self._renewed.clear()
         self._regrouped = False
         return out
+
+    def _rule_names(self) -> list[str]:
+        return [rule.name for rule in self.rules.rules]
+
+    def _subjects(self, rule: str) -> list[GpuRef]:
+        """What `rule` judges: every GPU, or (a rule about a workload) each MIG GPU's
+        instances in its place."""
+        return self._workloads if rule in self._per_instance else self._whole
 
     def evaluate(self, now: float) -> list[Transition]:
         """Evaluate every rule on every GPU at `now`; the state changes it made."""
@@ -354,7 +361,7 @@ class RuleEngine:
             on_instance = on_gpu  # and the sources of the instance forms it reads there
             if extra := self._instance_sources.get(name):
                 on_instance = sorted({*on_gpu, *(s for s in extra if not self.source_up(s))})
-            for gpu in self._workloads if name in self._per_instance else self._whole:
+            for gpu in self._subjects(name):
                 down = on_instance if gpu.instance else on_gpu
                 state = states.get((gpu.id, name))
                 if state is None:
@@ -412,10 +419,11 @@ class RuleEngine:
         self._refresh(now)
         gpus = self._sorted
         self.evaluator.begin(self.index.snapshot, gpus)
+        judged = {name: {g.id for g in self._subjects(name)} for name in self._rule_names()}
         findings = []
         for gpu in gpus:
             for rule in self.rules.rules:
-                if gpu not in (self._workloads if rule.name in self._per_instance else self._whole):
+                if gpu.id not in judged[rule.name]:
                     continue
                 spec = rule.spec
                 down = sorted(s for s in rule.expr.sources if not self.source_up(s))
@@ -570,19 +578,18 @@ class RuleEngine:
                 state = self.states.get((gpu.id, rule.name))
                 if state is None or state.state == INACTIVE:
                     continue
-                base, instance = (gpu.gpu, gpu.uuid, rule.name), (gpu.instance,)
+                base, instance = (gpu.gpu, gpu.uuid, rule.name), gpu.instance
                 spec = rule.spec
                 if state.state == FIRING:
                     starved[(gpu.gpu, gpu.uuid)] = 1.0
-                    out[ACTIVE.name].append(
-                        ((*base, spec.dimension, spec.severity, *instance), 1.0)
-                    )
-                    labels = (*base, spec.dimension, spec.severity, state.summary, rule.remedy)
-                    out[INFO.name].append(((*labels, *instance), 1.0))
+                    kind = (*base, spec.dimension, spec.severity)
+                    out[ACTIVE.name].append(((*kind, instance), 1.0))
+                    evidence = (state.summary, rule.remedy, instance)
+                    out[INFO.name].append(((*kind, *evidence), 1.0))
                 elif state.state == PENDING:
-                    out[PENDING_METRIC.name].append(((*base, *instance), 1.0))
+                    out[PENDING_METRIC.name].append(((*base, instance), 1.0))
                 elif state.state == NOT_EVALUABLE and not state.waits_for_probe:
-                    out[NOT_EVALUABLE_METRIC.name].append(((*base, *instance), 1.0))
+                    out[NOT_EVALUABLE_METRIC.name].append(((*base, instance), 1.0))
         out[STARVED.name] += [(labels, value) for labels, value in starved.items()]
         for rule in self.rules.rules:
             if errors := self.errors.get(rule.name, 0):
@@ -604,27 +611,19 @@ class RuleEngine:
         return {SECONDS.name: rows}
 
     def firing(self) -> list[tuple[str, str, str]]:
-        """(gpu, cause, summary) of every firing cause, by GPU then rule order; a MIG GPU
-        instance's gpu is "index/GI id"."""
-        rules = {r.name: (i, r) for i, r in enumerate(self.rules.rules)}
-        order = {name: i for name, (i, _) in rules.items()}
+        """(gpu, cause, summary) of every firing cause, by GPU (its instances after it)
+        then rule order; a MIG GPU instance's gpu is "index/GI id"."""
         result = []
         for gpu in self._sorted:
-            for cause, (_, rule) in rules.items():
-                state = self.states.get((gpu.id, cause))
+            for rule in self.rules.rules:
+                state = self.states.get((gpu.id, rule.name))
                 if state is not None and state.state == FIRING:
-                    result.append((gpu.name, cause, self.summary(rule, gpu)))
-        return sorted(result, key=lambda r: (_name_order(r[0]), order.get(r[1], 0)))
+                    result.append((gpu.name, rule.name, self.summary(rule, gpu)))
+        return result
 
 
 def _index(gpu: str) -> int:
     return int(gpu) if gpu.isdigit() else 1 << 30
-
-
-def _name_order(name: str) -> tuple[int, int]:
-    """GPU "3" before its instances "3/1", "3/2"."""
-    gpu, _, instance = name.partition("/")
-    return _index(gpu), _index(instance) if instance else -1
 
 
 def _format(value: float) -> str:

@@ -334,20 +334,21 @@ class Evaluator:
     # windows --------------------------------------------------------------------
     def _points(self, index: int, seconds: float) -> list[list[tuple[float, float]]]:
         selector = self._sel(index)
+        family = self.family(selector)  # the GPU's, or on an instance its instance form
         rows = self.rows(selector)
         if not rows:
             if selector.multi:
                 return []
-            raise Missing(selector.describe(), self.family(selector).source)
+            raise Missing(selector.describe(), family.source)
         since = self.snapshot.now - seconds
-        name = self.family(selector).spec.name
+        name = family.spec.name
         series = []
         for labels, _ in rows:
             series.append(self._window(name, labels, since))
             self._spend(len(series[-1]))
         reads = self.reads
         if reads is not None:  # a new point, or the oldest leaving, changes the window
-            reads.sources.add(self.family(selector).source)
+            reads.sources.add(family.source)
             for points in series:
                 if points:
                     reads.until = min(reads.until, points[0][0] + seconds)
@@ -356,11 +357,12 @@ class Evaluator:
     def _single(self, index: int, seconds: float) -> Sequence[float]:
         """The values of the one series a window function of one series reads."""
         selector = self._sel(index)
+        family = self.family(selector)
         rows = self.rows(selector)
         if not rows:
-            raise Missing(selector.describe(), self.family(selector).source)
+            raise Missing(selector.describe(), family.source)
         first, last, values = self._values(
-            self.family(selector).spec.name, rows[0][0], self.snapshot.now - seconds
+            family.spec.name, rows[0][0], self.snapshot.now - seconds
         )
         self._spend(len(values))
         reads = self.reads
@@ -369,10 +371,10 @@ class Evaluator:
             # or fewer change nothing, until the window is empty (the last one leaves it)
             reads.until = min(reads.until, last + seconds)
         elif reads is not None:  # a new point, or the oldest leaving, changes the window
-            reads.sources.add(self.family(selector).source)
+            reads.sources.add(family.source)
             reads.until = min(reads.until, first + seconds)
         if not values:
-            raise Missing(selector.describe(), self.family(selector).source)
+            raise Missing(selector.describe(), family.source)
         return values
 
     def _w_avg_over(self, index: int, seconds: float) -> float:
