@@ -293,6 +293,11 @@ def cuda_version_string(version: int) -> str:
     return f"{version // 1000}.{version % 1000 // 10}"
 
 
+def text(value: Any) -> str:
+    """An NVML string answer as str (pynvml gives bytes or str, by version)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def sysfs_bus_id(nvml_bus_id: str) -> str:
     """NVML's "00000000:34:00.0" -> "0000:34:00.0", as in sysfs (and the pcie source)."""
     domain, _, rest = nvml_bus_id.strip().lower().partition(":")

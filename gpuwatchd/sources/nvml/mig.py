@@ -38,7 +38,7 @@ from typing import Any
 from gpuwatchd.metrics import GPU_LABELS, Sample, gauge
 from gpuwatchd.sources.nvml.metrics import MEMORY_TOTAL, MEMORY_USED, PROCESSES, SM_COUNT
 from gpuwatchd.sources.nvml.reads import SLOW_EVERY, _Gpu, _GpuLost
-from gpuwatchd.sources.nvmlapi import ListedInstance, ProcessTable, sm_count
+from gpuwatchd.sources.nvmlapi import ListedInstance, ProcessTable, sm_count, text
 
 log = logging.getLogger("gpuwatchd.sources.nvml")
 
@@ -152,10 +152,6 @@ def profile_of(name: str, attributes: Any) -> str:
         return ""
     gigabytes = math.ceil(attributes.memorySizeMB / 1024)
     return f"{attributes.gpuInstanceSliceCount}g.{gigabytes}gb"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class MigReads:
@@ -288,10 +284,10 @@ class MigReads:
     def _mig_identify(self, gpu: _Gpu, index: int, handle: Any) -> MigDevice:
         """A MIG device's identity, read once per discovery (NVMLError if it cannot be)."""
         nv = self._nv
-        uuid = _text(self._mig_call(gpu, nv.nvmlDeviceGetUUID, handle))
+        uuid = text(self._mig_call(gpu, nv.nvmlDeviceGetUUID, handle))
         gi = self._mig_call(gpu, nv.nvmlDeviceGetGpuInstanceId, handle)
         ci = self._mig_call(gpu, nv.nvmlDeviceGetComputeInstanceId, handle)
-        name = _text(self._mig_call(gpu, nv.nvmlDeviceGetName, handle))
+        name = text(self._mig_call(gpu, nv.nvmlDeviceGetName, handle))
         try:
             attributes = self._mig_call(gpu, nv.nvmlDeviceGetAttributes_v2, handle)
         except nv.NVMLError:

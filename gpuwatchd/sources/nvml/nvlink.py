@@ -20,11 +20,7 @@ from gpuwatchd.config import NvmlConfig, SourceConfig
 from gpuwatchd.metrics import Sample
 from gpuwatchd.sources.nvml.metrics import NVLINK, NVLINK_DOWN, NVLINK_DOWN_PEER, NVLINK_EXPECTED
 from gpuwatchd.sources.nvml.reads import _Entry, _Gpu, _GpuLost
-from gpuwatchd.sources.nvmlapi import Direct, sysfs_bus_id
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+from gpuwatchd.sources.nvmlapi import Direct, sysfs_bus_id, text
 
 log = logging.getLogger("gpuwatchd.sources.nvml")
 
@@ -100,7 +96,7 @@ class NvLinks:
         if function is None:
             return None
         try:
-            remote = sysfs_bus_id(_text(function(gpu.handle, link).busId))
+            remote = sysfs_bus_id(text(function(gpu.handle, link).busId))
         except nv.NVMLError as e:
             if e.value == nv.NVML_ERROR_GPU_IS_LOST:
                 raise _GpuLost from e

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpuwatchd.sources.nvml.mig import profile_of
-from gpuwatchd.sources.nvmlapi import ListedInstance
+from gpuwatchd.sources.nvmlapi import ListedInstance, text
 
 log = logging.getLogger("gpuwatchd.sources.processes")
 
@@ -50,7 +50,7 @@ def discover(nv: Any, handle: Any) -> tuple[ListedInstance, ...]:
             device = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
             gi = int(nv.nvmlDeviceGetGpuInstanceId(device))
             ci = int(nv.nvmlDeviceGetComputeInstanceId(device))
-            uuid, name = _text(nv.nvmlDeviceGetUUID(device)), _text(nv.nvmlDeviceGetName(device))
+            uuid, name = text(nv.nvmlDeviceGetUUID(device)), text(nv.nvmlDeviceGetName(device))
         except nv.NVMLError as e:
             if e.value != nv.NVML_ERROR_NOT_FOUND:
                 log.debug("processes: MIG device %d: %s", index, e)
@@ -76,7 +76,3 @@ def split_by_instance(
     ]  # fmt: skip
     out += [ListedInstance(gi, ci, "", "", pids) for (gi, ci), pids in by_key.items()]
     return tuple(out)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
