@@ -225,6 +225,9 @@ class RuleEngine:
         self._instance_sources: dict[str, frozenset[str]] = {}
         self._renewed: set[str] = set()  # instances re-created since the last cycle
         self._regrouped = True  # the subjects or the rules changed: prune the states
+        # per rule whose every subject is idle, the union of what they read (evaluate)
+        self._quiet: dict[str, Reads] = {}
+        self._read_sources: frozenset[str] = frozenset()  # what any rule reads
         self.set_rules(rules)
 
     def set_rules(self, rules: RuleSet) -> None:
@@ -233,6 +236,7 @@ class RuleEngine:
         self.states = {k: v for k, v in self.states.items() if k[1] in names}
         for state in self.states.values():
             state.reads = None  # read by the old expressions
+        self._quiet = {}
         self.rules = rules
         # the families the snapshot indexes: what the rules read (and on a GPU instance,
         # its instance forms), the GPUs' and instances' identity, their main processes
@@ -249,6 +253,9 @@ class RuleEngine:
                 self._per_instance.add(rule.name)
             forms = {f.instance_form.source for f in read if f.instance_form is not None}
             self._instance_sources[rule.name] = frozenset(forms - rule.expr.sources)
+        self._read_sources = frozenset().union(
+            *(r.expr.sources for r in rules.rules), *self._instance_sources.values()
+        )
         for family in list(families):
             if family.instance_form is not None:
                 families.append(family.instance_form)
@@ -345,49 +352,78 @@ class RuleEngine:
         """Evaluate every rule on every GPU at `now`; the state changes it made."""
         started = time.thread_time()
         changed, polled, moved = self._refresh(now)
-        gpus = self._sorted
-        self.evaluator.begin(self.index.snapshot, gpus)
+        self.evaluator.begin(self.index.snapshot, self._sorted)
         dt = 0.0 if self.last_eval is None else max(0.0, now - self.last_eval)
         transitions = self._prune(now) if moved or self._regrouped else []
-        down_cache: dict[frozenset[str], list[str]] = {}
+        if moved or not self.skipping:
+            self._quiet.clear()
+        down = self._down_sources()
         errors = sum(self.errors.values())
         firing = False
-        states, skipping = self.states, self.skipping
         for rule in self.rules.rules:
-            name, sources = rule.name, rule.expr.sources
-            on_gpu = down_cache.get(sources)
-            if on_gpu is None:
-                on_gpu = down_cache[sources] = sorted(s for s in sources if not self.source_up(s))
+            name = rule.name
+            on_gpu = sorted(rule.expr.sources & down) if down else []
             on_instance = on_gpu  # and the sources of the instance forms it reads there
-            if extra := self._instance_sources.get(name):
-                on_instance = sorted({*on_gpu, *(s for s in extra if not self.source_up(s))})
-            for gpu in self._subjects(name):
-                down = on_instance if gpu.instance else on_gpu
-                state = states.get((gpu.id, name))
-                if state is None:
-                    state = states[(gpu.id, name)] = AlertState()
-                old = state.state
-                if old == FIRING:
-                    state.seconds_total += dt
-                if moved:  # peers() and the GPUs' identity: evaluate everything again
-                    state.reads = None
-                elif (
-                    skipping
-                    and not down
-                    and ((old == INACTIVE and state.outcome is False) or old == NOT_EVALUABLE)
-                ):  # most pairs, most cycles: nothing can change (not evaluable for want
-                    # of a series: the same reason; after an error or a source down: reads
-                    # is None)
-                    reads = state.reads
-                    if (
-                        reads is not None
-                        and not reads.always
-                        and now <= reads.until
-                        and reads.keys.isdisjoint(changed)
-                        and reads.sources.isdisjoint(polled)
-                    ):  # Reads.still, inline
-                        continue
+            if down and (extra := self._instance_sources.get(name)):
+                on_instance = sorted((rule.expr.sources | extra) & down)
+            quiet = self._quiet.pop(name, None)
+            if quiet is not None and not on_instance and quiet.still(now, changed, polled):
+                self._quiet[name] = quiet  # none of its subjects can change: skip them all
+                continue
+            firing = self._evaluate_rule(
+                rule, now, dt, moved, on_gpu, on_instance, changed, polled, transitions
+            ) or firing
+        if transitions or moved or sum(self.errors.values()) != errors:
+            self.changes += 1
+        self._firing = firing
+        self.last_eval = now
+        self.duration = time.thread_time() - started
+        return transitions
+
+    def _down_sources(self) -> frozenset[str]:
+        """The sources the rules read that are down or disabled now."""
+        return frozenset(s for s in self._read_sources if not self.source_up(s))
+
+    def _evaluate_rule(
+        self,
+        rule: Rule,
+        now: float,
+        dt: float,
+        moved: bool,
+        on_gpu: list[str],
+        on_instance: list[str],
+        changed: Changed,
+        polled: set[str],
+        transitions: list[Transition],
+    ) -> bool:
+        """One rule on each of its subjects; True if it fires on one. Where every subject
+        ends idle (inactive on a false outcome, or not evaluable for want of a series) the
+        union of what they read is kept: the next cycles skip the whole rule while it
+        stands."""
+        name, states, skipping = rule.name, self.states, self.skipping
+        idle: Reads | None = Reads() if skipping else None
+        firing = False
+        for gpu in self._subjects(name):
+            down = on_instance if gpu.instance else on_gpu
+            state = states.get((gpu.id, name))
+            if state is None:
+                state = states[(gpu.id, name)] = AlertState()
+            old = state.state
+            if old == FIRING:
+                state.seconds_total += dt
+            if moved:  # peers() and the GPUs' identity: evaluate everything again
+                state.reads = None
+            reads = state.reads
+            if not (
+                skipping
+                and not down
+                and ((old == INACTIVE and state.outcome is False) or old == NOT_EVALUABLE)
+                and reads is not None
+                and reads.still(now, changed, polled)
+            ):  # most pairs, most cycles, nothing can change (not evaluable for want of a
+                # series: the same reason; after an error or a source down: reads is None)
                 self._step(rule, gpu, state, now, down, changed, polled)
+                reads = state.reads
                 firing = firing or state.state == FIRING
                 if state.state != old:
                     fires = state.state == FIRING
@@ -404,12 +440,23 @@ class RuleEngine:
                             gpu.instance,
                         )
                     )
-        if transitions or moved or sum(self.errors.values()) != errors:
-            self.changes += 1
-        self._firing = firing
-        self.last_eval = now
-        self.duration = time.thread_time() - started
-        return transitions
+            if idle is not None:
+                if (
+                    reads is not None
+                    and not reads.always
+                    and (
+                        state.state == NOT_EVALUABLE
+                        or (state.state == INACTIVE and state.outcome is False)
+                    )
+                ):
+                    idle.keys |= reads.keys
+                    idle.sources |= reads.sources
+                    idle.until = min(idle.until, reads.until)
+                else:
+                    idle = None
+        if idle is not None:
+            self._quiet[name] = idle
+        return firing
 
     def diagnose(self, now: float) -> list[Finding]:
         """Evaluate every rule on every GPU once at `now`, ignoring `for` (doctor).
