@@ -82,6 +82,12 @@ class SourceSeries:
     # enough of them to span a 30 s scrape interval of a source polled every second
     log: deque[tuple[int, list[SeriesKey]]] = field(default_factory=lambda: deque(maxlen=32))
     order: list[tuple[SeriesKey, Series]] = field(default_factory=list)  # the last update's
+    # the last update's names, labels and values, each a tuple in its order: the usual
+    # poll (the same series again) is told by two tuple comparisons made in C
+    names: tuple[str, ...] = ()
+    labels: tuple[tuple[str, ...], ...] = ()
+    values: tuple[float, ...] = ()
+    histories: list[tuple[int, History]] = field(default_factory=list)  # (place, its history)
 
 
 class Store:
@@ -103,6 +109,8 @@ class Store:
                     series.history = None
                 elif series.history is None:
                     series.history = History()
+            for owned in self._sources.values():
+                owned.histories = _histories(owned.order)
 
     def register_source(self, source: str, stale_after: float) -> None:
         with self._lock:
@@ -111,34 +119,29 @@ class Store:
     def update(self, source: str, now: float, samples: Iterable[Sample]) -> None:
         """Replace `source`'s series with `samples`, taken at `now`."""
         samples = samples if isinstance(samples, list) else list(samples)
+        names, labels, values = zip(*samples, strict=True) if samples else ((), (), ())
         with self._lock:
             owned = self._sources.setdefault(source, SourceSeries(set()))
             changed: list[SeriesKey] = []
             horizon = now - self._history_seconds
-            if not self._same_series(owned, samples):
+            if names != owned.names or labels != owned.labels:
                 self._replace(owned, samples, now, changed)
+                owned.names, owned.labels = names, labels
+                owned.histories = _histories(owned.order)
             else:  # the usual poll: the same series in the same order, new values
-                max_points = self._max_points
-                for (_, _, value), (key, series) in zip(samples, owned.order, strict=True):
-                    if series.value != value:
-                        series.value = value
+                if values != owned.values:
+                    order, before = owned.order, owned.values
+                    for i in [i for i, value in enumerate(values) if value != before[i]]:
+                        key, series = order[i]
+                        series.value = values[i]
                         changed.append(key)
-                    if series.history is not None:
-                        series.history.append(now, value, horizon, max_points)
+                max_points = self._max_points
+                for i, history in owned.histories:
+                    history.append(now, values[i], horizon, max_points)
+            owned.values = values
             owned.updated_at = now
             owned.generation += 1
             owned.log.append((owned.generation, changed))
-
-    @staticmethod
-    def _same_series(owned: SourceSeries, samples: list[Sample]) -> bool:
-        if len(samples) != len(owned.order):
-            return False
-        for (name, labels, _), ((known_name, known_labels), _) in zip(
-            samples, owned.order, strict=True
-        ):
-            if labels is not known_labels and labels != known_labels or name != known_name:
-                return False
-        return True
 
     def _replace(
         self, owned: SourceSeries, samples: list[Sample], now: float, changed: list[SeriesKey]
@@ -241,3 +244,8 @@ class Store:
     def series_count(self) -> int:
         with self._lock:
             return len(self._series)
+
+
+def _histories(order: list[tuple[SeriesKey, Series]]) -> list[tuple[int, History]]:
+    """The places in a source's order of the series that keep a history."""
+    return [(i, s.history) for i, (_, s) in enumerate(order) if s.history is not None]

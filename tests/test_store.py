@@ -66,3 +66,30 @@ def test_history_compacts_and_still_answers_windows():
     assert history.since(9_997) == [(9997.0, 19994.0), (9998.0, 19996.0), (9999.0, 19998.0)]
     assert history.since(0)[0] == (9900.0, 19800.0)
     assert history.since(20_000) == []
+
+
+def test_the_same_series_again_reports_exactly_the_values_that_changed():
+    store = Store()
+    power = ("gpuwatchd_gpu_power_watts", GPU0)
+    store.update("nvml", 0.0, [util(0.5), Sample(*power, 300.0)])
+    store.update("nvml", 1.0, [util(0.5), Sample(*power, 300.0)])  # nothing moved
+    assert store.changes("nvml", 1) == []
+    store.update("nvml", 2.0, [util(0.5), Sample(power[0], tuple(GPU0), 310.0)])
+    assert store.changes("nvml", 2) == [(power, 310.0)]  # equal labels, another tuple
+    store.update("nvml", 3.0, [Sample(*power, 310.0), util(0.5)])  # another order
+    assert store.get(*power) == 310.0 and store.get(*util(0)[:2]) == 0.5
+
+
+def test_history_follows_keep_history_between_polls_of_the_same_series():
+    store = Store()
+    store.update("nvml", 0.0, [util(0.1), Sample("gpuwatchd_gpu_power_watts", GPU0, 1.0)])
+    store.keep_history(["gpuwatchd_gpu_power_watts"])  # utilization's history dropped
+    for t in (1.0, 2.0):
+        store.update("nvml", t, [util(t), Sample("gpuwatchd_gpu_power_watts", GPU0, t)])
+    assert store.window("gpuwatchd_gpu_utilization_ratio", GPU0, since=0) == []
+    power = store.window("gpuwatchd_gpu_power_watts", GPU0, since=0)
+    assert power == [(0.0, 1.0), (1.0, 1.0), (2.0, 2.0)]
+    store.keep_history(["gpuwatchd_gpu_utilization_ratio"])
+    store.update("nvml", 3.0, [util(3.0), Sample("gpuwatchd_gpu_power_watts", GPU0, 3.0)])
+    assert store.window("gpuwatchd_gpu_utilization_ratio", GPU0, since=0) == [(3.0, 3.0)]
+    assert store.window("gpuwatchd_gpu_power_watts", GPU0, since=0) == []
