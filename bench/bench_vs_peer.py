@@ -20,8 +20,11 @@ Measured from /proc for the process and its children: CPU (schedstat, ns) per se
 the window, RSS at its end, and the NVML calls per second the fake counted
 (GPUWATCHD_SIM_NVML_STATS). Left out of the CPU and shown apart, the simulator's own
 work: gpuwatchd's thread `gpuwatchd-sim`, which writes the simulated node's /proc and
-/sys files (the kernel's work on a real node), and, for both, what the fake NVML's Python
-spent beyond the driver cost it plays (its `overshoot`, counted by the fake itself).
+/sys files (the kernel's work on a real node), gpuwatchd's simulated DCGM host engine's
+answers (nv-hostengine's process on a real node; counted by the fake libdcgm,
+GPUWATCHD_SIM_DCGM_STATS: the fake client library's own work stays gpuwatchd's), and, for
+both, what the fake NVML's Python spent beyond the driver cost it plays (its
+`overshoot`, counted by the fake itself).
 Both processes carry the simulator's code (fake NVML; for gpuwatchd also the node's
 writers and the fake DCGM host engine): its memory is measured in processes of their own
 and shown apart. Then gpuwatchd alone at other sizes (`--sizes`) for the CPU
@@ -193,6 +196,7 @@ class Run:
     calls: float  # NVML calls per second
     sim_cpu: float = 0.0  # ms/s of the simulator's writer thread (left out of cpu)
     overshoot: float = 0.0  # ms/s the fake NVML's work took beyond a driver's (left out)
+    hostengine: float = 0.0  # ms/s the simulated nv-hostengine spent in-process (left out)
     by_thread: dict[str, float] = field(default_factory=dict)  # ms/s per thread name
     checks: dict[str, Any] = field(default_factory=dict)
     scrape_ms: list[float] = field(default_factory=list)  # each scrape in the window
@@ -211,7 +215,13 @@ def scrape(port: int) -> str:
 
 def run(who: str, command: list[str], port: int, warmup: float, seconds: float) -> Run:
     stats = Path(tempfile.mkdtemp(prefix="gpuwatchd-bench-")) / "calls"
-    env = dict(os.environ, GPUWATCHD_SIM_NVML_STATS=str(stats), PYTHONUNBUFFERED="1")
+    dcgm = stats.with_name("dcgm")
+    env = dict(
+        os.environ,
+        GPUWATCHD_SIM_NVML_STATS=str(stats),
+        GPUWATCHD_SIM_DCGM_STATS=str(dcgm),
+        PYTHONUNBUFFERED="1",
+    )
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT
     )
@@ -228,6 +238,7 @@ def run(who: str, command: list[str], port: int, warmup: float, seconds: float) 
         time.sleep(warmup)
         pids = descendants(process.pid)
         before, calls_before, t0 = threads(pids), calls_so_far(stats), time.monotonic()
+        engine_before = calls_so_far(dcgm)
         next_scrape, scrapes = t0, []
         while (left := t0 + seconds - time.monotonic()) > 0:
             if time.monotonic() >= next_scrape:
@@ -237,6 +248,7 @@ def run(who: str, command: list[str], port: int, warmup: float, seconds: float) 
                 next_scrape += SCRAPE_EVERY
             time.sleep(min(left, max(0.0, next_scrape - time.monotonic())))
         after, calls_after, t1 = threads(pids), calls_so_far(stats), time.monotonic()
+        engine_after = calls_so_far(dcgm)
         elapsed = t1 - t0
         text = scrape(port)
         rss = rss_mib(pids)
@@ -257,8 +269,12 @@ def run(who: str, command: list[str], port: int, warmup: float, seconds: float) 
         span = calls_after[0] - calls_before[0]
         calls = (calls_after[1] - calls_before[1]) / span
         overshoot = (calls_after[2] - calls_before[2]) * 1e3 / span
-    cpu = sum(by_thread.values()) - overshoot
-    return Run(who, cpu, rss, calls, sim, overshoot, by_thread, checks(text), scrapes)
+    hostengine = 0.0
+    if engine_before and engine_after and engine_after[0] > engine_before[0]:
+        span = engine_after[0] - engine_before[0]
+        hostengine = (engine_after[2] - engine_before[2]) * 1e3 / span
+    cpu = sum(by_thread.values()) - overshoot - hostengine
+    return Run(who, cpu, rss, calls, sim, overshoot, hostengine, by_thread, checks(text), scrapes)
 
 
 def checks(text: str) -> dict[str, Any]:
@@ -420,7 +436,9 @@ def main() -> int:
         f"\nCPU, nvitop-exporter / gpuwatchd: **{ratio:.1f}×**. Left out of the CPU: the "
         f"fake NVML's overshoot, gpuwatchd {mean(ours, 'overshoot'):.2f} ms/s, nvitop-exporter "
         f"{mean(theirs, 'overshoot'):.2f} ms/s; gpuwatchd's simulated node's writer thread, "
-        f"{mean(ours, 'sim_cpu'):.2f} ms/s. gpuwatchd / the bare NVML loop: "
+        f"{mean(ours, 'sim_cpu'):.2f} ms/s, and its simulated DCGM host engine (a process "
+        f"of its own on a node), {mean(ours, 'hostengine'):.2f} ms/s (in `source-dcgm` "
+        "below). gpuwatchd / the bare NVML loop: "
         f"**{mean(ours, 'cpu') / mean(bare, 'cpu'):.1f}×**.\n"
     )
     names = sorted({n for r in ours for n in r.by_thread}, key=lambda n: -mean_thread(ours, n))

@@ -708,3 +708,24 @@ def test_dcgm_gpu_ids_need_not_be_nvml_indices():
             handle.GetSystem().GetGroupWithGpuIds("no such gpu", [1])
     finally:
         n.close()
+
+
+def test_the_hostengines_work_is_counted_apart_for_a_benchmark(tmp_path: Path, monkeypatch):
+    """nv-hostengine is a process of its own: a benchmark leaves its work out of the
+    client's CPU. Embedded, the host engine is the client's own and is not counted."""
+    path = tmp_path / "dcgm"
+    monkeypatch.setenv(simdcgm.library.STATS_ENV, str(path))
+    n = Node()
+    try:
+        simdcgm.use_for_embedded(n.engine)
+        embedded = n.pydcgm.DcgmHandle()
+        pair = n.structs.c_dcgmGroupEntityPair_t(1, 0)
+        n.agent.dcgmEntitiesGetLatestValues(embedded.handle, [pair], [155, 203], 1)
+        assert float(path.read_text().split()[2]) == 0.0
+        handle = n.connect()
+        n.agent.dcgmEntitiesGetLatestValues(handle.handle, [pair], [155, 203], 1)
+        _, calls, cpu = path.read_text().split()
+        assert int(calls) >= 3 and cpu == f"{n.engine.cpu_seconds:.6f}" and float(cpu) > 0
+    finally:
+        simdcgm.use_for_embedded(None)
+        n.close()

@@ -13,6 +13,7 @@ import bisect
 import itertools
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -185,6 +186,9 @@ class SimHostengine:
         self.bus_ids = [nvml_bus_id(timeline.topology.gpu(i).bdf)[0] for i in range(self.gpu_count)]
         self.set_gpu_ids(list(range(self.gpu_count)))
         self.calls: Counter[str] = Counter()
+        # CPU seconds values() has taken: nv-hostengine's own work, its process's on a
+        # real node (a client's, only when embedded)
+        self.cpu_seconds = 0.0
         self.unsupported_profiling = "error"  # or "empty": no metric groups, no error
         self.profiling_held = False  # another profiler (Nsight) holds the counters
         self.connect_timeouts_ms: list[int] = []  # timeoutMs of each connect attempt
@@ -503,6 +507,15 @@ class SimHostengine:
         the answers for unknown GPUs and fields or unwatched ones) is planned once per
         (entities, fields) and kept until the watches or the GPU ids change.
         """
+        started = time.thread_time()
+        try:
+            return self._values(entities, field_ids, live)
+        finally:
+            self.cpu_seconds += time.thread_time() - started
+
+    def _values(
+        self, entities: Iterable[tuple[int, int]], field_ids: list[int], live: bool
+    ) -> list[tuple[int, int, int, str, Any, int, int]]:
         t = self.now()
         plan = self._plan(tuple(entities), tuple(field_ids), live)
         start_wall = self.clock.start_wall

@@ -10,9 +10,11 @@ reach the `SimHostengine` it was opened to.
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -58,6 +60,7 @@ from gpuwatchd.sim.fakelib import install_symbols, symbol
 Row = tuple[int, int, int, str, Any, int, int]  # SimHostengine.values(): one value
 
 _LIBRARY: dict[str, bool] = {"missing": False}
+STATS_ENV = "GPUWATCHD_SIM_DCGM_STATS"
 _WITHOUT: set[str] = set()  # symbols the libraries loaded now lack
 
 
@@ -220,6 +223,8 @@ class FakeDcgmLib(MigSymbols):
         self._version = VERSIONS["4"]
         self._writers: dict[tuple[type, int], _ValueWriter] = {}
         self._symbols = install_symbols(self, missing)
+        self._stats_path = os.environ.get(STATS_ENV) or None
+        self._standalone: dict[int, SimHostengine] = {}  # engines connected to, by id
 
     def _writer(self, array_type: Any, version: int) -> _ValueWriter:
         """The writer for arrays of `array_type`'s element struct (dcgmFieldValue_v<version>)."""
@@ -256,6 +261,15 @@ class FakeDcgmLib(MigSymbols):
                 return ST_CONNECTION_NOT_VALID
             except Status as e:
                 return e.code
+            finally:
+                if self._stats_path is not None:
+                    self._write_stats(self._stats_path)
+
+    def _write_stats(self, path: str) -> None:
+        cpu = sum(engine.cpu_seconds for engine in self._standalone.values())
+        with open(f"{path}.tmp", "w") as f:
+            f.write(f"{time.monotonic():.6f} {sum(self.calls.values())} {cpu:.6f}\n")
+        os.replace(f"{path}.tmp", path)
 
     # -- init and connections ------------------------------------------------------------
 
@@ -283,6 +297,7 @@ class FakeDcgmLib(MigSymbols):
         if engine is None:
             return ST_CONNECTION_NOT_VALID
         engine.calls["dcgmConnect"] += 1
+        self._standalone[id(engine)] = engine
         engine.connect_timeouts_ms.append(timeout)
         try:
             generation = engine.connect(self._next_handle + 1)
