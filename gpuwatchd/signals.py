@@ -4,7 +4,7 @@ Importing this module (cli.py does, before anything slow) makes SIGHUP remembere
 than fatal: a reload asked for while the daemon starts (imports, sources, the rule file:
 a second or more) must not kill it, as SIGHUP's default action would. `run` then catches
 SIGTERM and SIGINT too and acts on `RECEIVED` in order; every other command gives SIGHUP
-its default action back (`release`).
+back what it was given at exec (`release`): its default action, or ignored under nohup.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import signal
 import threading
 
 RECEIVED: queue.SimpleQueue[int] = queue.SimpleQueue()  # signal numbers, in arrival order
+INHERITED = signal.getsignal(signal.SIGHUP)  # SIGHUP's disposition at exec (nohup: ignored)
 
 
 def _remember(signum: int, frame: object) -> None:
@@ -27,8 +28,8 @@ def catch(*signums: int) -> None:
 
 
 def release() -> None:
-    """SIGHUP's default action back; one that came meanwhile is delivered again."""
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    """SIGHUP's disposition at exec back; one that came meanwhile is delivered again."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL if INHERITED is None else INHERITED)
     hup = False
     while not RECEIVED.empty():
         hup |= RECEIVED.get_nowait() == signal.SIGHUP

@@ -90,6 +90,23 @@ def test_sighup_is_caught_before_anything_slow_is_imported() -> None:
     assert out.stdout.strip() == "True"
 
 
+@pytest.mark.parametrize("nohup", [False, True])
+def test_other_commands_get_sighup_back_as_it_was_at_exec(nohup: bool) -> None:
+    # `simulate` under nohup must survive a hang-up; without it, SIGHUP ends it as ever
+    code = (
+        "import os, signal; from gpuwatchd import signals; signals.release(); "
+        "os.kill(os.getpid(), signal.SIGHUP); print('alive')"
+    )
+    ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=ignore
+    )
+    if nohup:
+        assert (out.returncode, out.stdout.strip()) == (0, "alive")
+    else:
+        assert out.returncode == -signal.SIGHUP
+
+
 def test_a_production_daemon_loads_no_simulator_code(tmp_path: Path) -> None:
     # the simulator's models and scenarios cost a node's daemon memory for nothing: a
     # daemon built as `gpuwatchd run` builds it, each source polled once (on this
