@@ -234,3 +234,20 @@ def test_a_mig_gpu_in_a_vm_throttled_and_stolen():
         simulation.close()
     fired = {(t.cause, t.where) for t in result.transitions if t.new == FIRING}
     assert fired == {("clock_throttled", "0"), ("cpu_steal", "0/1")}
+
+
+def test_a_summary_names_a_peer_instance_by_its_instance():
+    """lowest_peer() / highest_peer() on a MIG GPU name the instance ("0/2"), not the
+    GPU's index its instances share; a whole GPU reads as its index."""
+    summary = (
+        "idle peer {{ lowest_peer(gpu_process_cpu_cores) }},"
+        " busy peer {{ highest_peer(gpu_process_cpu_cores) }}"
+    )
+    text = rules("max(peers(gpu_process_cpu_cores)) > 0.9", summary=summary)
+    node = MigNode(text)
+    node.step(0, cpu={"1": 0.1, "2": 0.95, "whole": 0.5})
+    summaries = {k: s.summary for (k, _), s in node.engine.states.items() if s.state == FIRING}
+    assert summaries == {
+        "GPU-mig/1": "idle peer 1, busy peer 0/2",
+        "GPU-whole": "idle peer 0/1, busy peer 0/2",
+    }

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from gpuwatchd.exposition import Rows
 from gpuwatchd.metrics import GPU_LABELS, PREFIX, MetricSpec, counter, gauge
-from gpuwatchd.rules.evaluator import Evaluator, GpuRef, Reads, subject_name
+from gpuwatchd.rules.evaluator import Evaluator, GpuRef, PeerName, Reads, subject_name
 from gpuwatchd.rules.language import PEER_GROUPING, Catalog, Missing, OverBudget, Selector
 from gpuwatchd.rules.ruleset import Rule, RulesError, RuleSet, load_rules
 from gpuwatchd.rules.snapshot import Changed, LiveIndex
@@ -674,6 +674,8 @@ def _index(gpu: str) -> int:
 
 
 def _format(value: float) -> str:
+    if isinstance(value, PeerName):  # a GPU instance is "0/2", not its GPU's index
+        return value.name
     if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
         return str(int(value))
     return f"{value:.3g}"

@@ -85,6 +85,19 @@ def subject_name(gpu: str, instance: str) -> str:
     return f"{gpu}/{instance}" if instance else gpu
 
 
+class PeerName(float):
+    """What lowest_peer() / highest_peer() answer: the peer's GPU index (its `gpu`
+    label), which a summary shows by the peer's subject name, "3" or "0/2" for a MIG GPU
+    instance (two instances of one GPU share its index)."""
+
+    name: str
+
+    def __new__(cls, peer: GpuRef) -> PeerName:
+        value = super().__new__(cls, float(peer.gpu))
+        value.name = peer.name
+        return value
+
+
 @dataclass
 class Snapshot:
     """The store's live series for one cycle, indexed for per-GPU lookups."""
@@ -150,7 +163,8 @@ class Evaluator:
         self.compiled, self.gpu, self.reads = compiled, gpu, reads
         self.work, self.budget = 0, compiled.cost * RUN_BUDGET_FACTOR
         try:
-            return float(eval(compiled.bytecode(), self._globals))
+            value = eval(compiled.bytecode(), self._globals)
+            return value if isinstance(value, PeerName) else float(value)
         finally:
             self.reads, self.budget = None, math.inf
 
@@ -267,19 +281,22 @@ class Evaluator:
         return [value for _, value in self._peer_values(index)]
 
     def _lowest_peer(self, index: int) -> float:
-        """The index of the other GPU of this GPU's job where the selector is lowest
-        (the first by index on a tie): names a peer in a summary."""
-        values = self._peer_values(index)
-        if not values:
-            raise Missing("no peers")
-        return float(min(values, key=lambda peer: (peer[1], int(peer[0])))[0])
+        """The other GPU (or GPU instance) of this GPU's job where the selector is lowest
+        (the first in subject order on a tie): names a peer in a summary."""
+        return self._extreme_peer(index, 1.0)
 
     def _highest_peer(self, index: int) -> float:
-        """As _lowest_peer, where the selector is highest (the first by index on a tie)."""
+        """As _lowest_peer, where the selector is highest."""
+        return self._extreme_peer(index, -1.0)
+
+    def _extreme_peer(self, index: int, sign: float) -> PeerName:
         values = self._peer_values(index)
         if not values:
             raise Missing("no peers")
-        return float(min(values, key=lambda peer: (-peer[1], int(peer[0])))[0])
+        # min() keeps the first of equals: the peers come in subject order (by index, a
+        # GPU before its instances)
+        peer, _ = min(values, key=lambda pair: sign * pair[1])
+        return PeerName(peer)
 
     @staticmethod
     def _when(holds: float, value: float) -> float:
@@ -288,9 +305,9 @@ class Evaluator:
             raise Missing("condition not met")
         return value
 
-    def _peer_values(self, index: int) -> list[tuple[str, float]]:
-        """(the `gpu` label, an index; the selector's value) on the other GPUs (and GPU
-        instances) of this GPU's job."""
+    def _peer_values(self, index: int) -> list[tuple[GpuRef, float]]:
+        """(the peer; the selector's value) on the other GPUs (and GPU instances) of this
+        GPU's job."""
         selector = self._sel(index)
         mine = self._job(self.gpu)
         if mine is None:
@@ -300,7 +317,7 @@ class Evaluator:
             if other.id != self.gpu.id and self._job(other) == mine:
                 rows = self.rows(selector, other)
                 if rows:
-                    values.append((other.gpu, rows[0][1]))
+                    values.append((other, rows[0][1]))
         return values
 
     def _series_aggregate(self, how: str) -> Callable[[int], float]:
