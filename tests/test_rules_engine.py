@@ -726,3 +726,21 @@ def test_a_branch_not_taken_needs_no_source():
         FIRING
     )
     assert node.state(gpu=1) == INACTIVE
+
+
+@pytest.mark.parametrize("dcgm_up", [True, False])
+def test_a_rule_whose_gpus_are_all_idle_is_skipped_whole(dcgm_up: bool):
+    """Once every GPU a rule judges is idle and its inputs stand, a cycle skips the rule
+    in one check; a source down that only its MIG instance forms read (dcgm, for
+    gpu_utilization_ratio's) does not stop that on a node without MIG."""
+    up = ("nvml", "pcie", "processes", "cpu", *(("dcgm",) if dcgm_up else ()))
+    node = Node(rule("gpu_utilization_ratio > 0.5"), up=up)
+    assert node.engine._instance_sources["cause_x"] == {"dcgm"}
+    evaluated = []
+    whole = node.engine._evaluate_rule
+    node.engine._evaluate_rule = lambda *a: evaluated.append(a[1]) or whole(*a)
+    for t in range(10):
+        node.step(t, gpu_utilization_ratio=[0.1, 0.1])
+    assert evaluated == [0]  # the first cycle; the same values after it
+    node.step(10, gpu_utilization_ratio=[0.9, 0.1])
+    assert evaluated == [0, 10] and node.state(0) == FIRING

@@ -220,6 +220,7 @@ class RuleEngine:
         # a MIG GPU's workloads are its instances' (docs/mig.md)
         self._whole: list[GpuRef] = []
         self._workloads: list[GpuRef] = []
+        self._instances = False  # some MIG GPU instance is judged
         self._per_instance: set[str] = set()  # rules that judge a MIG GPU's instances
         # per rule, the sources of the instance forms it reads on a GPU instance
         self._instance_sources: dict[str, frozenset[str]] = {}
@@ -289,6 +290,7 @@ class RuleEngine:
                 key=lambda g: (_index(g.gpu), g.uuid, _index(g.instance) if g.instance else -1),
             )
             split = {g.uuid for g in self._sorted if g.instance}
+            self._instances = bool(split)
             self._whole = [g for g in self._sorted if not g.instance]
             self._workloads = [g for g in self._sorted if g.instance or g.uuid not in split]
             moved = True
@@ -321,7 +323,7 @@ class RuleEngine:
         re-created (another tenant's), a MIG GPU's own state for a rule that now judges its
         instances (or the instances' once MIG is off), a rule whose `mig:` changed. A cause
         that was pending, firing or not evaluable ends there (a transition to inactive)."""
-        judged = {name: {g.id for g in self._subjects(name)} for name in self._rule_names()}
+        judged = self._judged()
         out: list[Transition] = []
         for key, state in list(self.states.items()):
             subject, name = key
@@ -340,8 +342,9 @@ class RuleEngine:
         self._regrouped = False
         return out
 
-    def _rule_names(self) -> list[str]:
-        return [rule.name for rule in self.rules.rules]
+    def _judged(self) -> dict[str, set[str]]:
+        """Per rule, the GpuRef ids of what it judges."""
+        return {r.name: {g.id for g in self._subjects(r.name)} for r in self.rules.rules}
 
     def _subjects(self, rule: str) -> list[GpuRef]:
         """What `rule` judges: every GPU, or (a rule about a workload) each MIG GPU's
@@ -364,7 +367,7 @@ class RuleEngine:
             name = rule.name
             on_gpu = sorted(rule.expr.sources & down) if down else []
             on_instance = on_gpu  # and the sources of the instance forms it reads there
-            if down and (extra := self._instance_sources.get(name)):
+            if down and self._instances and (extra := self._instance_sources.get(name)):
                 on_instance = sorted((rule.expr.sources | extra) & down)
             quiet = self._quiet.pop(name, None)
             if quiet is not None and not on_instance and quiet.still(now, changed, polled):
@@ -413,17 +416,14 @@ class RuleEngine:
                 state.seconds_total += dt
             if moved:  # peers() and the GPUs' identity: evaluate everything again
                 state.reads = None
-            reads = state.reads
             if not (
                 skipping
                 and not down
-                and ((old == INACTIVE and state.outcome is False) or old == NOT_EVALUABLE)
-                and reads is not None
-                and reads.still(now, changed, polled)
-            ):  # most pairs, most cycles, nothing can change (not evaluable for want of a
-                # series: the same reason; after an error or a source down: reads is None)
+                and _idle(state)
+                and state.reads is not None
+                and state.reads.still(now, changed, polled)
+            ):  # most pairs, most cycles, nothing can change
                 self._step(rule, gpu, state, now, down, changed, polled)
-                reads = state.reads
                 firing = firing or state.state == FIRING
                 if state.state != old:
                     fires = state.state == FIRING
@@ -441,14 +441,8 @@ class RuleEngine:
                         )
                     )
             if idle is not None:
-                if (
-                    reads is not None
-                    and not reads.always
-                    and (
-                        state.state == NOT_EVALUABLE
-                        or (state.state == INACTIVE and state.outcome is False)
-                    )
-                ):
+                reads = state.reads
+                if reads is not None and not reads.always and _idle(state):
                     idle.keys |= reads.keys
                     idle.sources |= reads.sources
                     idle.until = min(idle.until, reads.until)
@@ -466,7 +460,7 @@ class RuleEngine:
         self._refresh(now)
         gpus = self._sorted
         self.evaluator.begin(self.index.snapshot, gpus)
-        judged = {name: {g.id for g in self._subjects(name)} for name in self._rule_names()}
+        judged = self._judged()
         findings = []
         for gpu in gpus:
             for rule in self.rules.rules:
@@ -671,6 +665,13 @@ class RuleEngine:
 
 def _index(gpu: str) -> int:
     return int(gpu) if gpu.isdigit() else 1 << 30
+
+
+def _idle(state: AlertState) -> bool:
+    """Nothing but new inputs can change the state: inactive on a false outcome, or not
+    evaluable (for want of a series: the same reason again; after an error or with a
+    source down its reads are None, so it is evaluated again)."""
+    return state.state == NOT_EVALUABLE or (state.state == INACTIVE and state.outcome is False)
 
 
 def _format(value: float) -> str:
