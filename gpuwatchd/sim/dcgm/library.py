@@ -297,12 +297,12 @@ class FakeDcgmLib(MigSymbols):
         if engine is None:
             return ST_CONNECTION_NOT_VALID
         engine.calls["dcgmConnect"] += 1
-        self._standalone[id(engine)] = engine
         engine.connect_timeouts_ms.append(timeout)
         try:
             generation = engine.connect(self._next_handle + 1)
         except HostengineDown:
             return ST_CONNECTION_NOT_VALID
+        self._standalone[id(engine)] = engine
         return self._new_handle(out, _Connection(engine, generation, persist, embedded=False))
 
     @symbol("lib")
