@@ -153,6 +153,21 @@ def test_the_source_exports_each_gpu_instance_s_activity_as_the_instance_form(ma
     assert P + "gpu_instance_sm_active_ratio" in text
 
 
+def test_dcgm_3_bindings_without_entity_level_read_the_instances(make):
+    """DCGM 3.x's bindings (to 3.3.9) have no entityLevel in c_dcgm_field_meta_t: the
+    level comes from DCGM's field table, and the source (non-MIG GPUs too) stays up."""
+    scn = load_scenario(SCENARIO)
+    sim = make(scn.model_copy(update={"node": scn.node.model_copy(update={"dcgm": "3"})}))
+    bindings, _ = connected(sim)
+    meta = bindings.fields.DcgmFieldGetById(1001)
+    assert "entityLevel" not in dict(meta._fields_) and meta.fieldId == 1001
+    samples = sim.source.collect()
+    gr = instances(samples, "gpu_instance_gr_engine_active_ratio")
+    assert set(gr) == {("2", "3g.40gb"), ("3", "2g.20gb"), ("9", "1g.10gb")}
+    assert not instances(samples, "gpu_instance_dcgm_pcie_rx_bytes_per_second")  # GPU level
+    assert instances(samples, "gpu_gr_engine_active_ratio", gpu=1)[()] > 0.85
+
+
 def exposition(sim: Sim, samples: list[Sample]) -> dict[str, list[dict[str, str]]]:
     store = Store()
     store.register_source("dcgm", float("inf"))

@@ -94,6 +94,14 @@ BINDINGS_DIRS = {
 }
 
 
+def bindings_major(module_file: str) -> str:
+    """The DCGM major version a fake bindings module stands for, from where it was loaded:
+    "3" under DCGM 3's install location (`node.dcgm: "3"`, or a test's copy of that path),
+    else "4". The fake bindings take DCGM 3.x's struct layouts there (dcgm_fields)."""
+    directory = Path(module_file).parent.as_posix()
+    return "3" if directory.endswith(BINDINGS_DIRS["3"].as_posix()) else "4"
+
+
 class SimDcgm:
     """DCGM as installed on one simulated node: bindings under its root, and a host engine.
 
@@ -142,6 +150,7 @@ __all__ = [
     "FakeDcgmLib",
     "SimDcgm",
     "SimHostengine",
+    "bindings_major",
     "blank",
     "library_missing",
     "library_without",

@@ -95,6 +95,27 @@ def load_library(lib_path: str | None = None) -> FakeDcgmLib | None:
 # -- the client library ---------------------------------------------------------------------
 
 
+class _OutputFormat(ctypes.Structure):  # dcgm_field_output_format_t
+    _fields_ = [
+        ("shortName", ctypes.c_char * 10),
+        ("unit", ctypes.c_char * 4),
+        ("width", ctypes.c_short),
+    ]
+
+
+class _FieldMeta(ctypes.Structure):  # dcgm_field_meta_t, dcgm_fields.h (3.x and 4.x alike)
+    _fields_ = [
+        ("fieldId", ctypes.c_ushort),
+        ("fieldType", ctypes.c_char),
+        ("size", ctypes.c_ubyte),
+        ("tag", ctypes.c_char * 48),
+        ("scope", ctypes.c_int),
+        ("nvmlFieldId", ctypes.c_int),
+        ("entityLevel", ctypes.c_int),  # dcgm_field_entity_group_t
+        ("valueFormat", ctypes.POINTER(_OutputFormat)),
+    ]
+
+
 @dataclass
 class _Connection:
     engine: SimHostengine
@@ -219,7 +240,7 @@ class FakeDcgmLib(MigSymbols):
         self._initialized = 0
         self._connections: dict[int, _Connection] = {}
         self._next_handle = 0x5000
-        self._keep: list[Any] = []  # field metadata handed out by pointer
+        self._metas: dict[int, _FieldMeta] = {}  # field metadata handed out by pointer
         self._version = VERSIONS["4"]
         self._writers: dict[tuple[type, int], _ValueWriter] = {}
         self._symbols = install_symbols(self, missing)
@@ -364,20 +385,29 @@ class FakeDcgmLib(MigSymbols):
         return ST_OK
 
     def _meta(self, restype: Any, info: FieldInfo | None) -> Any:
+        """A pointer to the field's dcgm_field_meta_t as libdcgm lays it out (every DCGM
+        from 2.x to 4.6: the entity level included), typed as the bindings' restype. The
+        bindings copy sizeof(their own struct) from it: DCGM 3.x's Python struct has no
+        nvmlFieldId or entityLevel (and reads those bytes as its inline valueFormat)."""
         if info is None:
             return None
-        struct_type = getattr(restype, "_type_", None)
-        if struct_type is None:
-            return None
-        meta = struct_type()
+        meta = self._metas.get(info.id)  # libdcgm's table: one struct per field, kept
+        if meta is None:
+            meta = self._metas[info.id] = self._new_meta(info)
+        pointer = ctypes.pointer(meta)
+        return ctypes.cast(pointer, restype) if hasattr(restype, "contents") else pointer
+
+    @staticmethod
+    def _new_meta(info: FieldInfo) -> _FieldMeta:
+        meta = _FieldMeta()
         meta.fieldId = info.id
         meta.fieldType = info.type.encode()
         meta.size = 8 if info.type != "s" else 0
         meta.tag = info.tag.encode()
         meta.scope = 1
         meta.entityLevel = FIELD_LEVELS.get(info.id, FE_GPU)
-        self._keep.append(meta)
-        return ctypes.pointer(meta)
+        meta.valueFormat = ctypes.pointer(_OutputFormat(info.tag[:9].encode(), b"", 10))
+        return meta
 
     def _DcgmFieldGetById(self, field_id: Any) -> Any:  # wrapped below (needs restype)
         return self._meta(self._symbols["DcgmFieldGetById"].restype, FIELDS.get(_int(field_id)))

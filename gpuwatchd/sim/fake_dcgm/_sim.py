@@ -11,3 +11,9 @@ from gpuwatchd.sim import dcgm as _simulator
 def load_library(libDcgmPath=None):
     """A fake libdcgm client library, or None when the simulator says it is not installed."""
     return _simulator.load_library(libDcgmPath)
+
+
+def bindings_major(module_file):
+    """The DCGM major version ("3" or "4") whose bindings a module at `module_file` stands
+    for: where DCGM 3 installs its bindings, DCGM 3's (their struct layouts differ)."""
+    return _simulator.bindings_major(module_file)

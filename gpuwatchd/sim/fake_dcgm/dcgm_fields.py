@@ -3,6 +3,8 @@
 Field ids are DCGM's (stable across versions). Both the names used up to DCGM 4.5 (and
 by dcgm-exporter) and the names DCGM 4.6 introduced are defined for the fields the
 simulator serves. Metadata (DcgmFieldGetById/ByTag) comes from the client library.
+Loaded from where DCGM 3 installs its bindings, c_dcgm_field_meta_t has DCGM 3.x's
+layout (no entityLevel).
 """
 
 from ctypes import (
@@ -19,6 +21,7 @@ from ctypes import (
     sizeof,
 )
 
+import _sim
 import dcgm_structs
 
 # Field types
@@ -154,17 +157,28 @@ class c_dcgm_field_output_format_t(dcgm_structs._PrintableStructure):
     ]
 
 
-class c_dcgm_field_meta_t(dcgm_structs._PrintableStructure):
-    _fields_ = [
-        ("fieldId", c_short),
-        ("fieldType", c_char),
-        ("size", c_ubyte),
-        ("tag", c_char * TAG_LENGTH),
-        ("scope", c_int),
+_META_HEAD: list[tuple[str, type]] = [
+    ("fieldId", c_short),
+    ("fieldType", c_char),
+    ("size", c_ubyte),
+    ("tag", c_char * TAG_LENGTH),
+    ("scope", c_int),
+]
+if _sim.bindings_major(__file__) == "3":
+    # DCGM 3.x's bindings (to 3.3.9): no nvmlFieldId or entityLevel, and valueFormat
+    # inline, though libdcgm's C struct has them (the same size: the copy reads them as
+    # the format's first bytes). DCGM 4.0 added the two fields and made it a pointer.
+    _META_TAIL: list[tuple[str, type]] = [("valueFormat", c_dcgm_field_output_format_t)]
+else:
+    _META_TAIL = [
         ("nvmlFieldId", c_int),
         ("entityLevel", c_uint),
         ("valueFormat", POINTER(c_dcgm_field_output_format_t)),
     ]
+
+
+class c_dcgm_field_meta_t(dcgm_structs._PrintableStructure):
+    _fields_ = _META_HEAD + _META_TAIL
 
 
 def DcgmFieldsInit():

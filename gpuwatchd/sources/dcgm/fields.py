@@ -95,17 +95,33 @@ class FieldPlan:
         )
 
 
+# The entity level of the fields below the GPU's, as DCGM's field table gives it
+# (dcgm_fields.cpp: the same in 3.3.9 and 4.6): for bindings whose field metadata lacks it
+# (DCGM 3.x's c_dcgm_field_meta_t has no entityLevel, though libdcgm's struct does).
+ENTITY_LEVELS = {
+    **dict.fromkeys((50, 54, 68, 90, 92, 93, 230, 250, 251, 252, 253, 254), FE_GPU_CI),
+    **dict.fromkeys((1001, 1002, 1003, 1004, 1006, 1007, 1008, 1013, 1014, 1015, 1016), FE_GPU_CI),
+    1005: FE_GPU_I,  # DRAM: a GPU instance's memory, shared by its compute instances
+}
+
+
+def entity_level(dcgm_fields: Any, fid: int) -> int | None:
+    """The entity group at which DCGM answers field `fid` itself (DCGM_FE_*), from DCGM's
+    own metadata where the bindings carry it, else from ENTITY_LEVELS; None: unknown field."""
+    meta = dcgm_fields.DcgmFieldGetById(fid)
+    if meta is None:
+        return None
+    level = getattr(meta, "entityLevel", None)
+    return ENTITY_LEVELS.get(fid, FE_GPU) if level is None else int(level)
+
+
 def instance_level(dcgm_fields: Any, ids: Iterable[int]) -> frozenset[int]:
-    """The fields of `ids` a MIG GPU instance answers itself: DCGM's own metadata gives
-    them the entity level GPU_I or GPU_CI (DCGM 4.6: the profiling ratios 1001-1008 and
-    the tensor pipes; PCIe and NVLink bytes are the GPU's). Any other field read on a GPU
-    instance is its GPU's value (DCGM remaps it) or blank."""
-    out = set()
-    for fid in ids:
-        meta = dcgm_fields.DcgmFieldGetById(fid)
-        if meta is not None and int(meta.entityLevel) in (FE_GPU_I, FE_GPU_CI):
-            out.add(fid)
-    return frozenset(out)
+    """The fields of `ids` a MIG GPU instance answers itself: DCGM gives them the entity
+    level GPU_I or GPU_CI (the profiling ratios 1001-1008 and the tensor pipes, and among
+    the device fields the framebuffer 250-254 and the last Xid 230; PCIe and NVLink bytes
+    are the GPU's). Any other field read on a GPU instance is its GPU's value (DCGM
+    remaps it) or blank."""
+    return frozenset(f for f in ids if entity_level(dcgm_fields, f) in (FE_GPU_I, FE_GPU_CI))
 
 
 def not_numbers(dcgm_fields: Any, ids: Iterable[int]) -> dict[int, str]:
