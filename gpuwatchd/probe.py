@@ -181,7 +181,7 @@ class Probe:
         later.put(data)
 
     def report_bytes(self, now: float | None = None) -> bytes:
-        """The report as sent: compact JSON (the schema is gpuwatchd.sources.probe.Report)."""
+        """The report as sent: compact JSON (schema: gpuwatchd.sources.probe_report.Report)."""
         now = time.perf_counter() if now is None else now
         report: dict[str, Any] = {
             "v": VERSION,

@@ -44,9 +44,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Protocol
+from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from gpuwatchd.config import ProbeConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
@@ -54,66 +54,12 @@ from gpuwatchd.sources import register
 from gpuwatchd.sources.base import Context, Source, SourceError, read_small
 from gpuwatchd.sources.nvmlapi import quietly
 from gpuwatchd.sources.probe_gpus import GPU_SPECS, INSTANCE_FORMS, Placer
+from gpuwatchd.sources.probe_report import Report
 
 log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 RESULTS = ("accepted", "malformed", "too_large", "rate_limited", "queue_full")
-
-
-# -- the report's schema ----------------------------------------------------------------
-
-
-# Bounds: what a real process can report, and what a float64 (Prometheus' sample type)
-# carries exactly. A value outside them (10**400 batches, Infinity) refuses the report.
-COUNT_MAX = 2**53  # counts: exact as a float64
-SETTING_MAX = 2**31  # DataLoader settings, ranks, device indices
-SECONDS_MAX = 1e9  # 31 years of waiting, computing or initialising
-BYTES_MAX = 2**60  # an exbibyte: beyond any GPU's memory
-TIMESTAMP_MAX = 1e10  # unix time in the year 2286
-
-Count = Annotated[int, Field(ge=0, lt=COUNT_MAX)]
-Setting = Annotated[int, Field(ge=0, lt=SETTING_MAX)]
-Seconds = Annotated[float, Field(ge=0, lt=SECONDS_MAX)]
-Bytes = Annotated[float, Field(ge=0, lt=BYTES_MAX)]
-Timestamp = Annotated[float, Field(ge=0, lt=TIMESTAMP_MAX)]
-
-
-class _Part(BaseModel):
-    # newer probes may send more; NaN and infinities are never a measurement
-    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
-
-
-class Loader(_Part):
-    num_workers: Setting | None = None
-    pin_memory: bool | None = None
-    prefetch_factor: Setting | None = None
-    persistent_workers: bool | None = None
-    batch_size: Setting | None = None
-
-
-class Cuda(_Part):
-    device: Setting
-    uuid: str | None = Field(None, max_length=80)
-    reserved_bytes: Bytes
-    allocated_bytes: Bytes
-    inactive_split_bytes: Bytes = 0
-    largest_free_block_bytes: Bytes | None = None
-    alloc_retries: Count = 0
-    ooms: Count = 0
-    init_seconds: Seconds | None = None
-    init_timestamp: Timestamp | None = None
-
-
-class Report(_Part):
-    v: Annotated[int, Field(ge=1, lt=SETTING_MAX)]
-    batches: Count
-    wait_seconds: Seconds
-    compute_seconds: Seconds
-    rank: Setting | None = None
-    local_rank: Setting | None = None
-    loader: Loader | None = None
-    cuda: Cuda | None = None
 
 
 # -- metrics ----------------------------------------------------------------------------

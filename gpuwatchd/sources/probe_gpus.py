@@ -37,7 +37,7 @@ from gpuwatchd.sources.processes.instances import group_instances
 from gpuwatchd.sources.processes.migdevices import discover, instance_ids, split_by_instance
 
 if TYPE_CHECKING:
-    from gpuwatchd.sources.probe import Cuda, Report
+    from gpuwatchd.sources.probe_report import Cuda, Report
 
 log = logging.getLogger("gpuwatchd.sources.probe")
 

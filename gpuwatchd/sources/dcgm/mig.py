@@ -28,7 +28,6 @@ hierarchy changed.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.sources.dcgm.fields import (
@@ -38,12 +37,12 @@ from gpuwatchd.sources.dcgm.fields import (
     INSTANCE_SPECS,
     INSTANCE_UTILIZATION,
 )
+from gpuwatchd.sources.dcgm.model import Host, Instance, Row, Watch
 
 GR_ENGINE_FIELD = 1001  # DCGM_FI_PROF_GR_ENGINE_ACTIVE
 
 if TYPE_CHECKING:
     from gpuwatchd.sources.dcgm.latest import Value
-    from gpuwatchd.sources.dcgm.session import Gpu, Row, Session, Watch
 
 log = logging.getLogger(__package__)
 
@@ -57,31 +56,10 @@ _NO_MIG = (  # the hierarchy cannot be had here: no MIG reading, said once
 )
 
 
-@dataclass
-class Instance:
-    """A MIG GPU instance as DCGM names it, and what its values become."""
-
-    entity: int  # DCGM's DCGM_FE_GPU_I id
-    gpu: Gpu  # its GPU
-    gi: str  # its NVML id (GPU_I_ID)
-    profile: str  # its profile (GPU_I_PROFILE)
-    emit: dict[int, list[Row]] = field(default_factory=dict)
-
-    @property
-    def labels(self) -> tuple[str, ...]:
-        return (*self.gpu.labels, self.gi, self.profile)
-
-    @property
-    def compat(self) -> tuple[str, ...]:
-        """dcgm-exporter's labels: its GPU's, with GPU_I_PROFILE and GPU_I_ID set."""
-        c = self.gpu.compat
-        return (*c[:5], self.profile, self.gi, *c[7:])
-
-
 class MigInstances:
     """A session's MIG GPU instances: discovery, their watch, their values."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Host) -> None:
         self.session = session
         self.instances: dict[int, Instance] = {}  # by entity id
         self.watch: Watch | None = None

@@ -20,7 +20,6 @@ import contextlib
 import logging
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd.config import DcgmConfig
@@ -37,7 +36,8 @@ from gpuwatchd.sources.dcgm.fields import (
     instance_level,
 )
 from gpuwatchd.sources.dcgm.latest import LatestValues, Value
-from gpuwatchd.sources.dcgm.mig import Instance, MigInstances
+from gpuwatchd.sources.dcgm.mig import MigInstances
+from gpuwatchd.sources.dcgm.model import Gpu, Row, Watch
 from gpuwatchd.sources.dcgm.xid import UNKNOWN_XID, XID_MESSAGES
 
 log = logging.getLogger(__package__)
@@ -50,42 +50,6 @@ _UNSUPPORTED_PROFILING = (
     "DCGM_ST_GROUP_IS_EMPTY",
 )
 _XID = FIELD_MAPS[230].compat  # dcgm-exporter's Xid family carries the code and its text
-
-Row = tuple[str, tuple[str, ...], float]  # a value becomes (metric, labels, scale)
-
-
-@dataclass
-class Gpu:
-    id: int  # DCGM's GPU id
-    uuid: str
-    name: str
-    compat: tuple[str, ...]  # dcgm-exporter's labels
-    index: int | None = None  # NVML's index (None: DCGM did not say; DCGM's id stands in)
-    profiling: str = "refused"  # one of PROFILING_STATES; refused until watched
-    why: str = ""  # why profiling is not active
-    fields: frozenset[int] = frozenset()  # profiling fields DCGM supports on this GPU
-    emit: dict[int, list[Row]] = field(default_factory=dict)
-    state_samples: dict[str, list[Sample]] = field(default_factory=dict)
-    instances: list[Instance] = field(default_factory=list)  # its MIG GPU instances (mig.py)
-
-    @property
-    def labels(self) -> tuple[str, str]:
-        return (str(self.id if self.index is None else self.index), self.uuid)
-
-    @property
-    def label(self) -> int:
-        return self.id if self.index is None else self.index
-
-
-@dataclass
-class Watch:
-    group: Any  # pydcgm.DcgmGroup
-    field_group: Any  # pydcgm.DcgmFieldGroup
-    gpus: list[int]
-    fields: list[int]  # the field group's ids
-    profiling: bool
-    indices: bool = False  # holds DCGM_FI_DEV_NVML_INDEX
-    entity_group: int = FE_GPU  # `gpus` are GPUs, or (FE_GPU_I) MIG GPU instances
 
 
 class Session:

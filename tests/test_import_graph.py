@@ -1,0 +1,91 @@
+"""Import circles: modules that import each other (under TYPE_CHECKING too) make each one
+only understandable with the other, and break at import time when a name moves.
+
+Issue 42 item 8 untangled the MIG work's two: the DCGM session and its MIG part share
+`sources/dcgm/model.py`; the probe source and where its reports land share
+`sources/probe_report.py`. Other circles (the simulator's fake NVML modules, a package's
+`__init__` and its submodules) are not judged here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import gpuwatchd
+
+PACKAGE = Path(gpuwatchd.__file__).parent
+JUDGED_PROBE = "gpuwatchd.sources.probe"  # probe.py, probe_gpus.py, probe_report.py
+
+
+def modules() -> dict[str, Path]:
+    """gpuwatchd's modules by dotted name (the fake DCGM bindings are not a package)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if "fake_dcgm" in parts:
+            continue
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The gpuwatchd modules `name` imports anywhere in its text."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full in known or base in known:
+                    out.add(full if full in known else base)
+    out.discard(name)
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in graph:
+        if v not in order:
+            visit(v)
+    return found
+
+
+def test_the_dcgm_source_and_the_probe_import_in_one_direction():
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    judged = {
+        n for n in known if n.startswith(("gpuwatchd.sources.dcgm", "gpuwatchd.sources.probe"))
+    }
+    assert "gpuwatchd.sources.dcgm.mig" in judged and "gpuwatchd.sources.probe_gpus" in judged
+    assert [sorted(c) for c in circles(graph) if c & judged] == []
