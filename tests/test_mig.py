@@ -289,6 +289,28 @@ def test_mig_is_read_cheaply_between_changes():
     assert calls[("nvmlDeviceGetMigMode", 1)] == 1 + (10 * SLOW_EVERY + 1) // OFF_EVERY
 
 
+def test_mig_device_indexes_with_holes_are_skipped_not_rediscovered():
+    """Index 2 NOT_FOUND, 3 a device (the driver's numbering after a compute instance
+    went): discovery skips the hole, and the probe for new devices does not take index 3
+    for a new one every SLOW_EVERY polls (issue 42 item 7)."""
+    holes = [{**one_g(7), "index": 0}, {**one_g(8), "index": 1}, {**one_g(9), "index": 3}]
+    node = Node(scenario([mig_on(holes, 60), mig_on([*holes, {**one_g(10), "index": 2}], 60)]))
+    nv, h = node.nv, node.handle(0)
+    with pytest.raises(nv.NVMLError_NotFound):
+        nv.nvmlDeviceGetMigDeviceHandleByIndex(h, 2)
+    assert nv.nvmlDeviceGetIndex(nv.nvmlDeviceGetMigDeviceHandleByIndex(h, 3)) == 3
+    calls = node.fake.gpu_calls
+    before = calls[("nvmlDeviceGetMaxMigDeviceCount", 0)]
+    out = node.polls(5 * SLOW_EVERY)
+    assert set(series(out, "gpu_instance_memory_total_bytes")) == {
+        (str(gi), "0", "1g.10gb") for gi in (7, 8, 9)
+    }
+    assert calls[("nvmlDeviceGetMaxMigDeviceCount", 0)] - before == 1  # one discovery
+    assert calls[("nvmlDeviceGetUUID", 0)] <= 3 + 1  # three devices identified once
+    node.polls(60 - 5 * SLOW_EVERY + SLOW_EVERY + 1)  # a new instance in the hole: found
+    assert len(series(node.poll(), "gpu_instance_info")) == 4
+
+
 def test_a_model_without_mig_is_asked_once():
     node = Node(scenario([{"name": "p", "duration": 100}], gpu_model="l40s"))
     out = node.polls(3 * OFF_EVERY)

@@ -219,9 +219,10 @@ class MigReads:
         self, gpu: int, handle: Any, index: Any, out: Any
     ) -> int:
         layout, i = self._layout(gpu), _value(index)
-        if layout is None or not 0 <= i < len(layout.devices):
-            return ERROR_NOT_FOUND  # as the H200 answered index 0 with MIG off
-        out._obj.contents = self._mig_handle(gpu, layout.devices[i])
+        device = None if layout is None else next((d for d in layout.devices if d.index == i), None)
+        if device is None:  # as the H200 answered index 0 with MIG off; or a hole
+            return ERROR_NOT_FOUND
+        out._obj.contents = self._mig_handle(gpu, device)
         return SUCCESS
 
     @symbol("device")
@@ -326,7 +327,7 @@ class MigReads:
         return _copy_string(buf, size, f"{self.model.name} MIG {device.name}")
 
     def _mig_index(self, gpu: int, layout: MigLayout, device: MigDevice, out: Any) -> int:
-        out._obj.value = layout.devices.index(device)  # what GetMigDeviceHandleByIndex takes
+        out._obj.value = device.index  # what GetMigDeviceHandleByIndex takes
         return SUCCESS
 
     def _gi_memory(self, layout: MigLayout, device: MigDevice) -> tuple[int, int]:

@@ -16,7 +16,7 @@ overlap, compute instances within their GPU instance.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
@@ -124,6 +124,10 @@ class MigInstance(Strict):
     # Xid codes of the GPU's own (a phase's `xid`) that the driver reports on this
     # instance (its GI and CI ids in the event); the others carry none (the whole GPU)
     xid: list[int] = []
+    # its MIG device index (nvmlDeviceGetMigDeviceHandleByIndex); default: the lowest
+    # free one, in GI/CI order. The driver's indexes can have holes (index 2 NOT_FOUND,
+    # 3 a device), as after a compute instance was destroyed: give them to play that.
+    index: int | None = Field(None, ge=0, lt=COMPUTE_SLICES)
 
 
 class MigConfig(Strict):
@@ -154,6 +158,7 @@ class MigDevice:
     memory_used_mib: float  # this compute instance's processes' share of its GI's memory
     processes: tuple[dict[str, Any], ...]
     xids: tuple[int, ...] = ()  # the GPU's Xids that land on it (MigInstance.xid)
+    index: int = 0  # its MIG device index (MigInstance.index)
 
     @property
     def name(self) -> str:
@@ -175,7 +180,8 @@ class MigDevice:
 
 @dataclass(frozen=True)
 class MigLayout:
-    """A GPU's MIG mode and devices, in MIG device index order (by GI id, then CI id)."""
+    """A GPU's MIG mode and devices, in MIG device index order (by default by GI id, then
+    CI id, densely from 0; a scenario may leave holes)."""
 
     enabled: bool
     pending: bool
@@ -207,9 +213,26 @@ def resolve(config: MigConfig, model: GpuModel) -> MigLayout:
             slices, inst.utilization_gpu, inst.memory_used_mib,
             tuple(p.model_dump() for p in inst.processes), tuple(inst.xid),
         ))  # fmt: skip
-    layout = MigLayout(enabled, pending, tuple(sorted(devices, key=lambda d: d.key)))
+    indexes = _indexes(config.instances, devices)
+    devices = [replace(d, index=indexes[(d.gpu_instance, d.compute_instance)]) for d in devices]
+    layout = MigLayout(enabled, pending, tuple(sorted(devices, key=lambda d: d.index)))
     _check_sizes(layout)
     return layout
+
+
+def _indexes(instances: list[MigInstance], devices: list[MigDevice]) -> dict[tuple[int, int], int]:
+    """Each (GI, CI)'s MIG device index: the scenario's, else the lowest free one in
+    GI/CI order."""
+    given = {(i.gpu_instance, i.compute_instance): i.index for i in instances}
+    taken = [n for n in given.values() if n is not None]
+    if len(set(taken)) < len(taken):
+        raise ValueError("instances: two MIG devices are given the same index")
+    out: dict[tuple[int, int], int] = {}
+    free = (n for n in range(COMPUTE_SLICES) if n not in taken)
+    for d in sorted(devices, key=lambda d: d.key):
+        wanted = given[(d.gpu_instance, d.compute_instance)]
+        out[(d.gpu_instance, d.compute_instance)] = next(free) if wanted is None else wanted
+    return out
 
 
 def _profile(inst: MigInstance, model: GpuModel) -> GiProfile:

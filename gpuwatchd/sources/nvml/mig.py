@@ -19,9 +19,10 @@ NOT_SUPPORTED elsewhere and is never asked again):
   GPU/compute instance ids, name and attributes) only when the mode turns on, a device
   appears, or a device's handle stops answering (INVALID_ARGUMENT / NOT_FOUND: its
   instance was destroyed).
-The discovery's probe assumes NVML numbers MIG devices densely from 0 (as nvitop
-does: it stops at the first index without one); the discovery itself skips empty
-indexes.
+NVML's MIG device indexes can have holes (NOT_FOUND at 2, a device at 3): the discovery
+skips empty indexes, as NVIDIA's samples do (nvitop stops at the first one), and the
+probe asks the index past the highest known device and, where there are holes, the
+lowest one and another in turn.
 
 The parent's reads that MIG changes (utilization, the SM count) are asked again when
 MIG is disabled. `MigReads` is a mixin of NvmlSource, which sets the state it declares.
@@ -246,15 +247,23 @@ class MigReads:
             gpu.kept.pop(key, None)
 
     def _mig_appeared(self, gpu: _Gpu, state: MigState) -> bool:
-        """Whether a MIG device has appeared past the known ones (one call)."""
-        nv, index = self._nv, len(state.devices)
-        if index >= state.max_devices:
+        """Whether a MIG device has appeared at an index no known device has: the one past
+        the highest known (one call where the indexes are dense) and, where they have
+        holes (NVML's can: NOT_FOUND at 2, a device at 3), the lowest hole and one other
+        in turn (at most three calls)."""
+        nv, known = self._nv, {d.index for d in state.devices}
+        holes = [i for i in range(state.max_devices) if i not in known]
+        if not holes:
             return False
-        try:
-            self._mig_call(gpu, nv.nvmlDeviceGetMigDeviceHandleByIndex, gpu.handle, index)
-        except nv.NVMLError:
-            return False
-        return True
+        past = max(known, default=-1) + 1
+        turn = holes[(gpu.polls // SLOW_EVERY) % len(holes)]
+        for index in dict.fromkeys(i for i in (past, holes[0], turn) if i < state.max_devices):
+            try:
+                self._mig_call(gpu, nv.nvmlDeviceGetMigDeviceHandleByIndex, gpu.handle, index)
+            except nv.NVMLError:
+                continue
+            return True
+        return False
 
     def _mig_discover(self, gpu: _Gpu, state: MigState) -> None:
         """Every MIG device of the GPU, from index 0 to the most it can have."""
