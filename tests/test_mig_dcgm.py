@@ -20,7 +20,7 @@ from gpuwatchd.metrics import Sample
 from gpuwatchd.sim.clock import SimClock
 from gpuwatchd.sim.dcgm import library_without
 from gpuwatchd.sim.fake_nvml import make_pynvml
-from gpuwatchd.sim.scenario import Timeline, load_scenario
+from gpuwatchd.sim.scenario import Scenario, Timeline, load_scenario
 from gpuwatchd.sources.base import Context
 from gpuwatchd.sources.dcgm.fields import INSTANCE_SPECS
 from gpuwatchd.sources.dcgm.mig import MIG_EVERY
@@ -197,6 +197,66 @@ def test_the_source_follows_instances_created_and_destroyed_at_run_time(make):
     without = (6 * 60) // 5  # polls before any instance: one read in MIG_EVERY
     with_instances = (10 * 60 + 10) // 5 + 1  # from 6m to 16m10s: one read a poll
     assert hierarchy_reads <= without // MIG_EVERY + with_instances + 4
+
+
+def layouts(*phases: list[dict[str, Any]] | None, every: float = 30) -> Any:
+    """A two-A100 node whose GPU 0 has each MIG layout (None: MIG disabled) for `every` s."""
+    steps = [
+        {"name": f"p{k}", "duration": every, "gpus": [0],
+         "set": {"mig": {"mode": "disabled"} if gis is None else {"instances": gis}}}
+        for k, gis in enumerate(phases)
+    ]  # fmt: skip
+    node = {"gpu_model": "a100-sxm4-80gb", "gpu_count": 2, "pcie_topology": "switched"}
+    initial = {"utilization_gpu": 90, "power_w": 300, "memory_used_mib": 1024}
+    return Scenario.model_validate(
+        {"name": "t", "node": {**node, "initial": initial}, "phases": steps}
+    )
+
+
+def test_a_gpu_instance_re_created_with_another_profile_is_relabelled(make):
+    """GI 1 destroyed and created again as a 1g.20gb: the same GI id, the same DCGM entity
+    and slice count; only the profile id tells (issue 42 item 4)."""
+    before = [{"gpu_instance": 1, "profile": "1g.10gb", "utilization_gpu": 50}]
+    after = [{"gpu_instance": 1, "profile": "1g.20gb", "utilization_gpu": 50}]
+    sim = make(layouts(before, after), at=0.0)
+    gr = "gpu_instance_gr_engine_active_ratio"
+    assert set(instances(poll_until(sim, 25), gr)) == {("1", "1g.10gb")}
+    assert set(instances(poll_until(sim, 35), gr)) == {("1", "1g.20gb")}
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        ("three", "off"),  # MIG disabled
+        ("three", "one"),  # two instances destroyed
+        ("off", "three"),  # MIG enabled with instances
+    ],
+)
+def test_compat_rows_follow_a_layout_change_at_once(make, first: str, then: str):
+    """The first poll after a layout change has no row of an instance that is gone, and
+    (once DCGM shows the instances) no whole-GPU row of a GPU that has instances."""
+    gis = [{"gpu_instance": g, "profile": "2g.20gb"} for g in (3, 4, 5)]
+    shapes = {"three": gis, "one": gis[:1], "off": None}
+    sim = make(layouts(shapes[first], shapes[then]), at=0.0, exporter_compat=True,
+               interval=5.0)  # fmt: skip
+    poll_until(sim, 25)
+    expected = {
+        "three": {("2g.20gb", "3"), ("2g.20gb", "4"), ("2g.20gb", "5")},
+        "one": {("2g.20gb", "3")},
+        "off": {("", "")},
+    }[then]
+    rows: set[tuple[str, str]] = set()
+    while sim.clock.elapsed() < 30 + 5 * MIG_EVERY:
+        sim.advance(5)
+        rows = {
+            (s.labels[5], s.labels[6])  # GPU_I_PROFILE, GPU_I_ID
+            for s in sim.source.collect()
+            if s.name.startswith("DCGM_FI_") and s.labels[0] == "0"
+        }
+        # MIG enabled shows within MIG_EVERY polls (one hierarchy read in MIG_EVERY)
+        waiting = {("", "")} if then == "three" else expected
+        assert rows in (expected, waiting), (sim.clock.elapsed(), rows)
+    assert rows == expected
 
 
 def test_without_the_hierarchy_call_the_source_reads_the_gpus_as_before(make, caplog):

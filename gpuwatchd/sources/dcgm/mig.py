@@ -22,7 +22,10 @@ with some (DCGM renumbers the entities when the layout changes: an entity id rea
 later may be another tenant's GPU instance, and its read still succeeds), and at once
 when a GPU instance's read answers an error (destroyed, or MIG disabled:
 DCGM_ST_INSTANCE_NOT_FOUND). The group and field group are rebuilt only when the
-hierarchy changed.
+hierarchy changed (an entity, its GPU, GI id, slices or profile id: a GI destroyed and
+made again with the same id as another profile of as many slices is another instance).
+The hierarchy is read at the start of a poll, before any value becomes a row, so a GPU's
+compat rows move to its instances (or back) in the poll that saw the change.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class MigInstances:
         self._unwatch()
         gpus = self.session.gpus
         found = {
-            entity: (gpus[gpu_id], str(gi)) for entity, gpu_id, gi, _ in rows if gpu_id in gpus
+            entity: (gpus[gpu_id], str(gi)) for entity, gpu_id, gi, *_ in rows if gpu_id in gpus
         }
         profiles = self._profiles(sorted(found))
         self.instances = {
@@ -106,9 +109,9 @@ class MigInstances:
             or "none",
         )
 
-    def _hierarchy(self) -> list[tuple[int, int, int, int]] | None:
-        """(entity, parent GPU id, NVML GI id, slices) of every GPU instance; None if DCGM
-        could not say this time."""
+    def _hierarchy(self) -> list[tuple[int, int, int, int, int]] | None:
+        """(entity, parent GPU id, NVML GI id, slices, profile id) of every GPU instance;
+        None if DCGM could not say this time."""
         bindings, structs = self.session.bindings, self.session.bindings.structs
         get = getattr(bindings.agent, "dcgmGetGpuInstanceHierarchy", None)
         try:
@@ -135,6 +138,7 @@ class MigInstances:
                         int(row.parent.entityId),
                         int(info.nvmlInstanceId),
                         int(info.nvmlProfileSlices),
+                        int(info.nvmlMigProfileId),  # a GI made again as another profile
                     )
                 )
         return rows
@@ -196,11 +200,15 @@ class MigInstances:
 
     # -- reading ------------------------------------------------------------------------
 
-    def poll(self, out: list[Any]) -> None:
-        """This poll's GPU-instance values into `out`; the hierarchy again when due."""
+    def update(self) -> None:
+        """The hierarchy again when due: at the start of a poll, before any row is made
+        (a GPU's compat rows move to its instances, or back, in the poll that saw it)."""
         self._polls += 1
         if self._stale or self.instances or self._polls % MIG_EVERY == 0:
             self.refresh()
+
+    def poll(self, out: list[Any]) -> None:
+        """This poll's GPU-instance values into `out` (after `update`)."""
         watch = self.watch
         if watch is None or self.session.profiling_paused:
             return

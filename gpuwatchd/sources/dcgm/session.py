@@ -360,6 +360,7 @@ class Session:
 
     def read(self) -> list[Sample]:
         out: list[Sample] = []
+        self.mig.update()  # the MIG layout first: the rows below follow it
         for watch in self.watches:
             if watch.profiling and self.profiling_paused:
                 continue  # blank while paused
