@@ -292,6 +292,33 @@ def test_exporter_compat_labels_instances_as_dcgm_exporter_does(make):
     assert [(s["GPU_I_ID"], s["GPU_I_PROFILE"]) for s in gpu1] == [("", "")]
 
 
+def test_compat_framebuffer_and_xid_rows_carry_each_instance_s_own_value(make):
+    """DCGM_FI_DEV_FB_* and DCGM_FI_DEV_XID_ERRORS are compute-instance-level fields:
+    DCGM answers them per GPU instance (its MIG device's memory; the Xids filed on it),
+    and dcgm-exporter exports those, not the GPU's (issue 42 item 3)."""
+    sim = make(SCENARIO, exporter_compat=True, at=0.0)
+
+    def rows(samples: list[Sample], name: str) -> dict[tuple[str, ...], float]:
+        return {(*s.labels[5:7], *s.labels[9:10]): s.value for s in samples
+                if s.name == name and s.labels[0] == "0"}  # fmt: skip
+
+    samples = poll_until(sim, 60)
+    assert rows(samples, "DCGM_FI_DEV_FB_USED") == {
+        ("3g.40gb", "2"): 36000, ("2g.20gb", "3"): 6000, ("1g.10gb", "9"): 7000
+    }  # fmt: skip
+    assert rows(samples, "DCGM_FI_DEV_FB_FREE")[("1g.10gb", "9")] == 9728 - 7000
+    assert rows(samples, "DCGM_FI_DEV_FB_RESERVED")[("2g.20gb", "3")] == 0
+    assert rows(samples, "DCGM_FI_DEV_POWER_USAGE")[("2g.20gb", "3")] == 300  # the GPU's
+    whole = {s.labels[5:7]: s.value for s in samples
+             if s.name == "DCGM_FI_DEV_FB_USED" and s.labels[0] == "1"}  # fmt: skip
+    assert whole == {("", ""): 60000}
+    samples = poll_until(sim, 3 * 60 + 10)  # 3m: Xid 43 on GI 9 (the driver names it)
+    xids = {(s.labels[5], s.labels[6], s.labels[9]) for s in samples
+            if s.name == "DCGM_FI_DEV_XID_ERRORS" and s.labels[0] == "0"}  # fmt: skip
+    assert xids == {("3g.40gb", "2", "0"), ("2g.20gb", "3", "0"), ("1g.10gb", "9", "43")}
+    assert sim.engine.calls["dcgmGetGpuInstanceHierarchy"] > 0
+
+
 def test_paused_profiling_blanks_the_instances_too(make):
     sim = make(SCENARIO)
     sim.source.collect()

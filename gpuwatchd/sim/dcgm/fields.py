@@ -187,9 +187,12 @@ FIELDS: dict[int, FieldInfo] = _fields(
     *_nvlink_link_fields(),
 )
 TAGS = {info.tag: fid for fid, info in FIELDS.items()}
-# The entity level of the fields below GPU level (dcgm_fields.cpp, DCGM 4.6): what a MIG
-# GPU instance answers itself; every other field is the GPU's (PCIe/NVLink bytes too)
+# The entity level of the served fields below GPU level (dcgm_fields.cpp, 3.3.9 and 4.6
+# alike): what a MIG GPU instance answers itself; every other field is the GPU's
+# (PCIe/NVLink bytes too). Among the device fields: the name and UUID, the framebuffer
+# (250-253: the instance's MIG device's memory) and the last Xid (230: the instance's).
 FIELD_LEVELS = {
+    **dict.fromkeys((50, 54, 230, 250, 251, 252, 253), FE_GPU_CI),
     **dict.fromkeys((1001, 1002, 1003, 1004, 1006, 1007, 1008, 1013, 1014), FE_GPU_CI),
     1005: FE_GPU_I,  # DRAM: a GPU instance's memory is shared by its compute instances
 }

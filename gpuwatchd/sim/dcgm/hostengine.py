@@ -193,7 +193,8 @@ class SimHostengine:
         self.profiling_held = False  # another profiler (Nsight) holds the counters
         self.connect_timeouts_ms: list[int] = []  # timeoutMs of each connect attempt
         self._overrides: dict[tuple[int | None, int], Any] = {}
-        self._xids: list[tuple[float, int, int]] = []  # injected (elapsed, gpu, xid)
+        # injected (elapsed, gpu, xid, GI id or None: the whole GPU's)
+        self._xids: list[tuple[float, int, int, int | None]] = []
         self._forced: bool | None = None  # stop()/start() override of the timeline
         self._manual_restarts = 0
         self._lock = threading.RLock()
@@ -298,9 +299,10 @@ class SimHostengine:
     def clear_values(self) -> None:
         self._overrides.clear()
 
-    def inject_xid(self, gpu: int, xid: int) -> None:
-        """An Xid on the GPU with NVML index `gpu`."""
-        self._xids.append((self.now(), gpu, xid))
+    def inject_xid(self, gpu: int, xid: int, gpu_instance: int | None = None) -> None:
+        """An Xid on the GPU with NVML index `gpu`; with `gpu_instance`, on that MIG GPU
+        instance (its NVML GI id), which DCGM files on the instance's entity only."""
+        self._xids.append((self.now(), gpu, xid, gpu_instance))
 
     @property
     def profiling_paused(self) -> bool:
@@ -628,10 +630,28 @@ class SimHostengine:
             return self._value_in(gi.gpu, info, t, gpus, quiet)  # remapped to the GPU
         if gpus[gi.gpu].get("lost"):
             return blank(info.type), ST_GPU_IS_LOST
+        if not info.profiling:
+            return self._gi_device_value(gi, info, t, gpus)
         if quiet:
             return blank(info.type), ST_OK
         key = PROFILING_VALUES.get(info.id)
         return (gi.activity[key] if key else 0.0), ST_OK
+
+    def _gi_device_value(
+        self, gi: GpuInstance, info: FieldInfo, t: float, gpus: list[dict[str, Any]]
+    ) -> tuple[Any, int]:
+        """A GPU_I/GPU_CI-level device field on a GPU instance: the framebuffer of its MIG
+        device (nvmlDeviceGetMemoryInfo_v2 on it: the GI's memory, none reserved) in MiB,
+        its own last Xid; the UUID its GPU's (DCGM's is the MIG device's: not modelled)."""
+        if info.id == 230:
+            return self._last_xid(gi.gpu, t, gi.nvml_id), ST_OK
+        layout = gpus[gi.gpu].get("mig")
+        total = gi.devices[0].profile.memory_mib
+        used = min(total, round(layout.gi_memory_used_mib(gi.nvml_id))) if layout else 0
+        answers = {250: total, 251: total - used, 252: used, 253: 0}
+        if info.id in answers:
+            return answers[info.id], ST_OK
+        return self._value_in(gi.gpu, info, t, gpus, False)
 
     def _build_getters(self) -> dict[int, Callable[[int, dict[str, Any], float], Any]]:
         """Field id -> f(gpu, scenario values at t, t): the value in DCGM's unit, or None
@@ -731,18 +751,29 @@ class SimHostengine:
             )
         return getters  # 526 (vGPU licence) and anything else: not supported here
 
-    def _last_xid(self, gpu: int, t: float) -> int:
+    def _last_xid(self, gpu: int, t: float, gpu_instance: int | None = None) -> int:
+        """The last Xid DCGM filed on the GPU (`gpu_instance` None: those naming no MIG
+        instance) or on one of its GPU instances (RecordXidForGpu/ForGpuInstance)."""
         timeline = self.timeline
         period = timeline.duration if timeline.loop and timeline.duration > 0 else None
         since = max(-1.0, t - period) if period else -1.0
         last: tuple[float, int] = (-math.inf, 0)
         for event in timeline.xid_events(since, t):
-            if event.gpu == gpu and event.time >= last[0]:
+            mine = event.gpu == gpu and event.time >= last[0]
+            if mine and self._xid_instance(event.time, gpu, event.xid) == gpu_instance:
                 last = (event.time, event.xid)
-        for at, g, xid in self._xids:
-            if g == gpu and at <= t and at >= last[0]:
+        for at, g, xid, gi in self._xids:
+            if g == gpu and gi == gpu_instance and at <= t and at >= last[0]:
                 last = (at, xid)
         return last[1]
+
+    def _xid_instance(self, at: float, gpu: int, xid: int) -> int | None:
+        """The GI an Xid of the scenario's lands on (as the fake NVML's event names it:
+        the MIG device whose `xid` lists it), None for the whole GPU's."""
+        layout = self.timeline.state(at)[0][gpu].get("mig")
+        if layout is None or not layout.enabled:
+            return None
+        return next((d.gpu_instance for d in layout.devices if xid in d.xids), None)
 
     # -- profiling pause ----------------------------------------------------------------------
 

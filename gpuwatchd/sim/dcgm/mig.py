@@ -8,10 +8,13 @@ profile by profile), its compute instances DCGM_FE_GPU_CI entities numbered the 
 DCGM re-reads them on NVML's MIG config change event, so an id can name another instance
 after a reconfiguration. A GPU instance answers, per field (dcgm_fields.cpp's entity
 level): the profiling fields of level GPU_I/GPU_CI (1001-1008, the tensor pipes) with its
-own activity; the GPU-level profiling fields (PCIe, NVLink bytes) DCGM_ST_NO_DATA (GPM);
-any other field its GPU's value (DCGM remaps device fields to the parent); the name (50)
-its profile, e.g. "1g.10gb" (what dcgm-exporter labels GPU_I_PROFILE with); an entity that
-is not (or no longer) an instance DCGM_ST_INSTANCE_NOT_FOUND.
+own activity; the framebuffer (250-253) its MIG device's memory in MiB (the GI's, none
+reserved) and the last Xid (230) the last one filed on it (an Xid whose NVML event names
+the instance; those are not the GPU's); the GPU-level profiling fields (PCIe, NVLink
+bytes) DCGM_ST_NO_DATA (GPM); any other field its GPU's value (DCGM remaps device fields
+to the parent); the name (50) its profile, e.g. "1g.10gb" (what dcgm-exporter labels
+GPU_I_PROFILE with); an entity that is not (or no longer) an instance
+DCGM_ST_INSTANCE_NOT_FOUND.
 
 The activity comes from the scenario's MIG devices (`utilization_gpu` per compute
 instance): a GPU instance's GR engine activity is its compute instances' utilization

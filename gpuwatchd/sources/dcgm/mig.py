@@ -65,8 +65,10 @@ class MigInstances:
     def __init__(self, session: Host) -> None:
         self.session = session
         self.instances: dict[int, Instance] = {}  # by entity id
-        self.watch: Watch | None = None
-        self.fields: frozenset[int] = frozenset()  # what a GPU instance answers itself
+        self.watch: Watch | None = None  # their profiling fields
+        self.fields: frozenset[int] = frozenset()  # those a GPU instance answers itself
+        self.device_watch: Watch | None = None  # exporter_compat's instance-level device fields
+        self.device_fields: frozenset[int] = frozenset()  # watched there: not the GPU's rows
         self._signature: tuple[Any, ...] = ()
         self._polls = 0
         self._stale = False
@@ -161,18 +163,36 @@ class MigInstances:
     # -- the watch ----------------------------------------------------------------------
 
     def _watch(self) -> None:
-        """One group of every GPU instance whose GPU watches profiling, and one field group
-        of the instance-level fields those GPUs watch."""
+        """The instances' watches: their profiling fields, and dcgm-exporter's device
+        fields that a GPU instance answers itself (`exporter_compat`)."""
         session = self.session
         entities = [i.entity for i in self.instances.values() if i.gpu.fields]
         wanted = frozenset().union(*(self.instances[e].gpu.fields for e in entities))
         self.fields = session.instance_fields(wanted)
-        if not entities or not self.fields:
-            return
+        if entities and self.fields:
+            self.watch = self._watch_group("_mig", entities, self.fields, True)
+        plan = session.plan
+        compat = frozenset(
+            f
+            for f in plan.watched
+            if f not in plan.profiling_ids and (m := FIELD_MAPS.get(f)) is not None and m.compat
+        )
+        fields = session.instance_fields(compat) if session.config.exporter_compat else frozenset()
+        if self.instances and fields:
+            self.device_watch = self._watch_group("_migdev", list(self.instances), fields, False)
+            self.device_fields = fields if self.device_watch is not None else frozenset()
+        for instance in self.instances.values():
+            self.prepare(instance)
+
+    def _watch_group(
+        self, suffix: str, entities: list[int], fields: frozenset[int], profiling: bool
+    ) -> Watch | None:
+        """One group of `entities` (GPU instances) watching `fields`; None if refused."""
+        session = self.session
         structs = session.bindings.structs
         try:
-            self.watch = session.watch_entities(
-                f"{session.prefix}_mig", FE_GPU_I, entities, sorted(self.fields)
+            return session.watch_entities(
+                session.prefix + suffix, FE_GPU_I, entities, sorted(fields), profiling
             )
         except structs.DCGMError as e:
             if e.value == structs.DCGM_ST_CONNECTION_NOT_VALID:
@@ -181,14 +201,14 @@ class MigInstances:
                 "dcgm: watching the MIG GPU instances failed (%s); retried when they change",
                 session.bindings.describe(e),
             )
-            return
-        for instance in self.instances.values():
-            self.prepare(instance)
+            return None
 
     def _unwatch(self) -> None:
-        watch, self.watch = self.watch, None
-        if watch is not None:
-            self.session.drop(watch)
+        for watch in (self.watch, self.device_watch):
+            if watch is not None:
+                self.session.drop(watch)
+        self.watch = self.device_watch = None
+        self.device_fields = frozenset()
 
     def invalidate(self) -> None:
         """Rebuild the instances and their watch at the next poll."""
@@ -196,7 +216,7 @@ class MigInstances:
 
     def forget(self) -> None:
         """The session closes: its watches go with it (Session.close)."""
-        self.watch = None
+        self.watch = self.device_watch = None
 
     # -- reading ------------------------------------------------------------------------
 
@@ -209,18 +229,21 @@ class MigInstances:
 
     def poll(self, out: list[Any]) -> None:
         """This poll's GPU-instance values into `out` (after `update`)."""
-        watch = self.watch
-        if watch is None or self.session.profiling_paused:
-            return
-        values = self.session.read_watch(watch)
-        if self.session.latest.failed & set(self.instances):
-            self._stale = True  # one is gone: find out what is left at the next poll
-        self._emit(values, out)
+        session = self.session
+        for watch in (self.device_watch, None if session.profiling_paused else self.watch):
+            if watch is None:
+                continue
+            values = session.read_watch(watch)
+            if session.latest.failed & set(self.instances):
+                self._stale = True  # one is gone: find out what is left at the next poll
+            self._emit(values, out)
 
     def prepare(self, instance: Instance) -> None:
         """Precompute what each of the instance's values becomes."""
         plan, compat = self.session.plan, self.session.config.exporter_compat
         instance.emit = {}
+        for fid in self.device_fields:  # dcgm-exporter's row only (the GPU's are native)
+            instance.emit[fid] = [(FIELD_MAPS[fid].compat, instance.compat, 1.0)]
         for fid in self.fields:
             rows: list[Row] = []
             spec = INSTANCE_SPECS.get(fid)

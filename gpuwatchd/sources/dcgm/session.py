@@ -161,7 +161,9 @@ class Session:
             raise
         self.watches.append(Watch(group, field_group, gpus, list(ids), profiling, indices))
 
-    def watch_entities(self, name: str, kind: int, entities: list[int], ids: list[int]) -> Watch:
+    def watch_entities(
+        self, name: str, kind: int, entities: list[int], ids: list[int], profiling: bool = True
+    ) -> Watch:
         """Watch `ids` on entities of another entity group (MIG GPU instances)."""
         group = self.system.GetEmptyGroup(name)
         field_group = None
@@ -176,7 +178,7 @@ class Session:
                 self.bindings.delete(field_group)
             self._quietly(group.Delete)
             raise
-        watch = Watch(group, field_group, list(entities), list(ids), True, entity_group=kind)
+        watch = Watch(group, field_group, list(entities), list(ids), profiling, entity_group=kind)
         self.watches.append(watch)
         return watch
 
@@ -350,12 +352,13 @@ class Session:
     def _compat_rows(self, gpu: Gpu, fid: int, name: str) -> list[Row]:
         """dcgm-exporter's rows of a GPU's field. On a GPU with MIG GPU instances it
         shows (in its default "flex" mode) the instances only: a device field once per
-        instance with the GPU's value (what DCGM answers there), a profiling field from
-        the instances' own reads (mig.py), none for the GPU itself."""
+        instance with the GPU's value (what DCGM answers there), a profiling field and a
+        device field DCGM answers per instance (framebuffer, last Xid) from the
+        instances' own reads (mig.py), none for the GPU itself."""
         if not gpu.instances:
             return [(name, gpu.compat, 1.0)]
-        if fid in self.plan.profiling_ids:
-            return []
+        if fid in self.plan.profiling_ids or fid in self.mig.device_fields:
+            return []  # read on the instances themselves
         return [(name, instance.compat, 1.0) for instance in gpu.instances]
 
     def read(self) -> list[Sample]:
