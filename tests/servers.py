@@ -85,8 +85,10 @@ def running_prometheus(
     interval: str = "1s",
     nodes: Mapping[str, str] | None = None,
     scrape_options: Mapping[str, Any] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[Prometheus]:
-    """A Prometheus scraping `targets` ({job: [host:port, ...]}) every `interval`.
+    """A Prometheus scraping `targets` ({job: [host:port, ...]}) every `interval`, with
+    `extra_args` on its command line.
 
     Each target gets a `node` label, as deploy/prometheus/scrape.yaml's relabelling gives
     a node's name: `nodes[host:port]`, else the host:port. `scrape_options` go into every
@@ -118,6 +120,7 @@ def running_prometheus(
         f"--storage.tsdb.path={tmp_path / 'prometheus-data'}",
         f"--web.listen-address=127.0.0.1:{port}",
         "--rules.alert.resend-delay=1s",  # resolutions reach Alertmanager within a cycle
+        *extra_args,
     ]
     with _process(args, tmp_path / "prometheus.log"):
         server = Prometheus(f"http://127.0.0.1:{port}")
