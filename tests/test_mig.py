@@ -277,7 +277,8 @@ def test_mig_is_read_cheaply_between_changes():
     assert calls[("nvmlDeviceGetMigMode", 0)] - at_start["nvmlDeviceGetMigMode"] == 10
     counted = calls[("nvmlDeviceGetMaxMigDeviceCount", 0)]
     assert counted == at_start["nvmlDeviceGetMaxMigDeviceCount"]
-    assert calls[("nvmlDeviceGetUUID", 0)] == at_start["nvmlDeviceGetUUID"]  # no rediscovery
+    # no rediscovery; each device's UUID once a slow cycle (a handle reused, issue 42)
+    assert calls[("nvmlDeviceGetUUID", 0)] - at_start["nvmlDeviceGetUUID"] == 7 * 10
     # a full GPU (7 of 7): no probe for a new device either
     assert (
         calls[("nvmlDeviceGetMigDeviceHandleByIndex", 0)]
@@ -306,9 +307,33 @@ def test_mig_device_indexes_with_holes_are_skipped_not_rediscovered():
         (str(gi), "0", "1g.10gb") for gi in (7, 8, 9)
     }
     assert calls[("nvmlDeviceGetMaxMigDeviceCount", 0)] - before == 1  # one discovery
-    assert calls[("nvmlDeviceGetUUID", 0)] <= 3 + 1  # three devices identified once
+    assert calls[("nvmlDeviceGetName", 0)] <= 3 + 1  # three devices identified once
     node.polls(60 - 5 * SLOW_EVERY + SLOW_EVERY + 1)  # a new instance in the hole: found
     assert len(series(node.poll(), "gpu_instance_info")) == 4
+
+
+def test_a_reused_mig_handle_is_caught_on_the_slow_cadence():
+    """nvml.h: a destroyed instance's handle "may be reused and their properties can
+    change". GI 8 destroyed, GI 10 created at its index: the kept handle answers SUCCESS
+    for GI 10 (another tenant), whose series must not carry GI 8's labels or MIG UUID
+    past a slow cycle (issue 42 item 2)."""
+    before = [one_g(7, 1000, (101,)), one_g(8, 3000, (102,))]
+    after = [one_g(7, 1000, (101,)), {**one_g(10, 5000, (110,)), "index": 1}]
+    node = Node(scenario([mig_on(before, 30), mig_on(after, 60)]))
+    node.fake.mig_handle_reuse = True
+    nv, h = node.nv, node.handle(0)
+    kept = nv.nvmlDeviceGetMigDeviceHandleByIndex(h, 1)
+    first = node.polls(29)
+    uuids = {labels[0]: labels[3] for labels in series(first, "gpu_instance_info")}
+    assert set(uuids) == {"7", "8"}
+    assert nv.nvmlDeviceGetGpuInstanceId(kept) == 8
+    node.polls(SLOW_EVERY + 1)  # 30 s: GI 10 now answers through GI 8's old handle
+    assert nv.nvmlDeviceGetGpuInstanceId(kept) == 10
+    out = node.poll()
+    used = series(out, "gpu_instance_memory_used_bytes")
+    assert used == {("7", "0", "1g.10gb"): 1000 * MIB, ("10", "0", "1g.10gb"): 5000 * MIB}
+    info = {labels[0]: labels[3] for labels in series(out, "gpu_instance_info")}
+    assert set(info) == {"7", "10"} and info["10"] != uuids["8"]
 
 
 def test_a_model_without_mig_is_asked_once():

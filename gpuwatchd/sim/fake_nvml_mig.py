@@ -26,7 +26,11 @@ docs/mig.md has the table):
   handles "remain invalid and must be requested again".
 
 A MIG device handle is one struct per GPU and instance key (`MigDevice.key`): asking
-again for the same instance gives the same handle, a new instance a new one. Calls
+again for the same instance gives the same handle, a new instance a new one. nvml.h
+allows more: handles of destroyed instances "may be reused and their properties can
+change". With `mig_handle_reuse` set, a handle is its MIG device index's slot: once its
+instance is gone, a new instance at that index answers through it (SUCCESS, with the new
+instance's ids, UUID and memory), as a long-running client saw on a real driver. Calls
 cost what `NvmlCosts` says for their name, as every other call of the fake does.
 """
 
@@ -126,9 +130,12 @@ class MigReads:
 
         def _gpu_values(self, gpu: int) -> dict[str, Any]: ...
 
+    mig_handle_reuse = False  # a test hook: handles are index slots, reused (see above)
+
     def _mig_init(self) -> None:
-        self._mig_structs: dict[tuple[int, tuple[int, int, str, int]], Any] = {}
-        self._mig_by_address: dict[int, tuple[int, tuple[int, int, str, int]]] = {}
+        self._mig_structs: dict[tuple[int, Any], Any] = {}
+        # handle address -> (GPU, instance key), or (GPU, MIG device index) when reused
+        self._mig_by_address: dict[int, tuple[int, Any]] = {}
         self._mig_profiles: dict[str, GiProfile] = profiles_of(self.model)
         self._mig_max = max((p.count for p in self._mig_profiles.values()), default=7)
 
@@ -139,18 +146,19 @@ class MigReads:
         layout: MigLayout | None = self._gpu_values(gpu)["mig"]
         return layout if layout is not None and layout.enabled else None
 
-    def _mig_of(self, handle: Any) -> tuple[int, tuple[int, int, str, int]] | None:
-        """(GPU, instance key) of a MIG device handle; None for anything else."""
+    def _mig_of(self, handle: Any) -> tuple[int, Any] | None:
+        """(GPU, instance key or index slot) of a MIG device handle; None for anything else."""
         try:
             return self._mig_by_address.get(ctypes.addressof(handle.contents))
         except (AttributeError, ValueError, TypeError):  # NULL or not a handle
             return None
 
     def _mig_handle(self, gpu: int, device: MigDevice) -> Any:
-        struct = self._mig_structs.get((gpu, device.key))
+        key: Any = device.index if self.mig_handle_reuse else device.key
+        struct = self._mig_structs.get((gpu, key))
         if struct is None:
-            struct = self._mig_structs[(gpu, device.key)] = self.nv.struct_c_nvmlDevice_t()
-            self._mig_by_address[ctypes.addressof(struct)] = (gpu, device.key)
+            struct = self._mig_structs[(gpu, key)] = self.nv.struct_c_nvmlDevice_t()
+            self._mig_by_address[ctypes.addressof(struct)] = (gpu, key)
         return struct
 
     def _instance_ids(self, gpu: int) -> Callable[[int], tuple[int, int]]:
@@ -176,14 +184,14 @@ class MigReads:
             return ERROR_NO_PERMISSION
         return None
 
-    def _mig_handle_call(
-        self, name: str, gpu: int, key: tuple[int, int, str, int], args: tuple
-    ) -> int:
-        """A call on a MIG device handle (the GPU's faults already applied)."""
+    def _mig_handle_call(self, name: str, gpu: int, key: Any, args: tuple) -> int:
+        """A call on a MIG device handle (the GPU's faults already applied); `key` is its
+        instance's key, or (handles reused) its MIG device index."""
         layout = self._layout(gpu)
         device = None
         if layout is not None:
-            device = next((d for d in layout.devices if d.key == key), None)
+            slot = isinstance(key, int)
+            device = next((d for d in layout.devices if (d.index if slot else d.key) == key), None)
         if device is None:  # destroyed, or MIG disabled: the handle is no longer valid
             return ERROR_INVALID_ARGUMENT
         method = MIG_HANDLE_SYMBOLS.get(name)

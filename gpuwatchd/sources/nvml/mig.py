@@ -11,7 +11,8 @@ NOT_SUPPORTED elsewhere and is never asked again):
 - MIG off: the mode (~165 µs on an H200) at the first poll, every `OFF_EVERY` polls
   (a pending change), and at once when the parent's utilization turns NOT_SUPPORTED
   (MIG was enabled: that is how the driver shows it first);
-- MIG on: the mode every `SLOW_EVERY` polls (disabled, a pending change), one
+- MIG on: the mode and each MIG device's UUID (~12 µs; a handle the driver reused for
+  a new instance) every `SLOW_EVERY` polls (disabled, a pending change), one
   `nvmlDeviceGetMigDeviceHandleByIndex` (~33 µs) past the known devices every
   `SLOW_EVERY` polls (an instance created), and per MIG device and poll its memory and
   compute processes (~9 + ~11 µs);
@@ -178,9 +179,10 @@ class MigReads:
             state.util_checked = "utilization" in gpu.disabled
             self._mig_mode(gpu, state)
         if state.mode == 1:
-            appeared = (
-                not state.stale and polls % SLOW_EVERY == 0 and self._mig_appeared(gpu, state)
-            )
+            slow = not state.stale and polls % SLOW_EVERY == 0
+            if slow and self._mig_reused(gpu, state):
+                state.stale = True
+            appeared = slow and not state.stale and self._mig_appeared(gpu, state)
             if state.stale or appeared:
                 self._mig_discover(gpu, state)
             listed = self._mig_instances(gpu, state, out)
@@ -245,6 +247,24 @@ class MigReads:
             gpu.sm_count = None if sms is None else Sample(SM_COUNT.name, gpu.labels, float(sms))
         for key in PARENT_KEYS:
             gpu.kept.pop(key, None)
+
+    def _mig_reused(self, gpu: _Gpu, state: MigState) -> bool:
+        """Whether a known handle now answers for another instance (one UUID read per
+        device): nvml.h lets the driver reuse a destroyed instance's handle for a new one
+        ("their properties can change"), which then answers SUCCESS under the old labels."""
+        nv = self._nv
+        for device in state.devices:
+            try:
+                uuid = text(self._mig_call(gpu, nv.nvmlDeviceGetUUID, device.handle))
+            except nv.NVMLError as e:
+                if e.value in (nv.NVML_ERROR_INVALID_ARGUMENT, nv.NVML_ERROR_NOT_FOUND):
+                    return True
+                continue
+            if uuid != device.uuid:
+                log.info("nvml: GPU %d: MIG device %d is another instance now (%s, was %s)",
+                         gpu.index, device.index, uuid, device.uuid)  # fmt: skip
+                return True
+        return False
 
     def _mig_appeared(self, gpu: _Gpu, state: MigState) -> bool:
         """Whether a MIG device has appeared at an index no known device has: the one past
