@@ -425,10 +425,13 @@ def doctor(
 )
 @click.option("--until", help="end of the window (default: now); the same forms")
 @click.option(
-    "--step",
+    "--timeout",
     type=click.FloatRange(min=0.001),
-    help="seconds between samples per GPU (default: the scrape interval)",
+    default=60,
+    show_default=True,
+    help="seconds for all of the report's queries together",
 )
+@click.option("--step", type=float, hidden=True, help="ignored (the report has no grid now)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @click.option("--markdown", is_flag=True, help="print the report as Markdown")
 def report(
@@ -436,6 +439,7 @@ def report(
     prometheus_url: str,
     since: str,
     until: str | None,
+    timeout: float,
     step: float | None,
     as_json: bool,
     markdown: bool,
@@ -443,22 +447,27 @@ def report(
     """GPU-hours JOB lost per starvation cause, with the fix, from Prometheus.
 
     JOB is a Slurm job id or torchrun run id (the owner series' job_id), else a
-    Kubernetes pod (POD or NAMESPACE/POD). Exit 0 with the report, 1 if Prometheus
-    cannot answer or owns nothing of the job in the window. Details: docs/report.md.
+    Kubernetes pod (POD or NAMESPACE/POD). Exit 0 with the report, 1 if JOB is empty
+    ('' or '/': an unset variable), Prometheus cannot answer in --timeout, or it owns
+    nothing of the job in the window. Details: docs/report.md.
     """
     import time
 
-    from gpuwatchd.report import ReportError, build_report, parse_time
+    from gpuwatchd.report import ReportError, build_report, check_job, parse_time
     from gpuwatchd.report_format import as_json as to_json
     from gpuwatchd.report_format import as_text
-    from gpuwatchd.report_prometheus import Prometheus
+    from gpuwatchd.report_prometheus import Prometheus, PrometheusError
 
     if as_json and markdown:
         raise click.UsageError("--json and --markdown exclude each other")
+    if step is not None:
+        click.echo("gpuwatchd report: --step is ignored: the report accounts every scrape "
+                   "interval from the daemons' counters", err=True)
     try:
         end = parse_time(until, time.time())
         start = parse_time(since, end - 7 * 86400, now=end)
-        built = build_report(Prometheus(prometheus_url), job, start, end, step)
-    except ReportError as e:
+        check_job(job)
+        built = build_report(Prometheus(prometheus_url, timeout), job, start, end)
+    except (ReportError, PrometheusError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(to_json(built) if as_json else as_text(built, markdown=markdown), nl=as_json)

@@ -46,17 +46,45 @@ def _gpus(report: JobReport) -> str:
 
 
 def _accounting(report: JobReport) -> str:
-    if report.accounting == "rules":
-        return ("totals from deploy/prometheus/jobs.yaml's accounting rules (the Grafana job "
-                "dashboard's numbers); per GPU and node from samples every "
-                f"{report.step:g} s")
-    return (f"from samples every {report.step:g} s (Prometheus has no accounting rules for "
-            "this job: load deploy/prometheus/jobs.yaml)")
+    line = ("every figure from the daemons' gpuwatchd_starvation_seconds_total, per scrape "
+            f"interval ({report.scrape_interval:g} s) owned by the job")
+    if report.overlap_gpu_hours > 0:
+        line += (f"; causes overlapped on a GPU within a scrape interval: starved time may "
+                 f"be up to {_hours(report.overlap_gpu_hours)} GPU-h more")
+    return line
+
+
+def _run_time(report: JobReport) -> str:
+    """The job's run time, or what of it the window holds, saying where it cuts it."""
+    span = f"{_time(report.start)} to {_time(report.end)}"
+    cut = [what for what, yes in (("it held its GPUs before --since", report.cut_start),
+                                  ("still at --until", report.cut_end)) if yes]
+    if not cut:
+        return f"{_duration(report.end - report.start)} ({span})"
+    return (f"at least {_duration(report.end - report.start)}: the window cuts the job "
+            f"({' and '.join(cut)}); {span} in the window")
 
 
 def _onset(cause: CauseLoss) -> str:
     o = cause.onset
-    return f"{_time(o.at)} on {o.node} GPU {o.gpu}" if o else "-"
+    if o is None:
+        return "-"
+    return f"{'before ' if o.before else ''}{_time(o.at)} on {o.node} GPU {o.gpu}"
+
+
+def _began(cause: CauseLoss) -> str:
+    """When the fault began, by the rule's evidence: its expression held from
+    `holds_since`, on evidence reaching `window` seconds further back."""
+    o = cause.onset
+    if o is None:
+        return "-"
+    if o.before:  # firing when the job's time in the window began: its start is not in it
+        return f"before {_time(o.at)}"
+    if not o.window:
+        return _time(o.holds_since)
+    early = datetime.fromtimestamp(o.holds_since - o.window, timezone.utc)
+    late = datetime.fromtimestamp(o.holds_since, timezone.utc)
+    return f"{early:%Y-%m-%d %H:%M:%S} to {late:%H:%M:%S} UTC"
 
 
 def _table(header: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
@@ -85,8 +113,7 @@ def as_text(report: JobReport, markdown: bool = False) -> str:
         ("Verdict", report.verdict),
         ("Nodes", f"{len(report.nodes)} ({', '.join(report.nodes)})"),
         ("GPUs", _gpus(report)),
-        ("Run time", f"{_duration(report.end - report.start)} "
-                     f"({_time(report.start)} to {_time(report.end)})"),
+        ("Run time", _run_time(report)),
         ("GPU-hours", _hours(report.gpu_hours)),
         ("GPU time starved", f"{percent(report.starved_share)} "
                              f"({_hours(report.starved_gpu_hours)} GPU-h)"),
@@ -101,8 +128,8 @@ def as_text(report: JobReport, markdown: bool = False) -> str:
 
     out.append(h2("GPU time lost per cause"))
     rows = [[c.cause, c.dimension, percent(c.share), _hours(c.gpu_hours),
-             f"{c.gpus}/{report.gpus}", _onset(c)] for c in report.causes]
-    header = ["cause", "dimension", "share", "GPU-h", "GPUs", "first onset"]
+             f"{c.gpus}/{report.gpus}", _began(c), _onset(c)] for c in report.causes]
+    header = ["cause", "dimension", "share", "GPU-h", "GPUs", "fault began", "first onset"]
     out += _table(header, rows, markdown) if rows else ["  none"]
 
     if report.causes:
@@ -110,12 +137,13 @@ def as_text(report: JobReport, markdown: bool = False) -> str:
         for c in report.causes:
             if c.onset is None:
                 continue
+            saw = c.onset.summary or "(no scrape saw it firing: no evidence kept)"
             if markdown:
-                out += [f"- **{c.cause}** ({_onset(c)}): {c.onset.summary}",
+                out += [f"- **{c.cause}** (fired {_onset(c)}; began {_began(c)}): {saw}",
                         f"  - *Fix:* {c.onset.remedy}"]
             else:
-                out += [f"  {c.cause} ({_onset(c)}):", f"    saw: {c.onset.summary}",
-                        f"    fix: {c.onset.remedy}"]
+                out += [f"  {c.cause} (fired {_onset(c)}; began {_began(c)}):",
+                        f"    saw: {saw}", f"    fix: {c.onset.remedy}"]
 
     for title, usage in (("Worst GPUs", report.worst_gpus), ("Worst nodes", report.worst_nodes)):
         out.append(h2(title))

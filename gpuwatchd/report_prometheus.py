@@ -5,6 +5,7 @@ both maintained and light (prometheus-api-client pulls pandas and matplotlib).""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -27,28 +28,38 @@ def regex_of(values: list[str]) -> str:
 
 
 class Prometheus:
-    """GET /api/v1/query and /api/v1/query_range of the server at `base` (a path prefix,
-    e.g. Mimir's /prometheus, is kept)."""
+    """GET /api/v1/query of the server at `base` (a path prefix, e.g. Mimir's
+    /prometheus, is kept), all queries together within `timeout` seconds."""
 
     def __init__(self, base: str, timeout: float = 60) -> None:
         self.base = base.rstrip("/")
         self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        if "://" not in base:
+            raise PrometheusError(
+                f"{base!r}: expected a URL with its scheme, e.g. http://{base.lstrip('/')}"
+            )
 
     def query(self, expr: str, at: float) -> list[dict[str, Any]]:
         return self._get("query", {"query": expr, "time": f"{at:.3f}"})
 
-    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict]:
-        params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
-        return self._get("query_range", params)
-
     def _get(self, path: str, params: dict[str, str]) -> list[dict[str, Any]]:
-        url = f"{self.base}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise PrometheusError(f"{self.base} did not answer within --timeout {self.timeout:g} s")
+        # Prometheus stops evaluating a query past its own `timeout` parameter too
+        query = urllib.parse.urlencode({**params, "timeout": f"{max(1, int(left * 1000))}ms"})
+        url = f"{self.base}/api/v1/{path}?{query}"
         try:
-            with urllib.request.urlopen(url, timeout=self.timeout) as response:
+            with urllib.request.urlopen(url, timeout=left) as response:
                 body = json.load(response)
         except urllib.error.HTTPError as e:  # 400/422/503 carry Prometheus's error JSON
             raise PrometheusError(f"{self.base}: {e.code}: {_error(e)}") from e
         except (urllib.error.URLError, OSError, ValueError) as e:
+            if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+                raise PrometheusError(
+                    f"{self.base} did not answer within --timeout {self.timeout:g} s"
+                ) from e
             raise PrometheusError(f"cannot query Prometheus at {self.base}: {e}") from e
         if body.get("status") != "success":
             raise PrometheusError(f"{self.base}: {body.get('error', body)}")
