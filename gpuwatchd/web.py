@@ -18,6 +18,11 @@ it is bounded (`Limits`):
   it holds under that (gpuwatchd/webpace.py), and a pipelined request waits for the
   reply before it; at most `max_unsent` waiting on clients in all: past it, the
   connection stuck the longest is dropped;
+- request heads (issue 41): ~1 MiB each (128 headers of 8,190 bytes, Go's default),
+  4 parsed ahead of the one answered; a connection holding more than one full head
+  unanswered is closed, and past `max_heads` in all those holding the most (a parsed
+  request costs the daemon 2-3 bytes per byte received); what is not read yet waits in
+  a small kernel receive buffer;
 - bodies: no endpoint takes one. aiohttp's parser (llhttp) frames every request itself
   and answers a malformed length with 400; a body over `max_body` or chunked is refused
   with 413 before a byte of it is read and the connection is closed, so nothing that
@@ -49,7 +54,7 @@ import termios
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +62,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from aiohttp import BasicAuth as BasicCredentials
 from aiohttp import web
+from aiohttp.http import HttpRequestParser
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 
 from gpuwatchd.status_page import StatusPage
@@ -94,7 +100,20 @@ class Limits:
     send_buffer: int = 256 << 10
     kernel_unsent: int = 128 << 10  # of it not yet sent (TCP_NOTSENT_LOWAT)
     max_body: int = 4096
-    max_header: int = 8190  # one header line; aiohttp also caps their number (128)
+    # a request head: at most `max_headers` lines of `max_header` bytes, ~1 MiB in all
+    # (Go's MaxHeaderBytes, node_exporter's); 431/400 beyond (aiohttp's parser)
+    max_header: int = 8190
+    max_headers: int = 128
+    max_pipelined: int = 4  # requests parsed ahead of the one answered (aiohttp's: 32)
+    # bytes of request heads received and not yet answered (aiohttp holds ~2-3 bytes of
+    # memory per byte: the raw header and its decoded str): past `connection_heads` on
+    # one connection (one full head, as Go reads one request at a time) it is closed,
+    # past `max_heads` in all the one holding the most
+    connection_heads: int = (1 << 20) + (64 << 10)
+    max_heads: int = 16 << 20
+    # kernel receive buffer per connection (Linux doubles it): what aiohttp does not read
+    # yet waits there, not in a buffer autotuned up to 6 MB (memory the unit is charged)
+    receive_buffer: int = 64 << 10
     api_burst: int = 3  # /api/: 3 calls at once, then one every api_interval seconds
     api_interval: float = 20.0
     bcrypt_waiting: int = 64  # password checks queued behind the one running; more: 429
@@ -119,22 +138,49 @@ def wants_openmetrics(accept: str | None) -> bool:
     )
 
 
+def head_size(target: str, raw_headers: Iterable[tuple[bytes, bytes]]) -> int:
+    """Bytes of a request's target and header lines, as received (near enough)."""
+    return len(target) + sum(len(name) + len(value) + 4 for name, value in raw_headers)
+
+
+def _queued_size(message: Any) -> int:
+    """`head_size` of a request aiohttp parsed; 0 for a parse error it will answer."""
+    raw = getattr(message, "raw_headers", None)
+    return 0 if raw is None else head_size(message.path, raw)
+
+
 class _Connection(RequestHandler):
-    """aiohttp's connection, plus what the cap needs: when it last did something."""
+    """aiohttp's connection, plus what the cap needs (when it last did something) and
+    the bytes of request heads it holds unanswered (`held`, `Limits.connection_heads`)."""
 
     __slots__ = (
+        "answering",
         "authenticated",
         "busy",
         "first_request_due",
+        "handler",
+        "held",
         "last_active",
+        "partial",
         "reply_buffer",
         "requests",
         "sending_since",
+        "server",
+        "waiting_password",
     )
 
-    def __init__(self, *args: Any, reply_buffer: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, server: _Connections, *args: Any, reply_buffer: int, pipelined: int, **kwargs: Any
+    ) -> None:
+        super().__init__(server, *args, **kwargs)
+        self.server = server
+        self._limit_pipelining(pipelined)
         self.reply_buffer = reply_buffer
+        self.held = 0  # bytes of request heads: `partial` + `answering` + those queued
+        self.partial = 0  # received since the last complete head (at most that)
+        self.answering = 0  # the head of the request in our handler
+        self.waiting_password = False  # its handler waits on a password check
+        self.handler: asyncio.Task[Any] | None = None
         self.busy = False  # inside our handler: evicted only while sending
         self.sending_since: float | None = None  # a reply is being sent since
         self.authenticated = False  # has given a right password: evicted last
@@ -153,6 +199,47 @@ class _Connection(RequestHandler):
         loop = asyncio.get_running_loop()
         self.first_request_due = loop.call_later(self.keepalive_timeout, self._no_request)
 
+    def _limit_pipelining(self, pipelined: int) -> None:
+        """aiohttp's parser with `pipelined` requests parsed ahead, not its 32 (the knob
+        is the parser's; the handler sets it from a module constant)."""
+        self._max_msg_queue_size = pipelined
+        self._msg_queue_resume_size = pipelined // 2
+        self._parser = HttpRequestParser(
+            self,
+            self._loop,
+            self._read_bufsize,
+            max_line_size=self.max_line_size,
+            max_field_size=self.max_field_size,
+            max_headers=self.max_headers,
+            payload_exception=RequestPayloadError,
+            max_msg_queue_size=pipelined,
+        )
+
+    def recount(self) -> None:
+        """`held` anew, and the server's total; over a bound, connections are closed."""
+        queued = sum(_queued_size(message) for message, _ in self._messages)
+        held = self.partial + self.answering + queued
+        self.server.held_heads += held - self.held
+        self.held = held
+        if held > self.server.limits.connection_heads:
+            log.debug("web: closing a connection holding %d bytes of request heads", held)
+            self.drop()
+        self.server.shed_heads()
+
+    def drop(self) -> None:
+        """Close now and let go of the request heads held: those queued, and the one in
+        a handler waiting on a password check (cancelled; one sending fails)."""
+        if self.transport is not None:
+            self.transport.abort()
+        self.force_close()
+        self._messages.clear()
+        self.partial = 0
+        if self.waiting_password and self.handler is not None:
+            self.handler.cancel()
+            self.answering = 0
+        self.server.held_heads -= self.held - self.answering
+        self.held = self.answering
+
     def _no_request(self) -> None:
         if self.requests == 0 and not self.busy:
             self.force_close()
@@ -161,6 +248,9 @@ class _Connection(RequestHandler):
         if self.first_request_due is not None:  # a flood leaves no timers behind
             self.first_request_due.cancel()
         super().connection_lost(exc)
+        self._messages.clear()  # aiohttp keeps them while a handler holds this object
+        self.partial = 0
+        self.recount()
 
     @property
     def stuck_since(self) -> float:
@@ -190,7 +280,14 @@ class _Connection(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
+        queued = len(self._messages)
         super().data_received(data)
+        if len(self._messages) > queued:  # a head completed: what follows it is in `data`
+            self.partial = len(data) or self.partial
+        else:
+            self.partial += len(data)
+        if self.transport is not None:
+            self.recount()
 
     def log_exception(self, *args: Any, **kwargs: Any) -> None:
         """aiohttp logs a traceback per malformed request or lost client; neither is ours."""
@@ -202,17 +299,35 @@ class _Connection(RequestHandler):
 
 
 class _Connections(web.Server):
-    """aiohttp's low-level server, making `_Connection`s."""
+    """aiohttp's low-level server, making `_Connection`s; `held_heads` is the bytes of
+    request heads they hold unanswered, bounded by `Limits.max_heads`."""
 
-    def __init__(self, *args: Any, reply_buffer: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.reply_buffer = reply_buffer
+        self.limits = limits
+        self.held_heads = 0
 
     def __call__(self) -> _Connection:
-        return _Connection(self, loop=self._loop, reply_buffer=self.reply_buffer, **self._kwargs)
+        return _Connection(
+            self,
+            loop=self._loop,
+            reply_buffer=self.limits.reply_buffer,
+            pipelined=self.limits.max_pipelined,
+            **self._kwargs,
+        )
 
     def open_connections(self) -> list[_Connection]:
         return [c for c in self.connections if c.transport is not None]  # type: ignore[misc]
+
+    def shed_heads(self) -> None:
+        """Past `max_heads`, close the connections holding the most request heads, those
+        without a right password first (parsed requests are the daemon's memory)."""
+        if self.held_heads <= self.limits.max_heads:
+            return
+        for c in sorted(self.open_connections(), key=lambda c: (c.authenticated, -c.held)):
+            if self.held_heads <= self.limits.max_heads:
+                break
+            c.drop()
 
 
 class _Throttled:
@@ -284,6 +399,8 @@ class MetricsServer:
         }
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.create_server((host, port), family=family, backlog=limits.backlog)
+        # accepted connections inherit it (and the TCP window it sets)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, limits.receive_buffer)
         self._socket.setblocking(False)
         bound = self._socket.getsockname()
         self.address: tuple[str, int] = (str(bound[0]), int(bound[1]))
@@ -343,7 +460,8 @@ class MetricsServer:
             lingering_time=0,  # never read a body we refused, not even to keep the connection
             max_line_size=self.limits.max_header,
             max_field_size=self.limits.max_header,
-            reply_buffer=self.limits.reply_buffer,
+            max_headers=self.limits.max_headers,
+            limits=self.limits,
         )
         accepting = asyncio.create_task(self._accept_forever())
         await self._stopping.wait()
@@ -446,6 +564,9 @@ class MetricsServer:
         connection: _Connection = request.protocol  # type: ignore[assignment]
         connection.busy = True
         connection.requests += 1
+        connection.handler = asyncio.current_task()
+        connection.answering = head_size(request.raw_path, request.raw_headers)
+        connection.recount()
         try:
             response = await self._route(request)
             response.headers.update(self.config.http_server_config.headers)
@@ -455,6 +576,8 @@ class MetricsServer:
         finally:
             connection.busy = False
             connection.last_active = time.monotonic()
+            connection.handler, connection.answering = None, 0
+            connection.recount()
 
     async def _send(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
         """Send now, bounded: a client that does not read cannot hold the response, and
@@ -553,9 +676,15 @@ class MetricsServer:
         source, lane = request.remote, self._lane(request, user)
         if self._password_turns.full(source, lane):
             return None
-        async with self._password_turns.turn(source, lane):
-            loop = asyncio.get_running_loop()
-            ok = await loop.run_in_executor(self._bcrypt_thread, self._auth.check, user, password)
+        connection: _Connection = request.protocol  # type: ignore[assignment]
+        connection.waiting_password = True  # dropped for memory, it is cancelled
+        try:
+            async with self._password_turns.turn(source, lane):
+                loop = asyncio.get_running_loop()
+                check = self._auth.check
+                ok = await loop.run_in_executor(self._bcrypt_thread, check, user, password)
+        finally:
+            connection.waiting_password = False
         if ok:
             self._verified[(source, user)] = None
             while len(self._verified) > 1024:
