@@ -30,8 +30,10 @@ it is bounded (`Limits`):
 - slow work (the status page, the DCGM pause, bcrypt) runs on a few threads, never on
   the loop: a scrape returns the exposition's cached bytes and waits on nothing.
 - passwords: one bcrypt check at a time, waiters served round robin by client address
-  (a user already verified from that address first), at most `bcrypt_per_client` waiting
-  per address (gpuwatchd/weblimits.py).
+  group (an IPv6 /64), a verified TLS client certificate or a user already verified
+  from that group before any other, at most `bcrypt_per_client` waiting per group and
+  `bcrypt_waiting` per lane; a group with fewer waiting takes the place of the newest
+  of the group with the most (gpuwatchd/weblimits.py).
 TLS, basic auth, extra headers and a rate limit (per client address, spent only by
 requests that passed authentication) come from exporter-toolkit's web config file
 (gpuwatchd/webconfig.py). `/api/...` changes state: POST only, refused unless basic auth
@@ -69,7 +71,7 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 
 from gpuwatchd.status_page import StatusPage
 from gpuwatchd.webconfig import BasicAuth, WebConfig, load_web_config, peer_sans, ssl_context
-from gpuwatchd.weblimits import ClientBuckets, FairTurns, TokenBucket
+from gpuwatchd.weblimits import ClientBuckets, FairTurns, NoRoom, TokenBucket, client_group
 from gpuwatchd.webpace import pace
 
 if TYPE_CHECKING:
@@ -116,8 +118,9 @@ class Limits:
     receive_buffer: int = 64 << 10
     api_burst: int = 3  # /api/: 3 calls at once, then one every api_interval seconds
     api_interval: float = 20.0
-    bcrypt_waiting: int = 64  # password checks queued behind the one running; more: 429
-    bcrypt_per_client: int = 2  # of them from one client address
+    # password checks queued behind the one running, per lane (verified clients, others)
+    bcrypt_waiting: int = 64
+    bcrypt_per_client: int = 2  # of them from one address group (IPv6: a /64)
     api_timeout: float = 10.0  # DCGM may hang: the caller gets 504, a worker thread waits
 
 
@@ -666,23 +669,26 @@ class MetricsServer:
                 return user
         return _text(401, "unauthorized\n", **{"WWW-Authenticate": "Basic"})
 
-    def _lane(self, request: web.BaseRequest, user: str) -> int:
-        """0 for a user already verified from this address (served first), else 1."""
-        return 0 if (request.remote, user) in self._verified else 1
+    def _lane(self, request: web.BaseRequest, source: str | None, user: str) -> int:
+        """0 (served before any other) for a client with a verified TLS certificate or a
+        user already verified from its address group, else 1."""
+        if _peer_certificate(request):  # empty unless the handshake verified one
+            return 0
+        return 0 if (source, user) in self._verified else 1
 
     async def _bcrypt(self, request: web.BaseRequest, user: str, password: str) -> bool | None:
         """bcrypt on its thread, when this client's turn comes; None: no place to wait."""
         assert self._auth is not None
-        source, lane = request.remote, self._lane(request, user)
-        if self._password_turns.full(source, lane):
-            return None
+        source = client_group(request.remote)
         connection: _Connection = request.protocol  # type: ignore[assignment]
         connection.waiting_password = True  # dropped for memory, it is cancelled
         try:
-            async with self._password_turns.turn(source, lane):
+            async with self._password_turns.turn(source, self._lane(request, source, user)):
                 loop = asyncio.get_running_loop()
                 check = self._auth.check
                 ok = await loop.run_in_executor(self._bcrypt_thread, check, user, password)
+        except NoRoom:
+            return None
         finally:
             connection.waiting_password = False
         if ok:

@@ -22,6 +22,7 @@ from webfront import HASH, PASSWORD, serving
 from gpuwatchd import webconfig
 from gpuwatchd.web import Limits
 from gpuwatchd.webconfig import BasicAuth, WebConfigError, load_web_config
+from gpuwatchd.weblimits import client_group
 
 ATTACKER = ("127.0.0.2", 0)
 
@@ -75,7 +76,6 @@ def once(server, path="/metrics", headers=None, context=None, source=None, metho
 # finding 1: busy connections ------------------------------------------------------------
 
 
-
 def stuck_readers(server, count: int, pipelined: int) -> list[socket.socket]:
     """`count` attacker connections that pipeline `pipelined` GET /metrics and never read
     (a receive buffer too small for one reply)."""
@@ -89,6 +89,7 @@ def stuck_readers(server, count: int, pipelined: int) -> list[socket.socket]:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * pipelined)
         stuck.append(sock)
     return stuck
+
 
 def test_clients_that_never_read_their_replies_do_not_lock_scrapers_out():
     """Every slot held by a pipeline whose (4 MB) replies are never read: the old server
@@ -162,12 +163,9 @@ def test_connections_with_a_right_password_are_evicted_last(tmp_path, ca):
 # finding 2: the bcrypt queue -------------------------------------------------------------
 
 
-def test_wrong_passwords_from_one_host_do_not_keep_a_right_one_from_another_waiting(
-    tmp_path, ca, monkeypatch
-):
-    """20 wrong passwords from 127.0.0.2 hold the password check (the first one blocks
-    until released); the scraper's right password, not cached yet, is still checked. The
-    old server queued 8 checks for everyone and answered the scraper 429."""
+def held_wrong_passwords(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """bcrypt (the library) made to hold each wrong password until `release` is set;
+    `entered` is set once one is held."""
     entered, release = threading.Event(), threading.Event()
     checkpw = webconfig.bcrypt.checkpw
 
@@ -178,6 +176,16 @@ def test_wrong_passwords_from_one_host_do_not_keep_a_right_one_from_another_wait
         return checkpw(password, hashed)
 
     monkeypatch.setattr(webconfig.bcrypt, "checkpw", slow_wrong)
+    return entered, release
+
+
+def test_wrong_passwords_from_one_host_do_not_keep_a_right_one_from_another_waiting(
+    tmp_path, ca, monkeypatch
+):
+    """20 wrong passwords from 127.0.0.2 hold the password check (the first one blocks
+    until released); the scraper's right password, not cached yet, is still checked. The
+    old server queued 8 checks for everyone and answered the scraper 429."""
+    entered, release = held_wrong_passwords(monkeypatch)
     context = client_context(ca)
     with serving(tls_config(tmp_path, ca), where=tmp_path) as (server, _):
         answers: list[int] = []
@@ -206,6 +214,90 @@ def test_wrong_passwords_from_one_host_do_not_keep_a_right_one_from_another_wait
             thread.join(10)
         assert scraped == [200]
         assert sorted(set(answers)) == [401, 429]
+
+
+def test_wrong_passwords_from_many_hosts_do_not_lock_a_right_one_out(tmp_path, monkeypatch):
+    """Issue 41: 2 wrong passwords from each of 32 hosts fill the 64 places behind the
+    check running (held); the scraper's right password, not cached yet, takes the place
+    of one of theirs and is answered 200. The old queue answered it 429 while they
+    lasted (and after a restart every scraper's password is uncached)."""
+    entered, release = held_wrong_passwords(monkeypatch)
+    config = {"basic_auth_users": {"prometheus": HASH}}
+    with serving(config, where=tmp_path) as (server, _):
+        answers: list[int] = []
+
+        def guess(host: str) -> None:
+            headers = basic("prometheus", "guess")
+            answers.append(once(server, headers=headers, source=(host, 0)))
+
+        holder = threading.Thread(target=guess, args=("127.0.0.100",))
+        holder.start()
+        wait_until("a wrong password to hold the check", entered.is_set, 10)
+        hosts = [f"127.0.0.{n}" for n in range(2, 34) for _ in range(2)]
+        guessers = [threading.Thread(target=guess, args=(host,)) for host in hosts]
+        for thread in guessers:
+            thread.start()
+        wait_until("32 hosts to wait", lambda: len(server._password_turns._waiting) == 32, 10)
+        scraped: list[int] = []
+        scraper = threading.Thread(
+            target=lambda: scraped.append(once(server, headers=basic("prometheus", PASSWORD)))
+        )
+        scraper.start()
+        wait_until("the scraper to be answered or queued", lambda: scraped or _queued(server), 10)
+        release.set()
+        for thread in [scraper, holder, *guessers]:
+            thread.join(10)
+        assert scraped == [200]
+        assert sorted(set(answers)) == [401, 429]
+
+
+def test_a_verified_client_certificate_never_waits_behind_unverified_checks(
+    tmp_path, ca, monkeypatch
+):
+    """Issue 41: with client certificates verified when given, a scraper presenting one
+    (its password not cached yet) waits in the first lane, served before the wrong
+    passwords queued ahead of it from another host."""
+    entered, release = held_wrong_passwords(monkeypatch)
+    config = tls_config(tmp_path, ca)
+    ca.cert_pem.write_to_path(str(tmp_path / "clients.pem"))
+    config["tls_server_config"].update(
+        client_auth_type="VerifyClientCertIfGiven", client_ca_file=str(tmp_path / "clients.pem")
+    )
+    scraper_context = client_context(ca)
+    ca.issue_cert("prometheus.example").configure_cert(scraper_context)
+    with serving(config, where=tmp_path) as (server, _):
+        answers: list[int] = []
+
+        def call(context: ssl.SSLContext, password: str, source=None) -> None:
+            headers = basic("prometheus", password)
+            answers.append(once(server, headers=headers, context=context, source=source))
+
+        threads = [threading.Thread(target=call, args=(client_context(ca), "x", ATTACKER))]
+        threads[0].start()
+        wait_until("a wrong password to hold the check", entered.is_set, 10)
+        threads += [
+            threading.Thread(target=call, args=(client_context(ca), "x", ATTACKER))
+            for _ in range(2)
+        ]
+        threads.append(threading.Thread(target=call, args=(scraper_context, PASSWORD)))
+        for thread in threads[1:]:
+            thread.start()
+        turns = server._password_turns
+        wait_until("all to wait", lambda: sum(map(len, turns._waiting.values())) == 3, 10)
+        assert (0, "127.0.0.1") in turns._waiting  # the first lane: served before lane 1
+        release.set()
+        for thread in threads:
+            thread.join(10)
+        assert sorted(answers) == [200, 401, 401, 401]
+
+
+def test_address_groups():
+    """IPv6 clients share their /64's turns (one host or pod network has a whole /64)."""
+    assert client_group("2001:db8:1:2:aaaa::1") == client_group("2001:db8:1:2::ffff")
+    assert client_group("2001:db8:1:2::1") == "2001:db8:1:2::/64"
+    assert client_group("2001:db8:1:3::1") != client_group("2001:db8:1:2::1")
+    assert client_group("::ffff:10.0.0.1") == "10.0.0.1"
+    assert client_group("10.0.0.1") != client_group("10.0.0.2")
 
 
 def _queued(server) -> bool:
