@@ -1,20 +1,31 @@
 """Across nodes, with the real servers: two simulated nodes (`gpuwatchd run --simulate`,
-each a real daemon on its own port) run the same two Slurm jobs, and one real Prometheus
-scrapes both with the shipped fleet rules (deploy/prometheus/jobs.yaml).
+each a real daemon on its own port) run the same two Slurm jobs, one real Prometheus
+scrapes both with the shipped rules (deploy/prometheus/jobs.yaml and alerts.yaml) and
+sends to one real Alertmanager with the shipped route (deploy/alertmanager), which
+delivers to a webhook in the test.
 
 Job 5120 has ranks 0-1 on node1's GPUs 0-1 and ranks 2-3 on node2's GPUs 0-1; its
-healthy twin, job 5121, has GPUs 2-3 on each node. A few seconds in, job 5120's rank 3
-(node2, GPU 1) stops while the rest of the job keeps running: GpuJobStraggler must name
-job 5120, node2 and GPU 1 from nothing but each node's gpuwatchd_gpu_owner_info joined
-with its utilization, and nothing may fire or even pend for job 5121.
+healthy twin, job 5121, has GPUs 2-3 on each node. A few seconds in, job 5120 hangs:
+rank 3 (node2, GPU 1) stops outside the collective while ranks 0-2 enter it and spin
+(the nccl_stall signature). From nothing but each node's series:
+- GpuJobStraggler names job 5120, node2 and GPU 1 (gpuwatchd_gpu_owner_info joined with
+  utilization);
+- GpuJobNcclStall names the rank the hang waits for as node2 names it (straggler_gpu),
+  not a rank that went quiet first;
+- the pager gets one notification for the hang, GpuNcclStallCulprit with the rank's
+  address, pid and job, while the job's stalled GPUs on both nodes and GpuJobNcclStall
+  are inhibited; nothing fires or even pends for job 5121.
 
-The scenarios are the built-in slurm-2node-job-* with their phases shortened. In the
-rules only time is cut: each `for` to FOR, and the 1-minute utilization average to WINDOW
-(the promtool tests in tests/prometheus/jobs.test.yaml check the shipped values).
-"""
+The scenarios are the built-in slurm-2node-job-* with their phases shortened and the
+hang added to their second phase. Only time is cut: in the daemon's rules each `for` and
+straggler_gpu's 1-minute average (to a few seconds, the average shorter than the `for`
+as the 1 minute is shorter than nccl_stall's 2), in the Prometheus rules each `for` to
+FOR and the 1-minute utilization average to WINDOW, in Alertmanager its waits (the
+promtool tests in tests/prometheus/ check the shipped values)."""
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.parse
 from contextlib import ExitStack
@@ -22,30 +33,72 @@ from pathlib import Path
 
 import yaml
 from daemon_process import running_daemon, shorten
-from servers import Prometheus, running_prometheus, wait_until
+from servers import (
+    Prometheus,
+    Webhook,
+    get_json,
+    running_alertmanager,
+    running_prometheus,
+    wait_until,
+)
+from test_alerting_e2e import alertmanager_config, short_rules
 
 ROOT = Path(__file__).resolve().parents[1]
-JOBS = ROOT / "deploy" / "prometheus" / "jobs.yaml"
-ONSET = 25  # seconds from node2's start to rank 3 stopping (Prometheus starts after it)
+RULES = ROOT / "deploy" / "prometheus"
+ONSET = 25  # seconds from node2's start to the hang (Prometheus starts after it)
+LAG = 3  # seconds more to node1's ranks entering the hung collective
 FOR = "2s"
 WINDOW = "10s"
+STRAGGLER_WINDOW = "2s"  # straggler_gpu's 1-minute average, under the daemon's 5 s `for`
+# a rank spinning in a hung collective: engine busy, SMs, pipes, power, traffic idle
+SPINNING = {
+    "utilization_gpu": 100, "gr_engine_active": 1.0, "sm_active": 0.01, "sm_occupancy": 0.01,
+    "tensor_active": 0, "dram_active": 0, "power_w": 135, "pcie_rx_mb_s": 0,
+    "nvlink_tx_mb_s": 0, "nvlink_rx_mb_s": 0,
+}  # fmt: skip
 
 
+def short_fleet_rules(tmp_path: Path) -> list[Path]:
+    """jobs.yaml and alerts.yaml with every `for` cut to FOR and the 1-minute average to
+    WINDOW."""
+    paths = []
+    for name in ("jobs.yaml", "alerts.yaml"):
+        rules = yaml.safe_load((RULES / name).read_text())
+        for group in rules["groups"]:
+            for rule in group["rules"]:
+                rule["expr"] = rule["expr"].replace(
+                    "avg_over_time(gpuwatchd_gpu_utilization_ratio[1m])",
+                    f"avg_over_time(gpuwatchd_gpu_utilization_ratio[{WINDOW}])",
+                )
+                if "for" in rule and "absent(" not in rule["expr"]:
+                    rule["for"] = FOR
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(rules, sort_keys=False))
+        paths.append(path)
+    assert f"[{WINDOW}]" in paths[0].read_text()  # the window the test relies on was cut
+    return paths
 
-def short_jobs_rules(tmp_path: Path) -> Path:
-    """jobs.yaml with every `for` cut to FOR and the 1-minute average to WINDOW."""
-    rules = yaml.safe_load(JOBS.read_text())
-    for group in rules["groups"]:
-        for rule in group["rules"]:
-            rule["expr"] = rule["expr"].replace(
-                "avg_over_time(gpuwatchd_gpu_utilization_ratio[1m])",
-                f"avg_over_time(gpuwatchd_gpu_utilization_ratio[{WINDOW}])",
-            )
-            if "for" in rule:
-                rule["for"] = FOR
-    path = tmp_path / "jobs.yaml"
+
+def daemon_config(tmp_path: Path) -> Path:
+    """The default rules with each `for` cut, and straggler_gpu's average to STRAGGLER_WINDOW."""
+    path = short_rules(tmp_path)
+    rules = yaml.safe_load(path.read_text())
+    (straggler,) = [rule for rule in rules["rules"] if rule["name"] == "straggler_gpu"]
+    cut = straggler["expr"].replace("avg_over(gpu_utilization_ratio, '1m')",
+                                    f"avg_over(gpu_utilization_ratio, '{STRAGGLER_WINDOW}')")
+    assert cut != straggler["expr"]  # the window the hang's culprit relies on was cut
+    straggler["expr"] = cut
     path.write_text(yaml.safe_dump(rules, sort_keys=False))
-    assert f"[{WINDOW}]" in path.read_text()  # the window the test relies on was cut
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(yaml.safe_dump({"rules_file": str(path)}))
+    return config
+
+
+def with_hang(path: Path, gpus: list[int]) -> Path:
+    """The scenario with job 5120's `gpus` spinning in a collective in its second phase."""
+    data = yaml.safe_load(path.read_text())
+    data["phases"][1].setdefault("changes", []).append({"gpus": gpus, "set": SPINNING})
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
@@ -59,45 +112,53 @@ def onset(prometheus: Prometheus, until: float) -> float:
     return next(t for t, v in values if v < 0.5)
 
 
-def test_cross_node_straggler_named_and_healthy_twin_quiet(tmp_path: Path) -> None:
+def test_cross_node_hang_named_paged_once_and_healthy_twin_quiet(tmp_path: Path) -> None:
+    # node2 starts first and its ranks stop first: node1's ranks enter the collective
+    # LAG seconds after node2's (and the time node1's daemon takes to start) whatever
+    # the machine's load, so that the culprit's node reports first and the test does not
+    # rest on the route's group_wait covering a skew between the daemons' clocks
     scenarios = {
-        "node1": shorten(
-            "slurm-2node-job-healthy-half",
-            {"training": "10m", "still-training": "10m"},
-            tmp_path,
-        ),
-        "node2": shorten(
+        "node2": with_hang(shorten(
             "slurm-2node-job-slow-gpu", {"training": f"{ONSET}s", "rank3-slow": "10m"}, tmp_path
-        ),
-    }
+        ), [0]),
+        "node1": with_hang(shorten(
+            "slurm-2node-job-healthy-half",
+            {"training": f"{ONSET + LAG}s", "still-training": "10m"},
+            tmp_path,
+        ), [0, 1]),
+    }  # fmt: skip
+    config = daemon_config(tmp_path)
     with ExitStack() as stack:
+        webhook = stack.enter_context(Webhook())
+        alertmanager = stack.enter_context(
+            running_alertmanager(tmp_path, alertmanager_config(webhook))
+        )
         nodes = {}
         for node, scenario in scenarios.items():
-            url = stack.enter_context(running_daemon(str(scenario)))
+            url = stack.enter_context(running_daemon(str(scenario), "--config", str(config)))
             nodes[urllib.parse.urlparse(url).netloc] = node
         prometheus = stack.enter_context(
             running_prometheus(
                 tmp_path,
                 {"gpuwatchd": list(nodes)},
-                rule_files=[short_jobs_rules(tmp_path)],
+                rule_files=short_fleet_rules(tmp_path),
+                alertmanager=alertmanager,
                 nodes=nodes,
             )
         )
 
-        def job_alerts(state: str | None = None) -> list[dict]:
+        def firing(alertname: str) -> list[dict]:
             return [
                 a
                 for a in prometheus.alerts()
-                if a["labels"]["alertname"].startswith("GpuJob")
-                and (state is None or a["state"] == state)
+                if a["labels"]["alertname"] == alertname and a["state"] == "firing"
             ]
 
-        (alert,) = wait_until("GpuJobStraggler firing", lambda: job_alerts("firing"), 90)
+        (alert,) = wait_until("GpuJobStraggler firing", lambda: firing("GpuJobStraggler"), 90)
         fired = time.time()
         latency = fired - onset(prometheus, fired)
 
         labels = alert["labels"]
-        assert labels["alertname"] == "GpuJobStraggler"
         assert {k: labels[k] for k in ("job_id", "scheduler", "node", "gpu", "user")} == {
             "job_id": "5120",
             "scheduler": "slurm",
@@ -108,7 +169,7 @@ def test_cross_node_straggler_named_and_healthy_twin_quiet(tmp_path: Path) -> No
         assert nodes[labels["instance"]] == "node2"
         assert alert["annotations"]["summary"].startswith("job 5120: node2 GPU 1 at ")
 
-        # the job as Prometheus sees it: both nodes' GPUs, three of them busy
+        # the job as Prometheus sees it: both nodes' GPUs, three of them spinning
         def value(expr: str) -> float:
             (sample,) = prometheus.query(expr)
             return float(sample["value"][1])
@@ -118,12 +179,73 @@ def test_cross_node_straggler_named_and_healthy_twin_quiet(tmp_path: Path) -> No
         assert value('job_id:gpuwatchd_gpus_busy:count{job_id="5120"}') == 3
         assert value('job_id:gpuwatchd_gpus_busy:count{job_id="5121"}') == 4
 
-        # nothing else, not even pending, at any time: not the twin job, not the
-        # straggler's peers (ALERTS holds every pending and firing alert's history)
-        assert [a["labels"] for a in job_alerts()] == [labels]
-        history = prometheus.query_range('ALERTS{alertname=~"GpuJob.*"}', fired - 120, fired, 1)
-        raised = {(s["metric"]["job_id"], s["metric"]["node"], s["metric"]["gpu"]) for s in history}
-        assert raised == {("5120", "node2", "1")}
+        # the job-wide hang names the rank node2 names, with node2's evidence
+        (job,) = wait_until("GpuJobNcclStall firing", lambda: firing("GpuJobNcclStall"), 60)
+        assert job["labels"]["job_id"] == "5120"
+        assert job["annotations"]["summary"] == (
+            "job 5120 is hung in a collective on 3 of its 4 GPUs; it waits for node2 GPU 1 (rank 3)"
+        )
+
+        # one page for the hang: the rank it waits for, with what the on-call must read
+        def pages() -> list[tuple[dict, dict]]:
+            return [(n, a) for n, a in webhook.alerts() if n["receiver"] == "pager"]
+
+        def culprit_paged() -> list[dict]:
+            return [a for _, a in pages() if a["labels"]["alertname"] == "GpuNcclStallCulprit"]
+
+        (page,) = wait_until("GpuNcclStallCulprit at the pager", culprit_paged, 60)
+        assert {k: page["labels"][k] for k in ("node", "gpu", "job_id", "severity")} == {
+            "node": "node2", "gpu": "1", "job_id": "5120", "severity": "critical",
+        }  # fmt: skip
+        assert re.fullmatch(
+            r"node2 GPU 1 \(\S+:\S+\), pid 6102, rank 3, slurm job 5120 is the rank its job's"
+            r" hung collective waits for: start there",
+            page["annotations"]["summary"],
+        ), page["annotations"]["summary"]
+
+        def evidence() -> dict | None:  # the straggler's, once it fires on node2
+            (alert,) = firing("GpuNcclStallCulprit")
+            annotations = alert["annotations"]
+            return None if "pending" in annotations["description"] else annotations
+
+        annotations = wait_until("the culprit's evidence", evidence, 30)
+        # (its 1-minute average, which the daemon's summary still takes, spans training)
+        assert re.fullmatch(
+            r"GPU at \d+% utilization \(1m average\) while its 1 peer GPU\(s\) run at 100% or more",
+            annotations["description"],
+        ), annotations["description"]
+        assert annotations["remedy"].startswith("Find why this rank lags"), annotations["remedy"]
+
+        # the rest of the hang reached Alertmanager and is inhibited there
+        def inhibited() -> set[tuple[str, str, str]]:
+            held = get_json(f"http://{alertmanager}/api/v2/alerts")
+            return {
+                (a["labels"]["alertname"], a["labels"].get("node", ""), a["labels"].get("gpu", ""))
+                for a in held
+                if a["status"]["state"] == "suppressed"
+            }
+
+        hang = {
+            ("GpuNcclStall", "node1", "0"),
+            ("GpuNcclStall", "node1", "1"),
+            ("GpuNcclStall", "node2", "0"),
+            ("GpuJobNcclStall", "", ""),
+        }
+        wait_until("the hang's other alerts inhibited", lambda: hang <= inhibited(), 30)
+        assert [a["labels"]["alertname"] for _, a in pages()] == ["GpuNcclStallCulprit"]
+        assert len({n["groupKey"] for n, _ in pages()}) == 1
+
+        # nothing for the twin job, not even pending, at any time; GpuJobStraggler only
+        # for node2's GPU 1 (ALERTS holds every pending and firing alert's history)
+        history = prometheus.query_range("ALERTS", fired - 120, time.time(), 1)
+        assert [s["metric"] for s in history if s["metric"].get("gpu") in ("2", "3")] == []
+        assert [s["metric"] for s in history if s["metric"].get("job_id") == "5121"] == []
+        raised = {
+            (s["metric"]["node"], s["metric"]["gpu"])
+            for s in history
+            if s["metric"]["alertname"] == "GpuJobStraggler"
+        }
+        assert raised == {("node2", "1")}
     # the window (WINDOW: utilization averaged below 20 %), FOR, and a scrape and an
     # evaluation cycle each
     print(f"\nonset (first idle scrape) -> GpuJobStraggler firing: {latency:.1f} s")
