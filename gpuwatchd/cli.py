@@ -198,8 +198,8 @@ def simulate(
 
     SCENARIO is a built-in scenario's name or a path to a scenario file.
     """
-    from gpuwatchd.rules.check import check as check_expectations
-    from gpuwatchd.rules.check import firing_intervals, firing_summaries, format_verdicts
+    from gpuwatchd.sim.check import check as check_expectations
+    from gpuwatchd.sim.check import firing_intervals, firing_summaries, format_verdicts
     from gpuwatchd.simulate import Simulation, format_result
 
     _setup_logging(log_level if log_level != "info" else "warning")
@@ -252,7 +252,7 @@ def rules_check(rule_file: Path) -> None:
 @rules.command("detection")
 def rules_detection() -> None:
     """Print the detection table (Markdown) from the scenario corpus, as docs/detection.md."""
-    from gpuwatchd.rules.detection import detection_table
+    from gpuwatchd.sim.detection import detection_table
 
     logging.disable(logging.WARNING)
     click.echo(detection_table(), nl=False)

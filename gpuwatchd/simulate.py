@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from gpuwatchd.config import Config
 from gpuwatchd.daemon import Pipeline
 from gpuwatchd.rules import Transition
-from gpuwatchd.rules.check import MetricWatch
 from gpuwatchd.scheduler import SteppedScheduler
+from gpuwatchd.sim.check import MetricWatch
 from gpuwatchd.sim.node import SimNode
 from gpuwatchd.sim.scenario import Scenario
 

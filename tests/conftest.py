@@ -1,7 +1,7 @@
 """Suite-wide setup: the scenario corpus starts playing as soon as it is collected.
 
 test_detection.py and test_scenario_corpus.py read the replays of every built-in scenario
-(`gpuwatchd.rules.detection`), played in worker processes, one per CPU: started at
+(`gpuwatchd.sim.detection`), played in worker processes, one per CPU: started at
 collection, they play while the rest of the suite mostly waits on real servers and
 processes (at the lowest priority, so as not to hold those up), and those tests, run
 last, take the results.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatchd.rules.detection import play_ahead
+from gpuwatchd.sim.detection import play_ahead
 from gpuwatchd.sim.scenario import builtin_scenarios
 
 CORPUS_FILES = {"test_detection.py", "test_scenario_corpus.py"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from gpuwatchd.config import ConfigError
-from gpuwatchd.rules.check import Intervals, Verdict, check, time_to_resolve
+from gpuwatchd.sim.check import Intervals, Verdict, check, time_to_resolve
 from gpuwatchd.sim.scenario import Scenario, load_scenario
 
 CAUSE = "clock_throttled"
@@ -164,8 +164,8 @@ def test_resolved_by_equal_to_ends_is_valid():
 def test_a_mig_gpus_instances_keep_their_own_intervals():
     """Two instances of GPU 1 fire the same cause, overlapping: each resolution closes its
     own instance's interval, not the other's."""
-    from gpuwatchd.rules.check import firing_intervals
     from gpuwatchd.rules.engine import FIRING, INACTIVE, Transition
+    from gpuwatchd.sim.check import firing_intervals
 
     def t(at: float, instance: str, old: str, new: str) -> Transition:
         return Transition(at, "1", "GPU-b", CAUSE, old, new, "", (), instance)

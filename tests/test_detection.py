@@ -1,12 +1,12 @@
 """docs/detection.md is generated from the corpus and must stay equal to it.
 
-The replays are cached per scenario (`gpuwatchd.rules.detection.replay`), shared with
+The replays are cached per scenario (`gpuwatchd.sim.detection.replay`), shared with
 tests/test_scenario_corpus.py, so the corpus is played once per test session.
 """
 
 from pathlib import Path
 
-from gpuwatchd.rules.detection import detection_table, replay
+from gpuwatchd.sim.detection import detection_table, replay
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -89,3 +89,32 @@ def test_the_dcgm_source_and_the_probe_import_in_one_direction():
     }
     assert "gpuwatchd.sources.dcgm.mig" in judged and "gpuwatchd.sources.probe_gpus" in judged
     assert [sorted(c) for c in circles(graph) if c & judged] == []
+
+
+def reachable(graph: dict[str, set[str]], start: set[str]) -> dict[str, str]:
+    """Every module `start` imports, directly or not: module -> a module that imports it."""
+    seen: dict[str, str] = {}
+    todo = sorted(start)
+    while todo:
+        name = todo.pop()
+        for imported in graph[name] - seen.keys() - start:
+            seen[imported] = name
+            todo.append(imported)
+    return seen
+
+
+def test_the_rules_engine_imports_no_simulator():
+    """The engine runs on every node; the simulator and the scenario checking judge it
+    from outside (issue 39 item 6: `sim/check.py` and `sim/detection.py`, once under
+    `rules/`), so nothing the rules package imports, directly or not, is simulator code."""
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    rules = {n for n in known if n == "gpuwatchd.rules" or n.startswith("gpuwatchd.rules.")}
+    assert "gpuwatchd.rules.engine" in rules and "gpuwatchd.sim.check" in known
+    simulator = ("gpuwatchd.sim.", "gpuwatchd.simulate")
+    found = {
+        f"{importer} imports {name}"
+        for name, importer in reachable(graph, rules).items()
+        if name == "gpuwatchd.sim" or name.startswith(simulator)
+    }
+    assert sorted(found) == []

@@ -314,8 +314,8 @@ def test_a_summary_never_prints_a_value_it_does_not_have():
 
 
 def test_check_flags_a_firing_summary_with_a_missing_value():
-    from gpuwatchd.rules.check import check, firing_summaries
     from gpuwatchd.rules.engine import Transition
+    from gpuwatchd.sim.check import check, firing_summaries
     from gpuwatchd.sim.scenario import load_scenario
 
     scenario = load_scenario("nccl-stall")

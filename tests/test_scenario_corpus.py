@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpuwatchd.rules import load_rules
-from gpuwatchd.rules.check import check, format_verdicts
-from gpuwatchd.rules.detection import replays
+from gpuwatchd.sim.check import check, format_verdicts
+from gpuwatchd.sim.detection import replays
 from gpuwatchd.sim.scenario import builtin_scenarios, load_scenario
 
 

@@ -20,14 +20,14 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from gpuwatchd.config import Config
-from gpuwatchd.rules.check import (
+from gpuwatchd.rules.ruleset import load_rules
+from gpuwatchd.sim.check import (
     Intervals,
     Summaries,
     firing_intervals,
     firing_summaries,
     time_to_resolve,
 )
-from gpuwatchd.rules.ruleset import load_rules
 from gpuwatchd.sim.scenario import Scenario, builtin_scenarios, load_scenario
 
 
