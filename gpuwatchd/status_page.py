@@ -36,6 +36,13 @@ from gpuwatchd.store import Store
 
 _INFO, _LOST = PREFIX + "gpu_info", PREFIX + "gpu_lost"
 _PID, _JOB, _OWNER = (PREFIX + n for n in ("gpu_process_pid", "gpu_process_job", "gpu_owner_info"))
+# the readings dcgm-exporter users look at first, by field of Readings
+_READINGS = {
+    PREFIX + "gpu_utilization_ratio": "utilization",
+    PREFIX + "gpu_temperature_celsius": "temperature",
+    PREFIX + "gpu_power_watts": "power",
+    PREFIX + "gpu_power_limit_watts": "power_limit",
+}
 STALL = "nccl_stall"  # its GPUs wait for a culprit rank of the same job
 # why a rule reading the in-process probe has no value: normal where no job uses it
 NO_PROBE = "needs the in-process probe, which no process on this GPU reports to"
@@ -91,6 +98,29 @@ def gpu_places(samples: Iterable[tuple[tuple[str, tuple[str, ...]], float]]) -> 
 
 
 @dataclass(frozen=True)
+class Readings:
+    """A GPU's latest utilization, temperature and power; None where not current (its
+    source down or stale, or not supported: a MIG GPU has no utilization of its own)."""
+
+    utilization: float | None = None  # 0-1
+    temperature: float | None = None  # degrees Celsius
+    power: float | None = None  # watts
+    power_limit: float | None = None  # watts, the enforced limit
+
+
+def _gpu_readings(
+    samples: Iterable[tuple[tuple[str, tuple[str, ...]], float]],
+) -> dict[str, Readings]:
+    """Each GPU's Readings by uuid (the whole GPU's series, not an instance's)."""
+    found: dict[str, dict[str, float]] = {}
+    for (name, labels), value in samples:
+        field = _READINGS.get(name)
+        if field is not None and len(labels) == 2:  # gpu, uuid
+            found.setdefault(labels[1], {})[field] = value
+    return {uuid: Readings(**fields) for uuid, fields in found.items()}
+
+
+@dataclass(frozen=True)
 class Gpu:
     index: str
     uuid: str
@@ -99,6 +129,7 @@ class Gpu:
     firing: tuple[Cause, ...]
     pending: tuple[Cause, ...]
     where: Where = Where()
+    readings: Readings = Readings()
 
 
 @dataclass(frozen=True)
@@ -225,6 +256,8 @@ class StatusPage:
     def _gpus(self, now: float, shift: float) -> tuple[tuple[Gpu, ...], tuple[Unevaluable, ...]]:
         indexes, lost = self._identities()
         where = self._where()
+        # current values only: a reading of a source down is not what the GPU does now
+        readings = _gpu_readings(self.store.latest(now))
         # the engine's evaluation thread replaces `rules` and `states` on a reload: read
         # each once, and only with .get, so a concurrent cycle never breaks an iteration
         rules = self.engine.rules.rules if self.engine is not None else ()
@@ -242,7 +275,8 @@ class StatusPage:
                     unevaluable.setdefault((cause, reason), []).append(ref.name)
             model = self._models.get(uuid, "")
             gpu = Gpu(index, uuid, model, uuid in lost, _worst_first(firing),
-                      _worst_first(pending), where(uuid))  # fmt: skip
+                      _worst_first(pending), where(uuid),
+                      readings.get(uuid, Readings()))  # fmt: skip
             gpus.append(gpu)
         grouped = tuple(Unevaluable(c, r, tuple(g)) for (c, r), g in unevaluable.items())
         return tuple(gpus), grouped
@@ -430,6 +464,8 @@ code, .uuid { font-family: ui-monospace, "DejaVu Sans Mono", Menlo, monospace;
 .group.critical { border-left-color: var(--critical); }
 .group.warning { border-left-color: var(--warning); }
 .where { color: var(--muted); font-size: .9rem; overflow-wrap: anywhere; }
+.readings { font-variant-numeric: tabular-nums; }
+.readings span { white-space: nowrap; }
 .when { color: var(--muted); font-size: .9rem; }
 .remedy { padding: .4rem .6rem; background: #f1f3f4; border-radius: 4px; }
 .pending { margin-top: .6rem; font-size: .9rem; }
@@ -557,6 +593,7 @@ def _gpu_card(gpu: Gpu, now: float, shared: set[str]) -> str:
         f'<section class="gpu {state} {_e(level)}" id="gpu-{_e(gpu.index)}">',
         f'<h3><span>GPU {_e(gpu.index)}</span><span class="badge {state}">{state}</span></h3>',
         f'<p class="model">{model}</p><p class="uuid">{_e(gpu.uuid)}</p>{_where(gpu.where)}',
+        _readings(gpu),
         *(_firing(gpu, cause, now, cause.name in shared) for cause in gpu.firing),
         *(_pending(cause, now) for cause in gpu.pending),
         "</section>",
@@ -571,6 +608,20 @@ def _where(where: Where) -> str:
     parts += [f"job of pid {_e(where.job)}"] if where.job and where.job != where.pid else []
     parts += [_e(where.owner)] if where.owner else []
     return f'<p class="where">{" · ".join(parts)}</p>' if parts else ""
+
+
+def _readings(gpu: Gpu) -> str:
+    """Utilization, temperature, power (of its limit), as nvidia-smi shows them."""
+    r = gpu.readings
+    parts = [] if r.utilization is None else [f"utilization {r.utilization * 100:.0f}%"]
+    parts += [] if r.temperature is None else [f"{r.temperature:.0f} °C"]
+    if r.power is not None:
+        limit = "" if r.power_limit is None else f" of {r.power_limit:.0f} W"
+        parts.append(f"power {r.power:.0f} W{limit}")
+    # a line breaks between readings, never inside one
+    shown = " · ".join(f"<span>{part}</span>" for part in parts)
+    text = shown or '<span class="muted">no current readings</span>'
+    return f'<p class="readings" id="readings-{_e(gpu.index)}">{text}</p>'
 
 
 def _firing(gpu: Gpu, cause: Cause, now: float, shared: bool) -> str:

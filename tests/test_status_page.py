@@ -35,7 +35,14 @@ from gpuwatchd.scheduler import Poller
 from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.simulate import Simulation
 from gpuwatchd.sources.base import Context, Source, SourceError
-from gpuwatchd.sources.nvml.metrics import INFO, LOST
+from gpuwatchd.sources.nvml.metrics import (
+    INFO,
+    LOST,
+    POWER,
+    POWER_LIMIT,
+    TEMPERATURE,
+    UTILIZATION,
+)
 from gpuwatchd.status_page import Cause, Gpu, NodeStatus, SourceState, StatusPage, render
 from gpuwatchd.store import Store
 
@@ -165,6 +172,22 @@ def test_a_firing_cause_shows_its_evidence_remedy_severity_and_age(pcie_node):
     assert all("firing" not in text and "pending" not in text for text in others)
 
 
+def test_each_gpu_shows_its_utilization_temperature_and_power(pcie_node):
+    """What dcgm-exporter users look at first (GPU_UTIL, GPU_TEMP, POWER_USAGE), from the
+    store's latest values: GPU 3, starved on its link, is the one at half the work."""
+    dom, p = pcie_node.firing, pcie_node.sim.pipeline
+    latest = {(name, labels[:1]): v for (name, labels), v in p.store.latest(p.now())}
+    for gpu in "01234567":
+        util, temp, watts, limit = (
+            latest[(spec.name, (gpu,))] for spec in (UTILIZATION, TEMPERATURE, POWER, POWER_LIMIT)
+        )
+        assert dom[f"readings-{gpu}"] == (
+            f"utilization {util * 100:.0f}% · {temp:.0f} °C · power {watts:.0f} W of {limit:.0f} W"
+        )
+    assert dom["readings-0"].startswith("utilization 95%")
+    assert dom["readings-3"].startswith("utilization 48%")
+
+
 def test_a_pending_cause_shows_since_when(pcie_node):
     dom, engine = pcie_node.pending, pcie_node.sim.pipeline.engine
     assert dom["verdict"] == "No GPU starved (8 GPUs) (1 cause pending)"
@@ -223,7 +246,7 @@ class Nvml(Source):
     """Stands in for the NVML source: returns or raises whatever the test put in `next`."""
 
     name = "nvml"
-    metrics = (INFO, LOST)
+    metrics = (INFO, LOST, UTILIZATION, TEMPERATURE)
 
     def __init__(self) -> None:
         super().__init__(SourceConfig(interval=1, timeout=1), Context())
@@ -259,9 +282,13 @@ def test_a_lost_gpu_and_a_down_source_render():
         t[0] += 1
         return dom
 
+    readings = [Sample(UTILIZATION.name, ("0", "GPU-0"), 0.5)]
+    readings += [Sample(TEMPERATURE.name, ("0", "GPU-0"), 41.0)]
     cycle([info("0", "A100"), lost("0", 0), info("1", "A100 <b>80GB</b>"), lost("1", 0)])
-    dom = cycle([info("0", "A100"), lost("0", 0), lost("1", 1)])  # NVML: GPU 1 is lost
+    dom = cycle([info("0", "A100"), lost("0", 0), lost("1", 1), *readings])  # GPU 1 is lost
     assert "lost" in dom.classes["gpu-1"] and "A100 <b>80GB</b>" in dom["gpu-1"]  # remembered
+    assert dom["readings-0"] == "utilization 50% · 41 °C"
+    assert dom["readings-1"] == "no current readings"
     assert "the driver reports the GPU lost" in dom["gpu-1-gpu_lost"]
     assert dom["verdict"].startswith("1 of 2 GPUs starved: gpu_lost on GPU 1")
     dom = cycle(SourceError("<script>driver gone</script>"))
@@ -269,6 +296,9 @@ def test_a_lost_gpu_and_a_down_source_render():
     assert "GPU-0" in dom["gpu-0"] and "GPU-1" in dom["gpu-1"]  # still listed
     assert "source nvml down" in dom["verdict"]
     assert "nvml" in dom["unevaluable"]  # the rules that read NVML say why they cannot
+    assert dom["readings-0"] == "utilization 50% · 41 °C"  # the last poll's, still current
+    t[0] += 3  # stale 3 s after the last good poll: max(3 x interval, interval + timeout)
+    assert Dom(page().decode())["readings-0"] == "no current readings"  # not shown as now
 
 
 def test_every_value_is_escaped():
@@ -511,6 +541,8 @@ def test_chromium_shows_the_firing_cause_on_a_phone_and_a_desktop(tmp_path):
     assert dom[f"cause-{CAUSE}"].startswith(f"{CAUSE} GPU 3") and "BIOS" in dom[f"cause-{CAUSE}"]
     assert re.search(r"PCI \S+:\S+ · pid \d+", dom["gpu-3"]), dom["gpu-3"]
     assert "read the in-process probe" in dom["probe-rules"]
+    shown = r"utilization \d+% · \d+ °C · power \d+ W of \d+ W"
+    assert re.fullmatch(shown, dom["readings-3"]), dom["readings-3"]
 
 
 if __name__ == "__main__":  # regenerate docs/status-page.png: python tests/test_status_page.py PATH
