@@ -90,7 +90,7 @@ def running_prometheus(
     """A Prometheus scraping `targets` ({job: [host:port, ...]}) every `interval`, with
     `extra_args` on its command line.
 
-    Each target gets a `node` label, as deploy/prometheus/scrape.yaml's relabelling gives
+    Each target gets a `node` label, as deploy/prometheus/prometheus.yml's relabelling gives
     a node's name: `nodes[host:port]`, else the host:port. `scrape_options` go into every
     scrape config (scheme, tls_config, basic_auth). Returns once the server answers queries.
     """
