@@ -553,15 +553,22 @@ def _finding_lines(report: Report) -> list[str]:
     evaluable; a line shared by several GPUs is printed once, with their list."""
     holding = report.holding
     quiet = [gpu for gpu in report.gpus if gpu not in {f.gpu for f in holding}]
-    unknown: dict[str, list[str]] = {}
+    # why a rule cannot judge a GPU (a source down, a series this driver lacks): the
+    # on-call must know which causes this node cannot see, and why
+    unknown: dict[tuple[str, str], list[str]] = {}
     no_probe: dict[str, list[str]] = {}
     for f in report.findings:
         if f.status == NOT_EVALUABLE:
-            into = no_probe if f.cause in report.needs_probe else unknown
-            into.setdefault(f.where, []).append(f.cause)
+            if f.cause in report.needs_probe:
+                no_probe.setdefault(f.where, []).append(f.cause)
+            else:
+                unknown.setdefault((f.where, f.detail), []).append(f.cause)
     pairs = [(f.where, f"{f.cause} ({f.dimension}, {f.severity}): {f.detail}") for f in holding]
     pairs += [(gpu, "no cause holds") for gpu in quiet]
-    pairs += [(gpu, f"not evaluable: {', '.join(causes)}") for gpu, causes in unknown.items()]
+    pairs += [
+        (gpu, f"cannot judge {', '.join(causes)}: {why}")
+        for (gpu, why), causes in unknown.items()
+    ]
     pairs += [
         (gpu, f"need the in-process probe (docs/probe.md), not reporting here: {', '.join(c)}")
         for gpu, c in no_probe.items()

@@ -460,7 +460,7 @@ def test_compat_names_labels_and_units_match_dcgm_exporter_defaults(make):
         "GPU_I_PROFILE": "",
         "GPU_I_ID": "",
         "Hostname": "sim-hgx-a100",
-        "DCGM_FI_DRIVER_VERSION": "550.90.07",
+        "DCGM_FI_DRIVER_VERSION": "555.42.06",
     }
     assert labels["pci_bus_id"].startswith("00000000:") and labels["pci_bus_id"].endswith(":00.0")
     # DCGM's raw units, as dcgm-exporter passes them on

@@ -128,7 +128,7 @@ def test_findings_shared_by_gpus_print_once_with_their_list(pcie):
         "  GPUs 0-7: need the in-process probe (docs/probe.md), not reporting here: "
         "input_pipeline_stall, pin_memory_disabled, memory_fragmentation, slow_cuda_start"
     )
-    assert not [line for line in findings if "not evaluable" in line]
+    assert not [line for line in findings if "cannot judge" in line]
     assert findings[3].startswith("  where GPU 3 is: PCI ") and len(findings) == 4
 
 
@@ -336,3 +336,18 @@ def test_real_node_json(real_node):
     assert "nvml" in report["sources_down"]
     assert {d["status"] for d in report["dimensions"]} == {"not checked"}
     assert {c["check"] for c in report["host_checks"]} == {spec.name for spec in HOST_CHECKS}
+
+
+def test_a_rule_that_cannot_judge_the_node_says_why(tmp_path):
+    """Issue 39 (3): on an R535 driver NVML has no PCIe byte counters and nccl_stall reads
+    DCGM's instead; without DCGM as well, doctor says the rule cannot judge these GPUs and
+    why, rather than a bare 'not evaluable'."""
+    text = (Path(__file__).parent.parent / "gpuwatchd" / "sim" / "scenarios"
+            / "nccl-hang-r535-dcgm-8xh100.yaml").read_text()
+    scenario = tmp_path / "r535-no-dcgm.yaml"
+    scenario.write_text(text.replace('dcgm: "3"', "dcgm: none"))
+    result = doctor("--simulate", str(scenario), "--at", "500")
+    findings = result.output.split("per-GPU findings:\n")[1].split("\n\n")[0].splitlines()
+    (line,) = [line for line in findings if "cannot judge" in line]
+    assert line.startswith("  GPUs 0-7: cannot judge ") and "nccl_stall" in line, line
+    assert line.endswith(": source dcgm down or disabled"), line

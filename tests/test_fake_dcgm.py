@@ -236,7 +236,7 @@ def test_discovery_matches_the_nvml_fake(node: Node):
     assert attrs.identifiers.deviceName == "NVIDIA A100-SXM4-80GB"
     bus_id = attrs.identifiers.pciBusId
     assert bus_id.startswith("00000000:") and bus_id.endswith(".0")
-    assert attrs.identifiers.driverVersion == "550.90.07"
+    assert attrs.identifiers.driverVersion == "555.42.06"
     meta = system.fields.GetFieldById(1002)
     assert (meta.tag, meta.fieldType) == ("sm_active", "d")
     assert system.fields.GetFieldByTag("power_usage").fieldId == 155

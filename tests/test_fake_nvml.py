@@ -80,9 +80,9 @@ def test_driver_not_loaded():
 
 def test_system_and_identity():
     nv, _, _, timeline = start("healthy-8gpu")
-    assert nv.nvmlSystemGetDriverVersion() == "550.90.07"
-    assert nv.nvmlSystemGetCudaDriverVersion() == 12040
-    assert nv.nvmlSystemGetCudaDriverVersion_v2() == 12040
+    assert nv.nvmlSystemGetDriverVersion() == "555.42.06"
+    assert nv.nvmlSystemGetCudaDriverVersion() == 12050
+    assert nv.nvmlSystemGetCudaDriverVersion_v2() == 12050
     uuids = set()
     for i in range(nv.nvmlDeviceGetCount()):
         handle = nv.nvmlDeviceGetHandleByIndex(i)
@@ -400,7 +400,7 @@ def test_injected_failures_and_call_counts():
     with pytest.raises(nv.NVMLError_NoPermission):
         nv.nvmlSystemGetDriverVersion()
     fake.clear_failures()
-    assert nv.nvmlSystemGetDriverVersion() == "550.90.07"
+    assert nv.nvmlSystemGetDriverVersion() == "555.42.06"
 
 
 def test_calls_cost_what_the_settings_say(monkeypatch):

@@ -144,7 +144,7 @@ def test_healthy_node_every_family_with_its_units():
     got = sim.slow_read_after(1)
     values = sim.timeline.state(600.0)[0]
     assert got.by_name[P + "nvml_devices"] == {(): 8.0}
-    assert got.by_name[P + "cuda_driver_version"] == {(): pytest.approx(12.4)}
+    assert got.by_name[P + "cuda_driver_version"] == {(): pytest.approx(12.5)}
     for i in range(8):
         v = values[i]
         uuid = gpu_uuid("sim-hgx-a100", i)
@@ -152,7 +152,7 @@ def test_healthy_node_every_family_with_its_units():
         assert {labels[1] for _, labels in got.samples_of(i)} == {uuid}
         bdf = sim.timeline.topology.gpu(i).bdf
         assert got.gpu("gpu_info", i) == {
-            ("NVIDIA A100-SXM4-80GB", bdf, "550.90.07", "12.4"): 1.0}
+            ("NVIDIA A100-SXM4-80GB", bdf, "555.42.06", "12.5"): 1.0}
         assert got.value("gpu_lost", i) == 0
         assert got.value("gpu_utilization_ratio", i) == pytest.approx(v["utilization_gpu"] / 100)
         assert got.value("gpu_memory_utilization_ratio", i) == pytest.approx(0.42)

@@ -275,6 +275,37 @@ def test_lowest_peer_names_the_least_busy_other_gpu_of_the_job():
         parse_rules(rule("lowest_peer(gpu_utilization_ratio, 2) > 0"), "t", CATALOG)
 
 
+
+def test_peers_of_an_expression_judges_each_peer_as_its_own_gpu():
+    """peers(expr) evaluates `expr` on each other GPU of the job as if it were the one
+    judged (its own series, windows included); a peer where it has no value is left out;
+    highest_peer(expr) names the peer where it is highest (issue 39: judge a peer with the
+    rule's own idle test, not one series)."""
+    busy = "gpu_utilization_ratio > 0.5 and gpu_power_watts > 200"
+    node = Node(rule(f"sum(peers({busy})) >= 1 and highest_peer({busy}) == 1"))
+    jobs = [Sample("gpuwatchd_gpu_process_job", (gpu, uuid), 7) for gpu, uuid, _ in GPUS]
+    node.store.update("processes", 0, jobs)
+    # GPU 1 busy by utilization alone, at low power: not busy by the expression
+    node.step(0, gpu_utilization_ratio=[0.1, 0.9], gpu_power_watts=[80, 90])
+    assert node.state(0) == INACTIVE
+    node.step(10, gpu_utilization_ratio=[0.1, 0.9], gpu_power_watts=[80, 300])
+    assert node.state(0) == FIRING
+    assert node.state(1) == INACTIVE  # its peer (GPU 0) is not busy
+    # a peer without the series is left out, not an error on the judged GPU
+    node.nvml(20, gpu_utilization_ratio=[0.1, 0.9])
+    node.engine.evaluate(20)
+    assert node.state(0) == INACTIVE
+    # windows read the peer's own history
+    windowed = Node(rule("max(peers(max_over(gpu_power_watts, '1m'))) > 250"))
+    windowed.store.update("processes", 0, jobs)
+    windowed.step(0, gpu_utilization_ratio=[0.1, 0.9], gpu_power_watts=[80, 300])
+    windowed.step(30, gpu_utilization_ratio=[0.1, 0.9], gpu_power_watts=[80, 100])
+    assert windowed.state(0) == FIRING and windowed.state(1) == INACTIVE
+    windowed.step(100, gpu_utilization_ratio=[0.1, 0.9], gpu_power_watts=[80, 100])
+    assert windowed.state(0) == INACTIVE
+    with pytest.raises(RulesError, match="peers\\(\\): expected a series or a number"):
+        parse_rules(rule("max(peers('5m')) > 0"), "t", CATALOG)
+
 def summary_rule(summary: str) -> str:
     return rule("gpu_utilization_ratio > 0.5").replace(
         'summary: "util {{ gpu_utilization_ratio * 100 }}%"', f"summary: >\n      {summary}"
@@ -312,6 +343,45 @@ def test_a_summary_never_prints_a_value_it_does_not_have():
     with pytest.raises(RulesError, match="when"):
         parse_rules(summary_rule("{{ when(1) }}"), "t", CATALOG)
 
+
+
+def test_names_lists_the_places_a_summary_points_at():
+    """names(s, template) tells each nonzero series of `s` for this GPU by its labels and
+    the same-labelled series of other families (issue 39, class 4: the on-call acts on
+    the name); without one, an optional clause drops out."""
+    reasons = "gpu_clock_event_reason_active"
+    node = Node(
+        summary_rule(
+            "held by {{ names(" + reasons + ", '{reason}') }}"
+            "[[; Xids {{ names(gpu_xid_errors_total, '{xid} x{gpu_xid_errors_total}') }}]]"
+        )
+    )
+
+    def reason_rows(now: float, active: dict[str, float]) -> None:
+        node.store.update("clocks", now, [
+            Sample(f"gpuwatchd_{reasons}", ("0", "GPU-a", reason), value)
+            for reason, value in active.items()
+        ])
+
+    reason_rows(0, {"sw_power_cap": 1, "hw_slowdown": 1, "gpu_idle": 0})
+    node.step(0, gpu_utilization_ratio=[0.9, 0.1])
+    state = node.engine.states[("GPU-a", "cause_x")]
+    assert state.summary == "held by hw_slowdown, sw_power_cap"  # sorted; 0 left out
+    many = {f"r{i:02}": 1.0 for i in range(11)}
+    reason_rows(10, many)
+    node.store.update("xids", 10, [
+        Sample("gpuwatchd_gpu_xid_errors_total", ("0", "GPU-a", "79"), 2),
+    ])
+    node.step(10, gpu_utilization_ratio=[0.9, 0.1])
+    rule_ = node.engine.rules.rules[0]
+    summary, _ = node.engine.evidence(rule_, node.engine.gpus["GPU-a"])
+    assert summary == (
+        "held by r00, r01, r02, r03, r04, r05, r06, r07 and 3 more; Xids 79 x2"
+    )
+    with pytest.raises(RulesError, match=r"\{gpu_power_watts\} is neither a label"):
+        parse_rules(summary_rule("{{ names(" + reasons + ", '{gpu_power_watts}') }}"), "t", CATALOG)
+    with pytest.raises(RulesError, match="template string"):
+        parse_rules(summary_rule("{{ names(" + reasons + ") }}"), "t", CATALOG)
 
 def test_check_flags_a_firing_summary_with_a_missing_value():
     from gpuwatchd.rules.engine import Transition

@@ -161,7 +161,9 @@ def test_a_file_costlier_than_the_bound_is_refused(tmp_path: Path) -> None:
 
 def test_the_default_rules_are_well_within_every_bound() -> None:
     rules = load_rules(None, CATALOG)
-    assert rules.cost * 4 <= language.MAX_FILE_COST  # a quarter of a file's budget at most
+    # under 30 % of a file's budget: room for a site's own rules beside them (nccl_stall's
+    # peer tests, each an expression judged on up to 64 peers, took it past a quarter)
+    assert rules.cost <= 0.3 * language.MAX_FILE_COST
     assert all(r.expr.cost * 3 <= language.MAX_EXPRESSION_COST for r in rules.rules)
 
 

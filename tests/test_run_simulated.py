@@ -105,8 +105,8 @@ def test_info_labels_and_per_label_families(daemon):
     got = complete_scrape(daemon)
     info = got["gpuwatchd_gpu_info"][0].labels
     assert info["model"] == "NVIDIA A100-SXM4-80GB"
-    assert info["driver_version"] == "550.90.07"
-    assert info["cuda_driver_version"] == "12.4"
+    assert info["driver_version"] == "555.42.06"
+    assert info["cuda_driver_version"] == "12.5"
     uuids = {s.labels["uuid"] for s in got["gpuwatchd_gpu_info"]}
     assert len(uuids) == 8
     nvlinks = got["gpuwatchd_gpu_nvlinks_active"]

@@ -19,7 +19,6 @@ so `for` and `keep_firing_for` advance with the clock exactly as if it had been.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import threading
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from gpuwatchd.exposition import Rows
 from gpuwatchd.metrics import GPU_LABELS, PREFIX, MetricSpec, counter, gauge
-from gpuwatchd.rules.evaluator import Evaluator, GpuRef, PeerName, Reads, subject_name
+from gpuwatchd.rules.evaluator import Evaluator, GpuRef, Reads, format_value, subject_name
 from gpuwatchd.rules.language import PEER_GROUPING, Catalog, Missing, OverBudget, Selector
 from gpuwatchd.rules.ruleset import Rule, RulesError, RuleSet, load_rules
 from gpuwatchd.rules.snapshot import Changed, LiveIndex
@@ -579,7 +578,7 @@ class RuleEngine:
                 if value is None:
                     continue
                 try:
-                    texts.append(_format(self.evaluator.evaluate(value, gpu)))
+                    texts.append(format_value(self.evaluator.evaluate(value, gpu)))
                 except Exception:  # evidence is best effort: no value, or a bug
                     if clause.optional:
                         texts = []
@@ -674,12 +673,6 @@ def _idle(state: AlertState) -> bool:
     return state.state == NOT_EVALUABLE or (state.state == INACTIVE and state.outcome is False)
 
 
-def _format(value: float) -> str:
-    if isinstance(value, PeerName):  # a GPU instance is "0/2", not its GPU's index
-        return value.name
-    if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return f"{value:.3g}"
 
 
 class RuleFileWatcher:

@@ -85,17 +85,35 @@ def subject_name(gpu: str, instance: str) -> str:
     return f"{gpu}/{instance}" if instance else gpu
 
 
-class PeerName(float):
-    """What lowest_peer() / highest_peer() answer: the peer's GPU index (its `gpu`
-    label), which a summary shows by the peer's subject name, "3" or "0/2" for a MIG GPU
-    instance (two instances of one GPU share its index)."""
+class Named(float):
+    """A number a summary shows by a name: lowest_peer() / highest_peer() answer the
+    peer's GPU index (its `gpu` label), shown as the peer's subject name ("3", or "0/2"
+    for a MIG GPU instance: two instances of one GPU share its index); names() the count
+    of the places it lists, shown as the list."""
 
     name: str
 
-    def __new__(cls, peer: GpuRef) -> PeerName:
-        value = super().__new__(cls, float(peer.gpu))
-        value.name = peer.name
-        return value
+    def __new__(cls, value: float, name: str) -> Named:
+        named = super().__new__(cls, value)
+        named.name = name
+        return named
+
+
+def peer_name(peer: GpuRef) -> Named:
+    return Named(float(peer.gpu), peer.name)
+
+
+NAMES_SHOWN = 8  # places names() lists; more are counted ("and 3 more")
+
+
+def format_value(value: float) -> str:
+    """How a summary prints a number: its name if it has one, integers whole, else three
+    significant digits."""
+    if isinstance(value, Named):
+        return value.name
+    if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.3g}"
 
 
 @dataclass
@@ -137,7 +155,11 @@ class Evaluator:
             "_peers": self._peers,
             "_lowest_peer": self._lowest_peer,
             "_highest_peer": self._highest_peer,
+            "_peers_of": self._peers_of,
+            "_lowest_peer_of": self._lowest_peer_of,
+            "_highest_peer_of": self._highest_peer_of,
             "_when": self._when,
+            "_names": self._names,
             "_div": self._div,
             "_abs": abs,
             "_time": self._time,
@@ -164,7 +186,7 @@ class Evaluator:
         self.work, self.budget = 0, compiled.cost * RUN_BUDGET_FACTOR
         try:
             value = eval(compiled.bytecode(), self._globals)
-            return value if isinstance(value, PeerName) else float(value)
+            return value if isinstance(value, Named) else float(value)
         finally:
             self.reads, self.budget = None, math.inf
 
@@ -289,14 +311,48 @@ class Evaluator:
         """As _lowest_peer, where the selector is highest."""
         return self._extreme_peer(index, -1.0)
 
-    def _extreme_peer(self, index: int, sign: float) -> PeerName:
-        values = self._peer_values(index)
+    def _peers_of(self, judge: Callable[[], float]) -> list[float]:
+        """An expression's value on each other GPU of this GPU's job, judged there."""
+        return [value for _, value in self._peer_judgements(judge)]
+
+    def _lowest_peer_of(self, judge: Callable[[], float]) -> float:
+        return self._named_peer(self._peer_judgements(judge), 1.0)
+
+    def _highest_peer_of(self, judge: Callable[[], float]) -> float:
+        return self._named_peer(self._peer_judgements(judge), -1.0)
+
+    def _extreme_peer(self, index: int, sign: float) -> Named:
+        return self._named_peer(self._peer_values(index), sign)
+
+    @staticmethod
+    def _named_peer(values: list[tuple[GpuRef, float]], sign: float) -> Named:
         if not values:
             raise Missing("no peers")
         # min() keeps the first of equals: the peers come in subject order (by index, a
         # GPU before its instances)
         peer, _ = min(values, key=lambda pair: sign * pair[1])
-        return PeerName(peer)
+        return peer_name(peer)
+
+    def _names(self, index: int, template: str, others: tuple[tuple[str, int], ...]) -> Named:
+        """The nonzero series of the selector, each told by `template` from its labels and
+        the same-labelled series of `others` (family name, selector); no value if none."""
+        selector = self._sel(index)
+        labels = self.family(selector).spec.labels
+        rows = [r for r in self.rows(selector) if r[1]]
+        if not rows:
+            raise Missing(f"no nonzero {selector.describe()}")
+        values = {
+            name: {r[0]: r[1] for r in self.rows(self._sel(other))} for name, other in others
+        }
+        shown = []
+        for key, _ in sorted(rows)[:NAMES_SHOWN]:
+            fields: dict[str, str] = dict(zip(labels, key, strict=True))
+            for name, by_key in values.items():
+                value = by_key.get(key)
+                fields[name] = "unknown" if value is None else format_value(value)
+            shown.append(template.format_map(fields))
+        more = len(rows) - len(shown)
+        return Named(len(rows), ", ".join(shown) + (f" and {more} more" if more else ""))
 
     @staticmethod
     def _when(holds: float, value: float) -> float:
@@ -318,6 +374,25 @@ class Evaluator:
                 rows = self.rows(selector, other)
                 if rows:
                     values.append((other, rows[0][1]))
+        return values
+
+    def _peer_judgements(self, judge: Callable[[], float]) -> list[tuple[GpuRef, float]]:
+        """(the peer; `judge`'s value evaluated as if the peer were this GPU) on the other
+        GPUs of this GPU's job; a peer where it has no value is left out, as peers() leaves
+        out a peer without the series."""
+        mine, me = self._job(self.gpu), self.gpu
+        if mine is None:
+            return []
+        values = []
+        for other in self.gpus:
+            if other.id != me.id and self._job(other) == mine:
+                self.gpu = other
+                try:
+                    values.append((other, float(judge())))
+                except Missing:
+                    pass
+                finally:
+                    self.gpu = me
         return values
 
     def _series_aggregate(self, how: str) -> Callable[[int], float]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import difflib
 import math
+import string
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -569,25 +570,9 @@ class _Checker:
             self.fail(node, f"{name}() takes a series, peers(...), or (max/min) 2+ numbers")
             return None, None
         if name in ("peers", "lowest_peer", "highest_peer"):
-            if len(args) != 1:
-                self.fail(node, f"{name}() takes one series")
-                return None, None
-            got, _ = self.visit(args[0])
-            if got is None:
-                return None, None
-            if not isinstance(got, Selector) or got.multi:
-                self.fail(args[0], f"{name}(): expected a series with one value per GPU")
-                return None, None
-            self.spend(node, _PEERS * got.family.max_series)  # a lookup per peer GPU
-            # the series peers() groups GPUs by are inputs too (the engine indexes the
-            # families an expression's selectors name), though never required ones
-            for grouping in PEER_GROUPING:
-                family = self.catalog.families.get(grouping)
-                if family is not None:
-                    self.selectors.append(Selector(family, (), multi=False))
-            if name != "peers":
-                return NUM, self._call(f"_{name}", self._index(got))
-            return LIST, self._call("_peers", self._index(got))
+            return self._peer_call(node, name)
+        if name == "names":
+            return self._names_call(node)
         if name in ("present", "default"):
             want = 1 if name == "present" else 2
             if len(args) != want:
@@ -632,13 +617,91 @@ class _Checker:
             return NUM, self._call("_time")
         known = sorted(
             [*WINDOW_FUNCTIONS, *AGGREGATES, "series", "peers", "lowest_peer", "highest_peer"]
-            + ["present", "default", "abs", "when", "time"]
+            + ["present", "default", "abs", "when", "time", "names"]
         )
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]}()?)" if close else ""
         self.fail(node.func, f"unknown function {name}(){hint}")
         return None, None
 
+
+    def _peer_call(self, node: ast.Call, name: str) -> tuple[Any, ast.expr | None]:
+        """peers(x), lowest_peer(x), highest_peer(x): x is a series with one value per GPU,
+        or any number expression, judged on each peer GPU as if it were this one (the
+        same test a rule applies to its own GPU, applied to a peer)."""
+        if len(node.args) != 1:
+            self.fail(node, f"{name}() takes one series or expression")
+            return None, None
+        arg, before = node.args[0], self.cost
+        got, rewritten = self.visit(arg)
+        if got is None or rewritten is None:
+            return None, None
+        # the series peers() groups GPUs by are inputs too (the engine indexes the
+        # families an expression's selectors name), though never required ones
+        for grouping in PEER_GROUPING:
+            family = self.catalog.families.get(grouping)
+            if family is not None:
+                self.selectors.append(Selector(family, (), multi=False))
+        if isinstance(got, Selector):
+            if got.multi:
+                self.fail(arg, f"{name}(): expected a series with one value per GPU")
+                return None, None
+            self.spend(node, _PEERS * got.family.max_series)  # a lookup per peer GPU
+            return (LIST if name == "peers" else NUM), self._call(f"_{name}", self._index(got))
+        if got != NUM:
+            self.fail(arg, f"{name}(): expected a series or a number expression")
+            return None, None
+        self.spend(node, (_PEERS - 1) * (self.cost - before))  # evaluated on every peer
+        judge = ast.Lambda(
+            args=ast.arguments(
+                posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[],
+                kwarg=None, defaults=[],
+            ),
+            body=rewritten,
+        )  # fmt: skip
+        return (LIST if name == "peers" else NUM), self._call(f"_{name}_of", judge)
+
+
+    def _names_call(self, node: ast.Call) -> tuple[Any, ast.expr | None]:
+        """names(s, 'template'): the series `s` matches for this GPU that are nonzero, each
+        told by `template`, where {label} is one of `s`'s labels and {family} another
+        family's value on the series with the same labels ('{role} {device} at
+        Gen{pcie_link_generation}'). In a summary: the place the on-call acts on."""
+        args = node.args
+        template = args[1] if len(args) == 2 else None
+        if not (isinstance(template, ast.Constant) and isinstance(template.value, str)):
+            self.fail(node, "names() takes a series and a template string, e.g. '{device}'")
+            return None, None
+        got, _ = self.visit(args[0])
+        if got is None:
+            return None, None
+        if not isinstance(got, Selector):
+            self.fail(args[0], "names(): expected a series name or series(...)")
+            return None, None
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(template.value) if f is not None]
+        except ValueError as e:
+            self.fail(template, f"names(): template: {e}")
+            return None, None
+        others: list[ast.expr] = []
+        for name in dict.fromkeys(fields):
+            if name in got.family.own_labels:
+                continue
+            other = self.catalog.families.get(name)
+            if other is None or other.spec.labels != got.family.spec.labels:
+                own = ", ".join(got.family.own_labels) or "none"
+                self.fail(
+                    template,
+                    f"names(): {{{name}}} is neither a label of {got.family.name!r} ({own}) "
+                    "nor a family with the same labels",
+                )
+                return None, None
+            selector = self._make(other, got.matchers, template)
+            pair: list[ast.expr] = [self._const(name), self._index(selector)]
+            others.append(ast.Tuple(elts=pair, ctx=ast.Load()))
+        return NUM, self._call(
+            "_names", self._index(got), template, ast.Tuple(elts=others, ctx=ast.Load())
+        )
 
 def _label_values(node: ast.expr) -> tuple[str, ...] | None:
     """A matcher's value: 'x', or ['x', 'y', ...] (up to _MULTI_SERIES); None if neither."""

@@ -94,6 +94,15 @@ HANG_CAP_SECONDS = 60.0  # a hung call never blocks longer than this (real time)
 REAL_TIME_RESOLUTION = 0.05  # real-time clocks: state is recomputed at most this often
 
 _VERSION_SUFFIX = re.compile(r"_v\d+$")
+# Field values a driver branch added: an older driver answers NOT_SUPPORTED for them
+# (nvml.h of R555 first defines the PCIe byte counters; R535/R550 nodes lack them)
+FIELDS_SINCE = {"NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 555, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 555}
+
+
+def _branch(driver_version: str) -> int:
+    """The driver branch of a version string ("535.161.08" -> 535)."""
+    major = driver_version.split(".", 1)[0]
+    return int(major) if major.isdigit() else 0
 
 
 _module_ids = itertools.count()
@@ -446,7 +455,11 @@ class FakeNvmlLib(DeviceReads, MigReads):
         unsupported = self._unsupported_names.get(name)
         if unsupported is None:
             base = _VERSION_SUFFIX.sub("", name)
-            unsupported = name in self._unsupported or base in self._unsupported
+            unsupported = (
+                name in self._unsupported
+                or base in self._unsupported
+                or _branch(self.node.driver_version) < FIELDS_SINCE.get(name, 0)
+            )
             self._unsupported_names[name] = unsupported
         return unsupported
 

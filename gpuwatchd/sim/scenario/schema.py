@@ -165,8 +165,8 @@ class Phase(Strict):
 
 class Node(Strict):
     hostname: str = "sim-node"
-    driver_version: str = "550.90.07"
-    cuda_driver_version: int = 12040  # as nvmlSystemGetCudaDriverVersion: 1000*major + 10*minor
+    driver_version: str = "555.42.06"  # R555: NVML has the PCIe byte counters
+    cuda_driver_version: int = 12050  # as nvmlSystemGetCudaDriverVersion: 1000*major + 10*minor
     gpu_model: str | GpuModel = "a100-sxm4-80gb"
     gpu_count: int = Field(8, ge=0, le=256)
     pcie_topology: Literal["switched", "direct"] = "switched"
