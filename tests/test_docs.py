@@ -24,3 +24,17 @@ def test_readme_names_every_builtin_scenario_and_command():
         assert f"`{name}`" in readme, name
     for command in main.commands:
         assert f"gpuwatchd {command}" in readme, command
+
+
+def test_readme_shows_the_status_page_and_every_option_of_run():
+    """Command 1 names the status page beside /metrics; the command table's `gpuwatchd run`
+    row names each of its options (--at was missing; --log-level, every command's, is not
+    listed)."""
+    readme = (ROOT / "README.md").read_text()
+    command_1 = readme.split("# 1. ")[1].split("\n# 2. ")[0]
+    assert "status page at http://127.0.0.1:9766/," in command_1
+    (row,) = [line for line in readme.splitlines() if line.startswith("| `gpuwatchd run ")]
+    options = [
+        max(p.opts, key=len) for p in main.commands["run"].params if p.opts[0] != "--log-level"
+    ]
+    assert [o for o in options if o not in row] == []
