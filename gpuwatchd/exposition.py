@@ -4,7 +4,8 @@ prometheus_client's own generators re-validate and re-escape every label of ever
 sample on every render (about 11 ms for both formats at 8 GPUs, measured in
 bench/bench_cycle.py), which alone would exceed the daemon's per-cycle CPU budget.
 This renderer produces byte-identical output (tests/test_exposition.py checks it
-against prometheus_client's generators) while escaping each series' labels once: the
+against prometheus_client's generators), but for control characters in label values,
+which it writes as visible text (`visible`), while escaping each series' labels once: the
 sample lines are shared by both formats, which differ only in their HELP/TYPE headers
 and OpenMetrics' closing `# EOF` (which the caller adds after the last part, so
 parts rendered at different times can be joined).
@@ -13,6 +14,7 @@ parts rendered at different times can be joined).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
 from prometheus_client.utils import floatToGoString
@@ -26,6 +28,20 @@ _LabelKey = tuple[tuple[str, ...], tuple[str, ...]]
 
 def escape_label_value(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+# Control characters other than the newline the format escapes (C0, DEL, C1): a process
+# name is its owner's to choose (prctl, exec -a), and a raw ESC or CR reaches whoever
+# reads the exposition in a terminal (issue 41). The format has no escape for them
+# (promtool refuses `\r`), so each becomes the visible text \xNN.
+_CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(value: str) -> str:
+    """`value` with every control character but the newline written as the text \\xNN."""
+    if _CONTROL.search(value) is None:
+        return value
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value)
 
 
 def _headers(spec: MetricSpec) -> tuple[str, str]:
@@ -54,7 +70,7 @@ class Renderer:
         if not names:
             return ""
         pairs = sorted(zip(names, values, strict=True))
-        return "{" + ",".join(f'{n}="{escape_label_value(v)}"' for n, v in pairs) + "}"
+        return "{" + ",".join(f'{n}="{escape_label_value(visible(v))}"' for n, v in pairs) + "}"
 
     def render(self, families: Iterable[tuple[MetricSpec, Rows | None]]) -> tuple[bytes, bytes]:
         old = self._families

@@ -1,20 +1,34 @@
-"""The fast renderer must produce exactly what prometheus_client's generators produce."""
+"""The fast renderer must produce exactly what prometheus_client's generators produce,
+but for control characters in label values, which it writes as visible text (issue 41)."""
 
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
+from importlib import resources
 
+import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
+from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from gpuwatchd.exposition import OPENMETRICS_EOF, Renderer
+from gpuwatchd.config import Config
+from gpuwatchd.exposition import OPENMETRICS_EOF, Renderer, visible
 from gpuwatchd.metrics import MetricSpec
+from gpuwatchd.sim.scenario.schema import Scenario
+from gpuwatchd.simulate import Simulation
 
 label_names = st.sampled_from(["gpu", "uuid", "reason", "a_b", "zz"])
-label_values = st.text(max_size=12)  # any unicode, quotes, backslashes, newlines
+# any unicode, quotes, backslashes, newlines; no other control character (written apart)
+label_values = st.text(
+    st.characters(blacklist_categories=("Cs", "Cc")) | st.just("\n"), max_size=12
+)
 values = st.one_of(
     st.floats(allow_nan=False),
     st.integers(-(2**60), 2**60).map(float),
@@ -63,6 +77,49 @@ def reference(fams) -> tuple[bytes, bytes]:
 def test_byte_identical_to_prometheus_client(fams):
     text, openmetrics = Renderer().render(fams)
     assert (text, openmetrics + OPENMETRICS_EOF) == reference(fams)
+
+
+def controls(text: str) -> list[str]:
+    """The control characters in `text` but its newlines."""
+    return [c for c in text if c != "\n" and (c < " " or "\x7f" <= c <= "\x9f")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=12), min_size=1, max_size=4, unique=True))
+def test_control_characters_in_label_values_are_written_as_visible_text(names):
+    """A raw ESC, CR or C1 byte in a label value (a process name is its owner's to choose)
+    used to reach the exposition as it was; now each is the text \\xNN, and both parsers
+    read back exactly that text."""
+    spec = MetricSpec("gpuwatchd_x", "x", ("name",))
+    rows = [((name,), 1.0) for name in names]
+    text, openmetrics = Renderer().render([(spec, rows)])
+    shown = [((visible(name),), 1.0) for name in names]
+    assert (text, openmetrics + OPENMETRICS_EOF) == reference([(spec, shown)])
+    for body in (text.decode(), (openmetrics + OPENMETRICS_EOF).decode()):
+        assert not controls(body)
+    parsed = [s.labels["name"] for f in parse_text(text.decode()) for s in f.samples]
+    assert parsed == [visible(name) for name in names]
+    om = parse_om((openmetrics + OPENMETRICS_EOF).decode())
+    assert [s.labels["name"] for f in om for s in f.samples] == parsed
+
+
+def test_a_process_name_with_escapes_reaches_the_exposition_visible_and_valid():
+    """A tenant's process renamed to ESC [2J (clear screen), CR and CSI (C1): the
+    simulated node's /proc hands the processes source those bytes; the exposition shows
+    them as text, and promtool accepts it."""
+    text = (resources.files("gpuwatchd.sim.scenarios") / "healthy-8gpu.yaml").read_text()
+    text = text.replace("name: python,", 'name: "py\\e[2J\\rthon\\x9b",', 1)
+    simulation = Simulation(Scenario.model_validate(yaml.safe_load(text)), Config())
+    try:
+        body = simulation.run(until=5).exposition
+    finally:
+        simulation.close()
+    assert b'name="py\\\\x1b[2J\\\\x0dthon\\\\x9b"' in body
+    assert not controls(body.decode())
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (Debian's prometheus package)")
+    check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True)
+    assert check.returncode == 0, check.stderr.decode()
 
 
 def test_cached_labels_follow_the_series():
