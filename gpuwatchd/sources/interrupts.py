@@ -41,6 +41,9 @@ label (LOC, NMI) for summary rows; an excluded row counts nowhere.
     gpuwatchd_interrupt_max_line_per_second{class}    busiest row of a device class
     gpuwatchd_interrupt_storm_lines{class}            rows of a device class over
                                                       `storm_threshold` (10 000/s)
+    gpuwatchd_interrupt_storm_line_per_second{class,irq,action}
+                                                      each such row (the busiest 8),
+                                                      named as the kernel prints it
     gpuwatchd_cpu_interrupts_per_second{cpu,class}    device classes only, and only for
                                                       (CPU, class) pairs at or over
                                                       `cpu_floor` (100/s)
@@ -74,7 +77,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 from operator import ne, sub
 from typing import NamedTuple
@@ -94,6 +97,7 @@ U32 = 1 << 32
 # A per-CPU count that fell is read as a u32 wrap only if the wrapped delta means at
 # most this many interrupts per second on that CPU; anything more is a reset.
 MAX_RATE_PER_CPU = 5_000_000.0
+MAX_STORM_SERIES = 8  # storm rows exported by name, the busiest: the series stay bounded
 _MAX_DIGITS = 20  # a u64 has 20 digits; longer is garbage
 
 _CLASS_RULES = (
@@ -364,6 +368,8 @@ class Rates:
     max_line: dict[str, float]
     storm_lines: dict[str, int]
     per_cpu: dict[tuple[int, str], float]  # (cpu, device class) -> interrupts/s
+    # the rows over the threshold, the busiest first: (class, irq, action names, per second)
+    storms: list[tuple[str, str, str, float]] = field(default_factory=list)
 
 
 @register
@@ -393,6 +399,13 @@ class InterruptsSource(Source):
             "interrupt_storm_lines",
             "IRQ rows of the device class over the storm threshold (default 10000/s).",
             ("class",),
+            export="nonzero",
+        ),
+        gauge(
+            "interrupt_storm_line_per_second",
+            "Interrupts per second of an IRQ row over the storm threshold, by its number and "
+            "action names (as /proc/interrupts prints them): the line an on-call acts on.",
+            ("class", "irq", "action"),
             export="nonzero",
         ),
         gauge(
@@ -492,6 +505,7 @@ class InterruptsSource(Source):
         max_line = dict.fromkeys(DEVICE_CLASSES, 0.0)
         storm = dict.fromkeys(DEVICE_CLASSES, 0)
         per_cpu: dict[tuple[int, str], float] = {}
+        storms: list[tuple[str, str, str, float]] = []
         threshold = self.cfg.storm_threshold * dt  # compare counts, divide once
         limit = MAX_RATE_PER_CPU * dt
         counts_sum = dict.fromkeys(CLASSES, 0)
@@ -515,6 +529,7 @@ class InterruptsSource(Source):
                 max_count[cls] = total
             if total > threshold:
                 storm[cls] += 1
+                storms.append((cls, line.irq, line.name, total / dt))
             for i, d in deltas:
                 key = (cpus[i], cls)
                 per_cpu[key] = per_cpu.get(key, 0) + d
@@ -522,8 +537,13 @@ class InterruptsSource(Source):
             per_class[cls] = counts_sum[cls] / dt
         for cls in DEVICE_CLASSES:
             max_line[cls] = max_count[cls] / dt
+        storms.sort(key=lambda row: -row[3])
         return Rates(
-            per_class, max_line, storm, {key: count / dt for key, count in per_cpu.items()}
+            per_class,
+            max_line,
+            storm,
+            {key: count / dt for key, count in per_cpu.items()},
+            storms[:MAX_STORM_SERIES],
         )
 
     def _rate_samples(self, rates: Rates) -> list[Sample]:
@@ -538,6 +558,10 @@ class InterruptsSource(Source):
         samples += [
             Sample("gpuwatchd_interrupt_storm_lines", (cls,), float(count))
             for cls, count in rates.storm_lines.items()
+        ]
+        samples += [
+            Sample("gpuwatchd_interrupt_storm_line_per_second", (cls, irq, action), rate)
+            for cls, irq, action, rate in rates.storms
         ]
         hardest = dict.fromkeys(DEVICE_CLASSES, 0.0)
         for (_, cls), rate in rates.per_cpu.items():
