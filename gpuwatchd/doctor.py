@@ -20,6 +20,8 @@ A problem outranks what could not be checked: scripts act on 1 first.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -290,6 +292,15 @@ class DimensionReport:
     causes: list[dict[str, str]] = field(default_factory=list)  # gpu, cause, summary, remedy
 
 
+@dataclass(frozen=True)
+class DaemonProbe:
+    """The probe socket a running gpuwatchd receives on: the in-process probe's reports go
+    to the daemon, which judges the rules that read them; doctor leaves the socket alone."""
+
+    socket: str
+    status_page: str  # where the daemon shows those rules' verdicts
+
+
 @dataclass
 class Report:
     node: str  # "this node" or "simulated node 'NAME' at Ns"
@@ -302,6 +313,7 @@ class Report:
     # rules that read the in-process probe: not evaluable is normal where none reports
     needs_probe: frozenset[str] = frozenset()
     where: dict[str, str] = field(default_factory=dict)  # GPU -> PCI address, pid, job
+    daemon_probe: DaemonProbe | None = None  # a running daemon's probe socket, if one
 
     @property
     def holding(self) -> list[Finding]:
@@ -359,6 +371,7 @@ class Report:
                 for gpus, f in finding_groups(self.findings)
             ],
             "where": self.where,
+            "daemon_probe": None if self.daemon_probe is None else asdict(self.daemon_probe),
             "not_checked": self.not_checked,
             "result": self.verdict,
             "exit_code": self.exit_code,
@@ -462,6 +475,9 @@ def diagnose_node(
 ) -> Report:
     """Poll every enabled source three times over `window` seconds, then diagnose."""
     config = with_per_core(config)
+    daemon = daemon_probe(config)
+    if daemon is not None:  # its socket: binding it would fail, and the reports are its
+        config = _without_probe(config)
     pipeline = Pipeline(config, Context(procfs=config.procfs, sysfs=config.sysfs), time.time)
     try:
         for i in range(3):
@@ -469,9 +485,40 @@ def diagnose_node(
                 sleep(window / 2)
             for poller in pipeline.pollers:
                 poller.poll()
-        return build_report(pipeline, "this node")
+        report = build_report(pipeline, "this node")
+        report.daemon_probe = daemon
+        return report
     finally:
         pipeline.close()
+
+
+def daemon_probe(config: Config) -> DaemonProbe | None:
+    """The configured probe socket, if a process (the node's daemon) receives on it."""
+    probe = config.sources.probe
+    if not probe.enabled:
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as client:
+        try:
+            client.connect(os.fspath(probe.socket))  # sends nothing
+        except OSError:
+            return None  # none there, or a dead daemon's file: doctor listens itself
+    return DaemonProbe(str(probe.socket), status_page(config))
+
+
+def status_page(config: Config) -> str:
+    """The daemon's page as the config has it listen: on this node, through loopback."""
+    host, port = config.listen_address()
+    if host in ("", "0.0.0.0", "::"):
+        host = "localhost"
+    if config.web_config_file is not None:  # TLS or not is in that file
+        return f"/ on {host}:{port} (web config {config.web_config_file})"
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
+
+
+def _without_probe(config: Config) -> Config:
+    probe = config.sources.probe.model_copy(update={"enabled": False})
+    sources = config.sources.model_copy(update={"probe": probe})
+    return config.model_copy(update={"sources": sources})
 
 
 # A second before a fault ends every reading is still the fault's (the simulation steps
@@ -569,13 +616,17 @@ def _finding_lines(report: Report) -> list[str]:
         (gpu, f"cannot judge {', '.join(causes)}: {why}")
         for (gpu, why), causes in unknown.items()
     ]
-    pairs += [
-        (gpu, f"need the in-process probe (docs/probe.md), not reporting here: {', '.join(c)}")
-        for gpu, c in no_probe.items()
-    ]
+    pairs += [(gpu, f"{_probe_rules(report)}: {', '.join(c)}") for gpu, c in no_probe.items()]
     lines = [f"  {gpu_list(gpus)}: {text}" for gpus, text in group_by_text(pairs)]
     starved = sorted({f.gpu for f in holding if f.gpu in report.where}, key=_gpu_order)
     return lines + [f"  where GPU {gpu} is: {report.where[gpu]}" for gpu in starved]
+
+
+def _probe_rules(report: Report) -> str:
+    """What became of the rules that read the in-process probe."""
+    if report.daemon_probe is not None:  # normal beside a daemon: not a fault
+        return f"judged by the running gpuwatchd ({report.daemon_probe.status_page})"
+    return "need the in-process probe (docs/probe.md), not reporting here"
 
 
 def format_report(report: Report) -> str:
@@ -589,6 +640,12 @@ def format_report(report: Report) -> str:
     if report.sources_down:
         lines.append("sources down:")
         lines += [f"  {name}: {why}" for name, why in sorted(report.sources_down.items())]
+    if report.daemon_probe is not None:
+        daemon = report.daemon_probe
+        lines.append(
+            f"probe: a running gpuwatchd receives the probe's reports on {daemon.socket}, "
+            f"so it judges the rules that read them, not doctor: {daemon.status_page}"
+        )
     lines.append("")
     lines += _table(("dimension", "status", "evidence"), _dimension_rows(report))
     lines.append("")

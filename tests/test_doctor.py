@@ -5,8 +5,10 @@ module: `diagnose_simulated` is memoized while these tests run, and the CLI (whi
 it up at call time) gets the same report for its text and its --json.
 """
 
+import dataclasses
 import json
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,10 @@ from gpuwatchd.config import Config
 from gpuwatchd.doctor import (
     DIMENSIONS,
     HOST_CHECKS,
+    DaemonProbe,
     diagnose_simulated,
     expected_moment,
+    format_report,
     gpu_list,
 )
 from gpuwatchd.sim.scenario import Scenario, load_scenario
@@ -351,3 +355,37 @@ def test_a_rule_that_cannot_judge_the_node_says_why(tmp_path):
     (line,) = [line for line in findings if "cannot judge" in line]
     assert line.startswith("  GPUs 0-7: cannot judge ") and "nccl_stall" in line, line
     assert line.endswith(": source dcgm down or disabled"), line
+
+
+def test_beside_a_running_daemon_doctor_leaves_it_the_probe(tmp_path):
+    """Issue 40 (5): the probe socket is the node's running daemon's. Doctor reported the
+    probe source down ("another process receives on it", and to move the socket); it now
+    leaves the socket alone and says the daemon judges the probe's rules, and where."""
+    path = tmp_path / "run" / "probe.sock"
+    path.parent.mkdir(mode=0o755)
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(f"listen: 0.0.0.0:9766\nsources:\n  probe:\n    socket: {path}\n")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as daemon:  # the daemon's end
+        daemon.bind(str(path))
+        out = doctor("--config", str(config), "--window", "0.2").output
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+            probe.sendto(b"{}", str(path))
+        assert daemon.recv(16) == b"{}"  # the daemon still receives the reports
+    assert "  probe: " not in out, out
+    assert (
+        f"probe: a running gpuwatchd receives the probe's reports on {path}, so it judges "
+        "the rules that read them, not doctor: http://localhost:9766/"
+    ) in out
+
+
+def test_beside_a_running_daemon_the_probe_rules_are_its_own(pcie):
+    """Where GPUs are found, the rules that read the probe are the daemon's to judge: not
+    a probe that is 'not reporting here'."""
+    report = doctor_module.diagnose_simulated(load_scenario("pcie-gen3-under-load"), Config(), None)
+    daemon = DaemonProbe("/run/gpuwatchd/probe.sock", "http://localhost:9766/")
+    beside = dataclasses.replace(report, daemon_probe=daemon)
+    assert (
+        "  GPUs 0-7: judged by the running gpuwatchd (http://localhost:9766/): "
+        "input_pipeline_stall, pin_memory_disabled, memory_fragmentation, slow_cuda_start"
+    ) in format_report(beside).splitlines()
+    assert beside.to_dict()["daemon_probe"] == dataclasses.asdict(daemon)
