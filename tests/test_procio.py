@@ -379,6 +379,9 @@ def test_the_processes_source_exports_each_jobs_io() -> None:
             node.tick()
             samples = [s for s in source.collect() if s.name.startswith(GPU_PROCESS)]
             got = {(s.name.removeprefix("gpuwatchd_"), s.labels[0]): s.value for s in samples}
+            busiest = {
+                s.labels[0]: s.labels[2] for s in samples if s.name.endswith("disk_busiest")
+            }
     finally:
         source.close()
         node.close()
@@ -388,6 +391,7 @@ def test_the_processes_source_exports_each_jobs_io() -> None:
         assert got[("gpu_process_disks", gpu)] == 1  # nvme1n1, for both
         assert got[("gpu_process_disk_utilization_ratio", gpu)] == pytest.approx(1.0)
         assert got[("gpu_process_disk_await_seconds", gpu)] == pytest.approx(0.03)
+        assert busiest[gpu] == "nvme1n1"  # named for the page (issue 39 item 4)
         assert got[("gpu_process_io_blocked_ratio", gpu)] == 0
     assert got[("gpu_process_cpu_iowait_ratio", "0")] == pytest.approx(0.05, abs=0.002)
 

@@ -83,6 +83,13 @@ DISK_AWAIT = _gpu(
     "gpu_process_disk_await_seconds",
     "iostat await of the busiest disk the job's open files are on.",
 )
+DISK_BUSIEST = gauge(
+    "gpu_process_disk_busiest",
+    "1 on the busiest disk the job's open files are on, named by `device` (the disk a "
+    "storage page points at).",
+    (*GPU_LABELS, "device"),
+    "detail",
+)
 CPU_IOWAIT = _gpu(
     "gpu_process_cpu_iowait_ratio",
     "iowait share of the CPUs the main process and its children last ran on.",
@@ -97,7 +104,10 @@ CPU_IRQ = _gpu(
     "Largest share of one CPU's time in hard and soft interrupt handlers, over the CPUs "
     "the main process and its children last ran on.",
 )
-METRICS = (READ_BYTES, BLOCKED, MAJOR_FAULTS, DISKS, DISK_UTIL, DISK_AWAIT, CPU_IOWAIT, CPU_IRQ)
+METRICS = (
+    READ_BYTES, BLOCKED, MAJOR_FAULTS, DISKS, DISK_UTIL, DISK_AWAIT, DISK_BUSIEST, CPU_IOWAIT,
+    CPU_IRQ,
+)  # fmt: skip
 
 
 # -- parsers (pure; ValueError on garbage) -----------------------------------------------
@@ -214,6 +224,7 @@ class JobIoFacts:
     major_faults_per_second: float | None = None
     disks: tuple[str, ...] | None = None  # None: not resolved (unreadable)
     disk: IostatRates | None = None  # the busiest of `disks`
+    disk_name: str | None = None  # ... its name
     cpus: frozenset[int] = frozenset()
     iowait_ratio: float | None = None
     interrupt_ratio: float | None = None
@@ -313,7 +324,7 @@ class JobIo:
             facts.cpus = frozenset(cpus)
         if resolved:
             facts.disks = tuple(sorted(disks))
-            facts.disk = self._busiest(facts.disks)
+            facts.disk_name, facts.disk = self._busiest(facts.disks)
         if cpus:
             self._read_stat()
             if self._stat is not None:
@@ -340,6 +351,8 @@ class JobIo:
         for spec, value in values:
             if value is not None:
                 out.append(Sample(spec.name, labels, float(value)))
+        if facts.disk_name is not None:
+            out.append(Sample(DISK_BUSIEST.name, (*labels, facts.disk_name), 1.0))
 
     # -- disks -------------------------------------------------------------------------
 
@@ -382,18 +395,19 @@ class JobIo:
             disks.update(names)
         return tuple(sorted(disks))[:MAX_DISKS]
 
-    def _busiest(self, disks: Sequence[str]) -> IostatRates | None:
+    def _busiest(self, disks: Sequence[str]) -> tuple[str | None, IostatRates | None]:
+        """The busiest of `disks` by %util: its name and rates (None, None: none known)."""
         if not disks:
-            return None
+            return None, None
         if self._disk_rates is None:
             self._disk_rates = self._read_diskstats()
-        best: IostatRates | None = None
+        best: tuple[str | None, IostatRates | None] = (None, None)
         for name in disks:
             rates = self._disk_rates.get(name)
             if rates is not None and (
-                best is None or rates.utilization_ratio > best.utilization_ratio
+                best[1] is None or rates.utilization_ratio > best[1].utilization_ratio
             ):
-                best = rates
+                best = (name, rates)
         return best
 
     def _read_diskstats(self) -> dict[str, IostatRates]:
