@@ -1,6 +1,6 @@
 """Scrape latency and CPU of the daemon's HTTP front under concurrent scrapers and attacks.
 
-    python bench/bench_scrape.py [--scrapers 50] [--requests 200] [--attacks]
+    python bench/bench_scrape.py [--scrapers 50] [--requests 200] [--attacks] [--gzip]
     python bench/bench_scrape.py --url http://127.0.0.1:9766/metrics --pid PID
 
 Starts `gpuwatchd run --simulate healthy-8gpu` (8 GPUs, ~220 KB a scrape) on loopback
@@ -34,12 +34,14 @@ TIMEOUT = 10.0  # a scrape slower than this counts as failed (Prometheus' defaul
 
 
 class Target:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, gzip: bool = False) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.request = (
             f"GET {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-            "Accept: text/plain;version=0.0.4\r\n\r\n"
+            "Accept: text/plain;version=0.0.4\r\n"
+            + ("Accept-Encoding: gzip\r\n" if gzip else "")
+            + "\r\n"
         ).encode()
 
     def connect(self) -> socket.socket:
@@ -277,12 +279,13 @@ def main() -> None:
         "--pace", type=float, default=0.0, help="seconds between a scraper's scrapes (0: flat out)"
     )
     parser.add_argument("--attacks", action="store_true")
+    parser.add_argument("--gzip", action="store_true", help="ask for gzip, as Prometheus does")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
 
     def run(url: str, pid: int) -> None:
-        target, process = Target(url), psutil.Process(pid)
+        target, process = Target(url, args.gzip), psutil.Process(pid)
         with target.connect() as sock:  # warm up: the first render is there
             target.get(sock)
         scrape = args.scrapers, args.requests

@@ -199,7 +199,12 @@ def simulate(
     SCENARIO is a built-in scenario's name or a path to a scenario file.
     """
     from gpuwatchd.sim.check import check as check_expectations
-    from gpuwatchd.sim.check import firing_intervals, firing_summaries, format_verdicts
+    from gpuwatchd.sim.check import (
+        firing_instances,
+        firing_intervals,
+        firing_summaries,
+        format_verdicts,
+    )
     from gpuwatchd.simulate import Simulation, format_result
 
     _setup_logging(log_level if log_level != "info" else "warning")
@@ -221,8 +226,9 @@ def simulate(
     if check:
         intervals = firing_intervals(result.transitions, result.started_at)
         summaries = firing_summaries(result.transitions)
+        instances = firing_instances(result.transitions, result.started_at)
         verdicts = check_expectations(
-            scenario, intervals, result.simulated_seconds, summaries
+            scenario, intervals, result.simulated_seconds, summaries, instances
         )
         click.echo("\n" + format_verdicts(scenario.name, verdicts))
         if not all(v.ok for v in verdicts):

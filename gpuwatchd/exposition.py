@@ -13,6 +13,7 @@ parts rendered at different times can be joined).
 
 from __future__ import annotations
 
+import gzip
 import math
 import re
 from collections.abc import Iterable
@@ -123,3 +124,9 @@ def _same(a: float, b: float) -> bool:
 
 
 OPENMETRICS_EOF = b"# EOF\n"
+
+
+def gzip_body(body: bytes) -> bytes:
+    """An exposition as a gzip member (zlib's default level, as aiohttp's; no timestamp,
+    so one body always compresses to the same bytes)."""
+    return gzip.compress(body, compresslevel=6, mtime=0)

@@ -14,9 +14,9 @@ from gpuwatchd.config import Config
 from gpuwatchd.daemon import Pipeline
 from gpuwatchd.rules import Transition
 from gpuwatchd.scheduler import SteppedScheduler
-from gpuwatchd.sim.check import MetricWatch
 from gpuwatchd.sim.node import SimNode
 from gpuwatchd.sim.scenario import Scenario
+from gpuwatchd.sim.watch import MetricWatch
 
 # What the per-phase table shows for each GPU: (column, metric)
 SNAPSHOT_COLUMNS = (
@@ -62,7 +62,9 @@ class Simulation:
         self.scheduler = SteppedScheduler(self.pipeline.pollers)
         self.transitions: list[Transition] = []
         # the scenario's metric expectations, seen as causes by the check
-        self.watch = MetricWatch(scenario, self.pipeline.pollers, self.pipeline.store)
+        self.watch = MetricWatch(
+            scenario, self.pipeline.pollers, self.pipeline.store, self.pipeline.engine
+        )
 
     def step(self) -> None:
         """One evaluation cycle at the clock's current time: sources due, then the rules."""

@@ -44,25 +44,13 @@ class PacedBody(Payload):
             await writer.drain()  # waits while the transport holds over its high-water mark
 
 
-def compresses(request: web.BaseRequest) -> bool:
-    """Whether aiohttp compresses a reply to `request` that enables compression (its
-    `Accept-Encoding` names a coding other than identity, as aiohttp matches them)."""
-    accepted = request.headers.get("Accept-Encoding", "").lower()
-    return any(
-        c.value in accepted for c in web.ContentCoding if c is not web.ContentCoding.identity
-    )
-
-
 def pace(request: web.BaseRequest, response: web.StreamResponse, chunk: int) -> None:
-    """A body over `chunk` goes out `chunk` bytes at a time (`PacedBody`), unless aiohttp
-    is to compress it: that one (an exposition gzipped is ~1/13 of it) is compressed and
-    written whole as before, with its Content-Length."""
+    """A body over `chunk` goes out `chunk` bytes at a time (`PacedBody`), gzipped ones
+    too (the cached gzip bytes, gpuwatchd/web.py)."""
     if not isinstance(response, web.Response):
         return
     body = response.body
     if not isinstance(body, bytes) or len(body) <= chunk:
-        return
-    if response.compression and compresses(request):
         return
     kind = response.headers.get("Content-Type", "application/octet-stream")
     response.body = PacedBody(body, chunk, kind)

@@ -10,6 +10,7 @@ Issue 42 item 8 untangled the MIG work's two: the DCGM session and its MIG part 
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import gpuwatchd
@@ -49,6 +50,13 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return out
 
 
+@cache
+def import_graph() -> dict[str, set[str]]:
+    """Each of gpuwatchd's modules -> the gpuwatchd modules it imports (read once)."""
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
 def circles(graph: dict[str, set[str]]) -> list[set[str]]:
     """The strongly connected components of more than one module (Tarjan)."""
     order: dict[str, int] = {}
@@ -82,8 +90,8 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def test_the_dcgm_source_and_the_probe_import_in_one_direction():
-    known = modules()
-    graph = {name: imports(name, path, known) for name, path in known.items()}
+    graph = import_graph()
+    known = graph.keys()
     judged = {
         n for n in known if n.startswith(("gpuwatchd.sources.dcgm", "gpuwatchd.sources.probe"))
     }
@@ -107,8 +115,8 @@ def test_the_rules_engine_imports_no_simulator():
     """The engine runs on every node; the simulator and the scenario checking judge it
     from outside (issue 39 item 6: `sim/check.py` and `sim/detection.py`, once under
     `rules/`), so nothing the rules package imports, directly or not, is simulator code."""
-    known = modules()
-    graph = {name: imports(name, path, known) for name, path in known.items()}
+    graph = import_graph()
+    known = graph.keys()
     rules = {n for n in known if n == "gpuwatchd.rules" or n.startswith("gpuwatchd.rules.")}
     assert "gpuwatchd.rules.engine" in rules and "gpuwatchd.sim.check" in known
     simulator = ("gpuwatchd.sim.", "gpuwatchd.simulate")

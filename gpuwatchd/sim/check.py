@@ -1,28 +1,44 @@
 """`simulate --check`: the timeline of firing causes against the scenario's `expect`.
 
-Per expectation and GPU: firing before `onset`, or at all when `never`, is a false
-positive; not firing between `onset` and `by` (the scenario's end without `by`) is a
-miss. A cause that fires on a GPU no expectation lets it fire on is a false positive
-too ("unexpected"), so every scenario is a benign twin for every rule it does not name.
+Per expectation and subject (a GPU, its MIG instances with it, or one MIG GPU instance
+named "0/2"): firing before `onset`, or at all when `never`, is a false positive; not
+firing between `onset` and `by` (the scenario's end without `by`) is a miss. A cause
+that fires on a GPU or instance no expectation lets it fire on is a false positive too
+("unexpected"), so every scenario is a benign twin for every rule it does not name.
 With `ends` (the fault ends), a cause still firing at `resolved_by` (the scenario's end
 without it), or firing again after it, has not resolved: a mismatch too. So is a firing
 summary with a value that had none ("unknown" on the page), and one without the text an
 expectation's `summary` says it must contain.
+
+A run cut short (`--until`) judges what it reached: a cause that has not fired yet where
+`by` lies past the run's end, or a resolution whose `resolved_by` does, is "not
+reached", not a mismatch.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-from gpuwatchd.rules.engine import FIRING, INACTIVE, Transition
+from gpuwatchd.rules.engine import FIRING, Transition
 from gpuwatchd.sim.scenario import Expectation, Scenario
+from gpuwatchd.sim.scenario.subjects import Subject, subject_label, subjects
 
-Intervals = dict[tuple[int, str], list[tuple[float, float | None]]]
-# (gpu, cause) -> each time it fired: (its summary, the values the summary had none for)
-Summaries = dict[tuple[int, str], list[tuple[str, tuple[str, ...]]]]
+Span = tuple[float, float | None]  # seconds since the scenario start; None: still firing
+Intervals = dict[tuple[int, str], list[Span]]  # (gpu, cause): a GPU's, its instances' with it
+Firings = list[tuple[str, tuple[str, ...]]]  # each time it fired: summary, values it had none for
+Summaries = dict[tuple[int, str], Firings]
+SubjectKey = tuple[int, str, str]  # (gpu, GI id or "" for the GPU itself, cause)
+
+
+@dataclass(frozen=True)
+class Instances:
+    """What fired on each subject apart, (gpu, GI id, cause) ->: a GPU itself (GI id "")
+    and each of its MIG GPU instances. An expectation naming an instance ("0/2") is
+    judged on its own; so is a firing no expectation allows."""
+
+    intervals: dict[SubjectKey, list[Span]] = field(default_factory=dict)
+    summaries: dict[SubjectKey, Firings] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -31,22 +47,34 @@ class Verdict:
     gpus: str
     expected: str
     observed: str
-    ok: bool
+    ok: bool  # no mismatch in what the run reached
+    reached: bool = True  # False: part of it lies past the end of a run cut short
+
+    @property
+    def result(self) -> str:
+        return "MISMATCH" if not self.ok else "ok" if self.reached else "not reached"
+
+
+def firing_instances(transitions: list[Transition], start: float) -> Instances:
+    """Each subject's firing spans, by when they began, and firing summaries."""
+    intervals: dict[SubjectKey, list[Span]] = defaultdict(list)
+    summaries: dict[SubjectKey, Firings] = defaultdict(list)
+    for t in transitions:
+        key = (int(t.gpu), t.instance, t.cause)
+        if t.new == FIRING:
+            intervals[key].append((t.at - start, None))
+            summaries[key].append((t.detail, t.missing))
+        elif t.old == FIRING and intervals.get(key) and intervals[key][-1][1] is None:
+            intervals[key][-1] = (intervals[key][-1][0], t.at - start)
+    return Instances(dict(intervals), dict(summaries))
 
 
 def firing_intervals(transitions: list[Transition], start: float) -> Intervals:
     """(gpu index, cause) -> [(from, to or None)] in seconds since the scenario start,
     by when they began: a MIG GPU's instances' intervals are its own."""
-    each: dict[tuple[int, str, str], list[tuple[float, float | None]]] = defaultdict(list)
-    for t in transitions:
-        key = (int(t.gpu), t.instance, t.cause)
-        if t.new == FIRING:
-            each[key].append((t.at - start, None))
-        elif t.old == FIRING and each[key] and each[key][-1][1] is None:
-            each[key][-1] = (each[key][-1][0], t.at - start)
     out: Intervals = defaultdict(list)
-    for (gpu, _, cause), intervals in each.items():
-        out[(gpu, cause)] = sorted(out[(gpu, cause)] + intervals, key=lambda i: i[0])
+    for (gpu, _, cause), spans in firing_instances(transitions, start).intervals.items():
+        out[(gpu, cause)] = sorted(out[(gpu, cause)] + spans, key=lambda i: i[0])
     return out
 
 
@@ -59,37 +87,53 @@ def firing_summaries(transitions: list[Transition]) -> Summaries:
     return dict(out)
 
 
-def _summary_problems(e: Expectation, gpus: list[int], summaries: Summaries) -> list[str]:
-    """Where a firing summary lacks the expectation's `summary` text."""
-    return [
-        f"gpu {g}'s summary lacks {e.summary!r}: {text!r}"
-        for g in gpus
-        for text, _ in summaries.get((g, e.what), [])
-        if e.summary not in text
-    ]
+@dataclass(frozen=True)
+class _Fired:
+    """What a replay fired, looked up per subject."""
+
+    intervals: Intervals
+    summaries: Summaries
+    instances: Instances
+
+    def spans(self, subject: Subject, cause: str) -> list[Span]:
+        gpu, instance = subject
+        if instance:
+            return self.instances.intervals.get((gpu, instance, cause), [])
+        return self.intervals.get((gpu, cause), [])
+
+    def texts(self, subject: Subject, cause: str) -> Firings:
+        gpu, instance = subject
+        if instance:
+            return self.instances.summaries.get((gpu, instance, cause), [])
+        return self.summaries.get((gpu, cause), [])
 
 
-def _gpus(expectation: Expectation, count: int) -> list[int]:
-    if expectation.gpus == "all":
-        return list(range(count))
-    return [g for g in expectation.gpus if 0 <= g < count]
-
-
-def _fired(hits: list[tuple[int, float]]) -> str:
-    """ "gpu 3 fired at 60s; gpus 0,1 fired at 75s": GPUs grouped by when they first fired."""
-    by_time: dict[float, list[int]] = defaultdict(list)
-    for gpu, at in hits:
-        by_time[round(at)].append(gpu)
-    return "; ".join(
-        f"gpu{'s' if len(g) > 1 else ''} {_span(g)} fired at {t:.0f}s" for t, g in by_time.items()
+def _on_whole_gpus(intervals: Intervals, summaries: Summaries) -> Instances:
+    """Without instances' own spans: everything fired on the GPUs themselves."""
+    return Instances(
+        {(gpu, "", cause): spans for (gpu, cause), spans in intervals.items()},
+        {(gpu, "", cause): texts for (gpu, cause), texts in summaries.items()},
     )
 
 
-def _span(gpus: list[int]) -> str:
-    return ",".join(str(g) for g in gpus) if gpus else "-"
+def _span(names: list[Subject]) -> str:
+    return ",".join(subject_label(s) for s in names) if names else "-"
 
 
-def time_to_resolve(spans: list[tuple[float, float | None]], ends: float) -> float | None:
+def _gpus_word(names: list[Subject] | list[str]) -> str:
+    return "gpus" if len(names) > 1 else "gpu"
+
+
+def _fired(hits: list[tuple[Subject, float]]) -> str:
+    """ "gpu 3 fired at 60s; gpus 0,1 fired at 75s": subjects grouped by when they first
+    fired."""
+    by_time: dict[float, list[Subject]] = defaultdict(list)
+    for subject, at in hits:
+        by_time[round(at)].append(subject)
+    return "; ".join(f"{_gpus_word(s)} {_span(s)} fired at {t:.0f}s" for t, s in by_time.items())
+
+
+def time_to_resolve(spans: list[Span], ends: float) -> float | None:
     """Seconds from the fault's end (`ends`) until the cause stopped firing for good: the
     end of its last firing span (0 if that was before `ends`); None while it still fires.
     `spans` must not be empty."""
@@ -105,170 +149,205 @@ def _range(values: list[float]) -> str:
 
 
 def _resolution(
-    g: int, spans: list[tuple[float, float | None]], ends: float, deadline: float, end: float
+    name: str, spans: list[Span], ends: float, deadline: float, duration: float
 ) -> tuple[float | None, list[str]]:
-    """(time to resolve, problems) of one GPU: still firing at `deadline`, or again after."""
+    """(time to resolve, problems) of one subject: still firing at `deadline`, or again
+    after (the run reached `deadline`)."""
     problems = []
     late = [stop for start, stop in spans if start < deadline and (stop is None or stop > deadline)]
     if late:
         stop = late[0]
         if stop is None:
-            at = min(deadline, end)
-            problems.append(
-                f"gpu {g} still firing at {at:.0f}s" + (", the end" if at == end else "")
-            )
+            the_end = ", the end" if deadline >= duration else ""
+            problems.append(f"gpu {name} still firing at {deadline:.0f}s{the_end}")
         else:
-            problems.append(f"gpu {g} still firing at {deadline:.0f}s (stopped at {stop:.0f}s)")
+            problems.append(f"gpu {name} still firing at {deadline:.0f}s (stopped at {stop:.0f}s)")
     again = [start for start, _ in spans if start >= deadline]
     if again:
-        problems.append(f"gpu {g} fired again at {again[0]:.0f}s")
+        problems.append(f"gpu {name} fired again at {again[0]:.0f}s")
     before = [span for span in spans if span[0] < deadline]
     return (time_to_resolve(before, ends) if before and not late else None), problems
 
 
-def check(
-    scenario: Scenario, intervals: Intervals, end: float, summaries: Summaries | None = None
-) -> list[Verdict]:
-    summaries = summaries or {}
+@dataclass(frozen=True)
+class _Window:
+    """When one expectation's cause must fire and stop, and how far the run went."""
+
+    onset: float
+    by: float
+    ends: float | None
+    deadline: float  # resolved_by
+    end: float  # where the run ended
+    duration: float  # where the scenario ends
+
+    @classmethod
+    def of(cls, e: Expectation, end: float, duration: float) -> _Window:
+        by = e.by if e.by is not None else e.ends if e.ends is not None else duration
+        deadline = e.resolved_by if e.resolved_by is not None else duration
+        return cls(e.onset, by, e.ends, deadline, end, duration)
+
+    def expected(self) -> str:
+        text = f"fires from {self.onset:.0f}s, by {self.by:.0f}s"
+        if self.ends is not None:
+            text += f"; fault ends {self.ends:.0f}s, stopped by {self.deadline:.0f}s"
+        return text
+
+
+@dataclass
+class _Seen:
+    """What one expectation's subjects showed."""
+
+    problems: list[str] = field(default_factory=list)
+    delays: list[float] = field(default_factory=list)  # onset to the first firing
+    resolved: list[float] = field(default_factory=list)  # fault end to firing stopped
+    unfired: list[str] = field(default_factory=list)  # not fired, `by` past the run's end
+    unresolved: list[str] = field(default_factory=list)  # `resolved_by` past the run's end
+
+    def observed(self, w: _Window) -> str:
+        text = f"fired {_range(self.delays)} after onset" if self.delays else "did not fire"
+        if self.resolved:
+            text += f", stopped {_range(self.resolved)} after the fault ended"
+        shown = [text] if self.delays or self.resolved or not self.unfired else []
+        return "; ".join([*shown, *self.problems, *self.not_reached(w)])
+
+    def not_reached(self, w: _Window) -> list[str]:
+        out = []
+        if self.unfired:
+            out.append(
+                f"{_gpus_word(self.unfired)} {','.join(self.unfired)} not fired yet: by "
+                f"{w.by:.0f}s lies past the run's end ({w.end:.0f}s)"
+            )
+        if self.unresolved:
+            out.append(
+                f"resolution of {_gpus_word(self.unresolved)} {','.join(self.unresolved)} not "
+                f"reached: stopped by {w.deadline:.0f}s lies past the run's end ({w.end:.0f}s)"
+            )
+        return out
+
+
+def _judge_subject(w: _Window, name: str, spans: list[Span], seen: _Seen) -> None:
+    """One subject of an expectation that fires: early, on time, missed, resolved."""
+    early = [s for s, _ in spans if s < w.onset]
+    if early:
+        seen.problems.append(f"gpu {name} fired early at {early[0]:.0f}s")
+    on_time = [s for s, _ in spans if w.onset <= s <= w.by]
+    if on_time:
+        seen.delays.append(on_time[0] - w.onset)
+    elif w.by > w.end:
+        seen.unfired.append(name)
+    else:
+        seen.problems.append(f"gpu {name} missed")
+    if w.ends is None or not spans:
+        return
+    if w.deadline > w.end:
+        seen.unresolved.append(name)
+        return
+    took, unresolved = _resolution(name, spans, w.ends, w.deadline, w.duration)
+    seen.problems += unresolved
+    if took is not None:
+        seen.resolved.append(took)
+
+
+def _summary_problems(e: Expectation, names: list[Subject], fired: _Fired) -> list[str]:
+    """Where a firing summary lacks the expectation's `summary` text."""
+    return [
+        f"gpu {subject_label(s)}'s summary lacks {e.summary!r}: {text!r}"
+        for s in names
+        for text, _ in fired.texts(s, e.what)
+        if e.summary not in text
+    ]
+
+
+def _never(
+    e: Expectation, names: list[Subject], fired: _Fired, end: float, duration: float
+) -> Verdict:
+    bad = [(s, spans[0][0]) for s in names if (spans := fired.spans(s, e.what))]
+    cut = f" in the {end:.0f}s the run reached" if end < duration else ""
+    observed = _fired(bad) if bad else f"never fired{cut}"
+    return Verdict(e.what, _span(names), "never", observed, not bad)
+
+
+def _fires(e: Expectation, names: list[Subject], fired: _Fired, w: _Window) -> Verdict:
+    seen = _Seen()
+    for s in names:
+        _judge_subject(w, subject_label(s), fired.spans(s, e.what), seen)
+    if e.summary:
+        seen.problems += _summary_problems(e, names, fired)
+    reached = not (seen.unfired or seen.unresolved)
+    return Verdict(e.what, _span(names), w.expected(), seen.observed(w), not seen.problems, reached)
+
+
+def _covered(key: SubjectKey, named: set[SubjectKey]) -> bool:
+    """Named by an expectation: the subject itself, or the whole GPU it is part of."""
+    gpu, _, cause = key
+    return key in named or (gpu, "", cause) in named
+
+
+def _unexpected(scenario: Scenario, fired: _Fired) -> list[Verdict]:
+    """A cause firing on a subject no expectation names for it."""
     count = scenario.node.gpu_count
-    verdicts: list[Verdict] = []
-    allowed: set[tuple[int, str]] = set()
-    for e in scenario.expect:
-        gpus, what = _gpus(e, count), e.what
-        if e.never:
-            bad = [(g, intervals[(g, what)][0][0]) for g in gpus if intervals.get((g, what))]
-            observed = _fired(bad) if bad else "never fired"
-            verdicts.append(Verdict(what, _span(gpus), "never", observed, not bad))
-            continue
-        by = e.by if e.by is not None else e.ends if e.ends is not None else end
-        expected = f"fires from {e.onset:.0f}s, by {by:.0f}s"
-        deadline = e.resolved_by if e.resolved_by is not None else end
-        if e.ends is not None:
-            expected += f"; fault ends {e.ends:.0f}s, stopped by {deadline:.0f}s"
-        problems, fired, resolved = [], [], []
-        for g in gpus:
-            allowed.add((g, what))
-            spans = intervals.get((g, what), [])
-            early = [s for s, _ in spans if s < e.onset]
-            if early:
-                problems.append(f"gpu {g} fired early at {early[0]:.0f}s")
-            on_time = [s for s, _ in spans if e.onset <= s <= by]
-            if on_time:
-                fired.append(on_time[0] - e.onset)
-            else:
-                problems.append(f"gpu {g} missed")
-            if e.ends is not None:
-                took, unresolved = _resolution(g, spans, e.ends, deadline, end)
-                problems += unresolved
-                if took is not None:
-                    resolved.append(took)
-        if e.summary:
-            problems += _summary_problems(e, gpus, summaries)
-        delays = f"fired {_range(fired)} after onset" if fired else "did not fire"
-        if resolved:
-            delays += f", stopped {_range(resolved)} after the fault ended"
-        observed = "; ".join([delays, *problems]) if problems else delays
-        verdicts.append(Verdict(what, _span(gpus), expected, observed, not problems))
-    unexpected: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    named_never = {(g, e.what) for e in scenario.expect if e.never for g in _gpus(e, count)}
+    named = {(*s, e.what) for e in scenario.expect for s in subjects(e.gpus, count)}
     watched = {e.what for e in scenario.expect if e.metric}  # judged only where named
-    for (g, cause), spans in sorted(intervals.items()):
-        if cause in watched:
-            continue
-        if spans and (g, cause) not in allowed and (g, cause) not in named_never:
-            unexpected[cause].append((g, spans[0][0]))
-    for cause, hits in unexpected.items():
-        observed = _fired(hits)
-        verdicts.append(
-            Verdict(cause, _span([g for g, _ in hits]), "(not expected)", observed, False)
-        )
-    for (g, cause), firings in sorted(summaries.items()):
+    hits: dict[str, list[tuple[Subject, float]]] = defaultdict(list)
+    for key, spans in sorted(fired.instances.intervals.items()):
+        if spans and key[2] not in watched and not _covered(key, named):
+            hits[key[2]].append(((key[0], key[1]), spans[0][0]))
+    return [
+        Verdict(cause, _span([s for s, _ in h]), "(not expected)", _fired(h), False)
+        for cause, h in hits.items()
+    ]
+
+
+def _without_values(fired: _Fired) -> list[Verdict]:
+    """A firing summary with a value that had none."""
+    out = []
+    for (gpu, instance, cause), firings in sorted(fired.instances.summaries.items()):
         missing = sorted({value for _, values in firings for value in values})
         if missing:
-            observed = "no value for " + "; ".join(missing)
-            verdicts.append(Verdict(cause, str(g), "a summary with every value", observed, False))
-    return verdicts
-
-
-class MetricWatch:
-    """The scenario's metric expectations, looked at every step of a replay: where a
-    series meets its bounds it counts as "firing" (transitions named by the
-    expectation's `what`), so that `check` judges it as it judges a cause.
-
-    Source health (`gpuwatchd_source_up`, `gpuwatchd_source_errors_total`) is read from
-    the pollers, every other series from the store (per GPU by its `gpu` label; one
-    without it stands for every GPU)."""
-
-    HEALTH = {
-        "gpuwatchd_source_up": lambda h: float(h.up),
-        "gpuwatchd_source_errors_total": lambda h: float(h.errors_total),
-    }
-
-    def __init__(self, scenario: Scenario, pollers: Sequence[Any], store: Any) -> None:
-        self._pollers, self._store = pollers, store
-        self._count = scenario.node.gpu_count
-        self._expect = {e.what: e for e in scenario.expect if e.metric}
-        self._labels = {  # metric -> its label names, from the sources that export it
-            spec.name: spec.labels for p in pollers for spec in p.source.metrics
-        }
-        self._holds: dict[tuple[int, str], bool] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._expect)
-
-    def sample(self, now: float) -> list[Transition]:
-        out = []
-        for what, e in self._expect.items():
-            values = self._values(e, now)
-            for g in range(self._count):
-                value = values.get(str(g), values.get(None))
-                holds = (
-                    value is not None
-                    and (e.above is None or value > e.above)
-                    and (e.below is None or value < e.below)
+            out.append(
+                Verdict(
+                    cause,
+                    subject_label((gpu, instance)),
+                    "a summary with every value",
+                    "no value for " + "; ".join(missing),
+                    False,
                 )
-                if holds != self._holds.get((g, what), False):
-                    self._holds[(g, what)] = holds
-                    old, new = (INACTIVE, FIRING) if holds else (FIRING, INACTIVE)
-                    out.append(
-                        Transition(
-                            now,
-                            str(g),
-                            "",
-                            what,
-                            old,
-                            new,
-                            f"value {value:g}" if value is not None else "no value",
-                        )
-                    )
-        return out
+            )
+    return out
 
-    def _values(self, e: Expectation, now: float) -> dict[str | None, float]:
-        """The series' value per GPU index (None: a series without a gpu label)."""
-        health = self.HEALTH.get(e.metric)
-        if health is not None:  # one source's, named by its `source` label
-            polled = [p for p in self._pollers if p.name == e.labels.get("source")]
-            return {None: health(polled[0].health)} if polled else {}
-        names = self._labels.get(e.metric, ())
-        out: dict[str | None, float] = {}
-        for (name, labels), value in self._store.latest(now):
-            if name != e.metric:
-                continue
-            named = dict(zip(names, labels, strict=False))
-            if all(named.get(k) == v for k, v in e.labels.items()):
-                out[named.get("gpu")] = value
-        return out
+
+def check(
+    scenario: Scenario,
+    intervals: Intervals,
+    end: float,
+    summaries: Summaries | None = None,
+    instances: Instances | None = None,
+) -> list[Verdict]:
+    """The verdicts on what a replay fired (`intervals`, `summaries` per GPU; `instances`
+    per subject, from `firing_instances`: without it, all on the GPUs themselves) up to
+    `end`, the seconds the run reached (the scenario's end unless cut short)."""
+    summaries = summaries or {}
+    fired = _Fired(intervals, summaries, instances or _on_whole_gpus(intervals, summaries))
+    count, duration = scenario.node.gpu_count, scenario.duration
+    verdicts = []
+    for e in scenario.expect:
+        names = subjects(e.gpus, count)
+        if e.never:
+            verdicts.append(_never(e, names, fired, end, duration))
+        else:
+            verdicts.append(_fires(e, names, fired, _Window.of(e, end, duration)))
+    return verdicts + _unexpected(scenario, fired) + _without_values(fired)
 
 
 def format_verdicts(scenario: str, verdicts: list[Verdict]) -> str:
     header = ("cause", "gpus", "expected", "observed", "result")
-    rows = [
-        (v.cause, v.gpus, v.expected, v.observed, "ok" if v.ok else "MISMATCH") for v in verdicts
-    ]
+    rows = [(v.cause, v.gpus, v.expected, v.observed, v.result) for v in verdicts]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    unreached = sum(v.ok and not v.reached for v in verdicts)
     lines = [
         f"check {scenario}: {sum(not v.ok for v in verdicts)} mismatch(es) "
         f"in {len(verdicts)} expectation(s)"
+        + (f", {unreached} not reached (the run ended before them)" if unreached else "")
     ]
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

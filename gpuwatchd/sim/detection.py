@@ -22,13 +22,17 @@ from dataclasses import dataclass
 from gpuwatchd.config import Config
 from gpuwatchd.rules.ruleset import load_rules
 from gpuwatchd.sim.check import (
+    Instances,
     Intervals,
+    Span,
     Summaries,
+    firing_instances,
     firing_intervals,
     firing_summaries,
     time_to_resolve,
 )
 from gpuwatchd.sim.scenario import Scenario, builtin_scenarios, load_scenario
+from gpuwatchd.sim.scenario.subjects import Subject, subject_label, subjects
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,14 @@ class Replay:
     intervals: Intervals  # (gpu, cause) -> firing spans, seconds since the start
     simulated_seconds: float
     summaries: Summaries  # (gpu, cause) -> its firing summaries and values that had none
+    instances: Instances  # the same per GPU and MIG GPU instance apart
+
+    def spans(self, subject: Subject, cause: str) -> list[Span]:
+        """A GPU's firing spans (its instances' with them), or one instance's."""
+        gpu, instance = subject
+        if instance:
+            return self.instances.intervals.get((gpu, instance, cause), [])
+        return self.intervals.get((gpu, cause), [])
 
 
 _played: dict[str, Replay] = {}
@@ -89,9 +101,13 @@ def _start_worker(quiet: int, nice: int) -> None:
 
 
 def _play(name: str) -> Replay:
+    return play(load_scenario(name))
+
+
+def play(scenario: Scenario) -> Replay:
+    """Play `scenario` to its end with the default config (uncached)."""
     from gpuwatchd.simulate import Simulation
 
-    scenario = load_scenario(name)
     simulation = Simulation(scenario, Config())
     try:
         result = simulation.run()
@@ -99,14 +115,8 @@ def _play(name: str) -> Replay:
         simulation.close()
     intervals = firing_intervals(result.transitions, result.started_at)
     summaries = firing_summaries(result.transitions)
-    return Replay(scenario, dict(intervals), result.simulated_seconds, summaries)
-
-
-def _gpus(selector: object, count: int) -> list[int]:
-    if selector == "all":
-        return list(range(count))
-    assert isinstance(selector, list | tuple)
-    return [g for g in selector if 0 <= g < count]
+    instances = firing_instances(result.transitions, result.started_at)
+    return Replay(scenario, dict(intervals), result.simulated_seconds, summaries, instances)
 
 
 def _seconds(values: list[float]) -> str:
@@ -114,6 +124,18 @@ def _seconds(values: list[float]) -> str:
         return "did not fire"
     low, high = min(values), max(values)
     return f"{low:.0f} s" if round(low) == round(high) else f"{low:.0f}–{high:.0f} s"
+
+
+def _false_firings(r: Replay, allowed: dict[tuple[int, str, str], float]) -> list[tuple[str, str]]:
+    """(cause, "gpu 3 at 60 s") of each subject where a cause fired before its onset, or
+    where no expectation lets it fire (one that names the whole GPU allows its instances)."""
+    out = []
+    for (gpu, instance, cause), spans in sorted(r.instances.intervals.items()):
+        onset = allowed.get((gpu, instance, cause), allowed.get((gpu, "", cause)))
+        bad = [a for a, _ in spans if onset is None or a < onset]
+        if bad:
+            out.append((cause, f"gpu {subject_label((gpu, instance))} at {bad[0]:.0f} s"))
+    return out
 
 
 def detection_table() -> str:
@@ -128,21 +150,21 @@ def detection_table() -> str:
     for r in played:
         s = r.scenario
         count = s.node.gpu_count
-        allowed: dict[tuple[int, str], float] = {}  # (gpu, cause) -> onset
+        allowed: dict[tuple[int, str, str], float] = {}  # (gpu, GI id, cause) -> onset
         never: set[str] = set()
         for e in s.expect:
             if e.metric:  # what a fault shows outside the rules: no cause's row
                 continue
-            gpus = _gpus(e.gpus, count)
+            named = subjects(e.gpus, count)
             if e.never:
                 never.add(e.cause)
                 continue
             delays: list[float] = []
             resolved: list[float] = []
             still_firing = False
-            for g in gpus:
-                allowed[(g, e.cause)] = float(e.onset)
-                spans = r.intervals.get((g, e.cause), [])
+            for subject in named:
+                allowed[(subject[0], subject[1], e.cause)] = float(e.onset)
+                spans = r.spans(subject, e.cause)
                 starts = [a for a, _ in spans if a >= e.onset]
                 if starts:
                     delays.append(starts[0] - e.onset)
@@ -152,7 +174,7 @@ def detection_table() -> str:
                         still_firing = True
                     else:
                         resolved.append(took)
-            span = "all GPUs" if e.gpus == "all" else "gpu " + ",".join(map(str, gpus))
+            span = "all GPUs" if e.gpus == "all" else "gpu " + ",".join(map(subject_label, named))
             fires[e.cause].append(
                 f"`{s.name}` ({span}, onset {float(e.onset):.0f} s): {_seconds(delays)}"
             )
@@ -161,12 +183,9 @@ def detection_table() -> str:
                 resolves[e.cause].append(f"`{s.name}` ({span}, ends {e.ends:.0f} s): {took_text}")
         for cause in sorted(never):
             twins[cause].append(f"`{s.name}`")
-        for (g, cause), spans in sorted(r.intervals.items()):
-            onset = allowed.get((g, cause))
-            bad = [a for a, _ in spans if onset is None or a < onset]
-            if bad:
-                target = false_twin if cause in never else false_other
-                target[cause].append(f"`{s.name}` gpu {g} at {bad[0]:.0f} s")
+        for cause, where in _false_firings(r, allowed):
+            target = false_twin if cause in never else false_other
+            target[cause].append(f"`{s.name}` {where}")
     lines = [
         "# Detection table",
         "",

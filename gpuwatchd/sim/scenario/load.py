@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from gpuwatchd.config import ConfigError
 from gpuwatchd.sim.scenario.schema import Scenario
@@ -43,9 +44,11 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: not valid YAML: {e}") from e
     except ValidationError as e:
-        problems = (
-            f"{where}: {'.'.join(str(p) for p in err['loc'])}: "
-            f"{err['msg'].removeprefix('Value error, ')}"
-            for err in e.errors()
-        )
-        raise ConfigError("\n".join(problems)) from e
+        raise ConfigError("\n".join(_problem(where, err) for err in e.errors())) from e
+
+
+def _problem(where: str, error: ErrorDetails) -> str:
+    """`where: field.path: message`; no path for the scenario as a whole."""
+    path = ".".join(str(p) for p in error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {path}: {message}" if path else f"{where}: {message}"

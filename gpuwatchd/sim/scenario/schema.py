@@ -17,6 +17,7 @@ from gpuwatchd.sim.models import BUILTIN_MODELS, GpuModel
 from gpuwatchd.sim.scenario.base import GpuProcess, Strict
 from gpuwatchd.sim.scenario.mig import MigConfig, resolve
 from gpuwatchd.sim.scenario.noise import _amplitude
+from gpuwatchd.sim.scenario.subjects import Subjects, named_subjects
 from gpuwatchd.sim.scenario.topology import Topology
 
 CLOCK_EVENT_REASONS = (
@@ -300,7 +301,7 @@ class Expectation(Strict):
     labels: dict[str, str] = {}  # further labels of the series, e.g. {source: nvml}
     above: float | None = None
     below: float | None = None
-    gpus: GpuSelector = "all"
+    gpus: Subjects = "all"  # GPU indexes, or MIG GPU instances as the page names them, "0/2"
     never: bool = False
     onset: Duration | Literal[0] = 0  # when the fault starts: firing earlier is wrong
     by: Duration | None = None  # must be firing by then (default: `ends`, else the end)
@@ -345,6 +346,19 @@ class Expectation(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _judgeable(self) -> Expectation:
+        """`gpus` names GPUs or GPU instances; `metric`, a series the check samples."""
+        named = named_subjects(self.gpus)
+        if self.gpus != "all" and not named:
+            raise ValueError("gpus: expected at least one GPU, or all")
+        if self.metric:
+            from gpuwatchd.sim.series import problem  # the sources' specs: only when needed
+
+            if why := problem(self.metric, self.labels, any(gi for _, gi in named)):
+                raise ValueError(why)
+        return self
+
 
 class Scenario(Strict):
     name: str
@@ -357,6 +371,19 @@ class Scenario(Strict):
     @property
     def duration(self) -> float:
         return sum(p.duration for p in self.phases)
+
+    @model_validator(mode="after")
+    def _expectations_on_the_node(self) -> Scenario:
+        """An expectation on a GPU the node does not have would judge nothing."""
+        count = self.node.gpu_count
+        for i, e in enumerate(self.expect):
+            for gpu, _ in named_subjects(e.gpus):
+                if gpu >= count:
+                    raise ValueError(
+                        f"expect.{i}.gpus: GPU {gpu} is not on the node: expected indexes "
+                        f"below node.gpu_count ({count})"
+                    )
+        return self
 
     @model_validator(mode="after")
     def _mig_fits_the_model(self) -> Scenario:
