@@ -303,7 +303,7 @@ def test_gpus_without_mig_read_exactly_as_before(nodes: Any) -> None:
     expected = [(P + "probe_" + n, ("0", u0), v) for n, v in head]
     expected += [(P + "probe_" + n, ("1", u1), v) for n, v in head + allocator]
     expected += [(P + "probe_" + n, ("2", u2), v) for n, v in gpu2]
-    results = ("accepted", "malformed", "too_large", "rate_limited", "queue_full")
+    results = ("accepted", "malformed", "too_large", "rate_limited", "queue_full", "pid_limit")
     expected += [(P + "probe_reports_total", (r,), float(r == "accepted") * 3) for r in results]
     expected += [(P + "probe_processes", (), 3.0), (P + "probe_unplaced_processes", (), 0.0)]
     assert got == expected

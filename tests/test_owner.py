@@ -146,15 +146,16 @@ LAYOUTS = {
         "container",
         container="docker://ec08435e04266c5ba381fccbb829f626d11d8ddf5f8f547263c7a2d79ab4787a",
     ),
-    "podman-v2-rootless": Placement(
+    "podman-v2-rootless": Placement(  # in its user's slice: that user's (issue 41)
         "container",
+        uid=1000,
         container="podman://f13b567f07e025055fa9fa2793f44695036e3d412d82d16ee03d72e8b4eb8387",
     ),
-    # bare processes
-    "bare-v1-session": Placement(),
-    "bare-hybrid": Placement(),
+    # bare processes: the login user of systemd's user-U.slice (issue 41)
+    "bare-v1-session": Placement(uid=0),
+    "bare-hybrid": Placement(uid=0),
     "bare-v2-init": Placement(),
-    "bare-v2-user-app": Placement(),
+    "bare-v2-user-app": Placement(uid=1000),
 }
 
 
@@ -234,11 +235,13 @@ DELEGATED = "/user.slice/user-1000.slice/user@1000.service/app.slice"  # the ten
 @pytest.mark.parametrize(
     "path, expected",
     [
-        # issue 23: a tenant names cgroups in its delegated subtree after a victim's job
-        (f"{DELEGATED}/uid_7319/job_748468/step_0", Placement()),
-        (f"{DELEGATED}/slurm/uid_7319/job_748468/step_0", Placement()),
-        (f"{DELEGATED}/system.slice/slurmstepd.scope/job_748468/step_0", Placement()),
-        (f"{DELEGATED}/kubepods.slice/kubepods-pod{POD}.slice/payload", Placement()),
+        # issue 23: a tenant names cgroups in its delegated subtree after a victim's job;
+        # it stays its login user's (issue 41), whatever it names below
+        (f"{DELEGATED}/uid_7319/job_748468/step_0", Placement(uid=1000)),
+        (f"{DELEGATED}/slurm/uid_7319/job_748468/step_0", Placement(uid=1000)),
+        (f"{DELEGATED}/system.slice/slurmstepd.scope/job_748468/step_0", Placement(uid=1000)),
+        (f"{DELEGATED}/kubepods.slice/kubepods-pod{POD}.slice/payload", Placement(uid=1000)),
+        (f"{DELEGATED}/user.slice/user-0.slice/session-1.scope", Placement(uid=1000)),
         # or nests them inside its own job or pod: the scheduler's (outer) one counts
         (
             "/system.slice/slurmstepd.scope/job_5/step_0/user/task_0/uid_7319/job_748468/step_0",

@@ -1,5 +1,6 @@
 """The probe socket against hostile local users: out-of-range reports, floods, and the
-socket's path and directory (issue 13, findings 5-7)."""
+socket's path and directory (issue 13, findings 5-7); senders shared by tenant, the pids
+tracked bounded (issue 41, item 3)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,24 @@ import math
 import os
 import socket
 import stat
+import struct
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from cgroups import placed
 
 from gpuwatchd.config import ProbeConfig
 from gpuwatchd.sources import SourceError
 from gpuwatchd.sources.base import Context
+from gpuwatchd.sources.owner.cgroup import tenant as cgroup_tenant
 from gpuwatchd.sources.probe import DrainBudget, Inbox, ProbeSocket, ProbeSource
+from gpuwatchd.sources.probe_tenants import PIDS_PER_TENANT, Roster
 from tests.test_probe import GOOD, Datagrams, Metrics, Node, two_jobs
 
 # -- finding 5: numbers a report may carry ----------------------------------------------
@@ -110,12 +117,12 @@ def test_the_socket_is_drained_as_datagrams_arrive(tmp_path: Path) -> None:
         daemon.close()
 
 
-def test_a_flooding_uid_only_loses_its_own_share() -> None:
+def test_a_flooding_tenant_only_loses_its_own_share() -> None:
     inbox = Inbox(capacity=64)
     for i in range(10_000):
-        inbox.put(1000, 4000 + i % 7, b"flood")
-    inbox.put(1001, 5000, b"victim")
-    inbox.put(1002, 6000, b"other")
+        inbox.put("user:1000", 4000 + i % 7, b"flood")
+    inbox.put("user:1001", 5000, b"victim")
+    inbox.put("pod:x", 6000, b"other")
     taken = inbox.take(1000)
     assert (5000, b"victim") in taken and (6000, b"other") in taken
     assert len(taken) == 64
@@ -123,36 +130,36 @@ def test_a_flooding_uid_only_loses_its_own_share() -> None:
     assert inbox.take(1000) == []
 
 
-def test_take_serves_every_uid_in_turn() -> None:
+def test_take_serves_every_tenant_in_turn() -> None:
     inbox = Inbox(capacity=100)
     for i in range(50):
-        inbox.put(1000, 1, b"a%d" % i)
-    inbox.put(1001, 2, b"b")
+        inbox.put("user:1000", 1, b"a%d" % i)
+    inbox.put("user:1001", 2, b"b")
     first = inbox.take(2)
     assert first == [(1, b"a0"), (2, b"b")]  # the victim is not behind the flood
     assert [d for _, d in inbox.take(100)] == [b"a%d" % i for i in range(1, 50)]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to send as another uid")
-def test_a_flooder_of_another_uid_does_not_starve_a_victim() -> None:
+@pytest.mark.parametrize("uids", ["the victim's", "2,000 forged"])
+def test_a_flooder_in_another_cgroup_does_not_starve_a_victim(uids: str) -> None:
+    """Issue 41, item 3: the queue was shared by uid. Under the unit's PrivateUsers=yes
+    every other user's uid reads 65534, so a flooder and its victim were one (here both
+    are root); a process with CAP_SETUID names as many uids as it likes in SCM_CREDENTIALS
+    (here 2,000) and had as many shares. Now the sender's cgroup says who it is."""
     directory = Path(tempfile.mkdtemp(prefix="gpuwatchd-probe-"))
-    directory.chmod(0o755)  # reachable by the flooder's uid
+    directory.chmod(0o755)
     path = directory / "probe.sock"
     daemon = ProbeSocket(path, 8192, capacity=64)
+    go_read, go_write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the flooder: 2,000 reports as fast as the kernel takes them
+        os._exit(_flood(go_read, str(path), forged=uids != "the victim's"))
     try:
-        child = os.fork()
-        if child == 0:  # the flooder: nobody, 2000 reports as fast as the kernel takes them
-            code = 1
-            try:
-                os.setuid(65534)
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                s.settimeout(10)
-                for _ in range(2000):
-                    s.sendto(b"flood", str(path))
-                code = 0
-            finally:
-                os._exit(code)
-        assert os.waitpid(child, 0)[1] == 0
+        with placed(child, f"/gpuwatchd-test-{uuid.uuid4().hex[:12]}") as where:
+            os.write(go_write, b"go" if where else b"no")
+            assert os.waitpid(child, 0)[1] == 0
+            if where is None:
+                pytest.skip("no cgroup can be made here (needs root and a writable hierarchy)")
         victim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         victim.settimeout(10)
         victim.sendto(b"victim", str(path))
@@ -161,6 +168,25 @@ def test_a_flooder_of_another_uid_does_not_starve_a_victim() -> None:
     finally:
         daemon.close()
         os.rmdir(directory)
+        os.close(go_read)
+        os.close(go_write)
+
+
+def _flood(go: int, path: str, forged: bool) -> int:
+    """The flooding child: once moved into its cgroup, 2,000 datagrams, with uids 1…2000
+    named in SCM_CREDENTIALS (CAP_SETUID) where `forged`; its exit status."""
+    try:
+        if os.read(go, 2) != b"go":
+            return 0
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.settimeout(10)
+        for uid in range(1, 2001):
+            creds = [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS,
+                      struct.pack("iII", os.getpid(), uid, 0))] if forged else []  # fmt: skip
+            s.sendmsg([b"flood"], creds, 0, path)
+        return 0
+    except BaseException:
+        return 1
 
 
 def assert_eventually_queued(daemon: ProbeSocket, data: bytes) -> None:
@@ -231,9 +257,9 @@ def test_a_flood_spends_the_drains_cpu_budget_then_the_kernel_holds_it(tmp_path:
         daemon.close()
 
 
-def test_a_uid_past_its_share_is_dropped_first_and_counted(tmp_path: Path) -> None:
+def test_a_tenant_past_its_share_is_dropped_first_and_counted(tmp_path: Path) -> None:
     path = tmp_path / "probe.sock"
-    budget = DrainBudget(cpu_share=1.0, per_uid=5, window=3600)  # CPU never spent
+    budget = DrainBudget(cpu_share=1.0, per_tenant=5, window=3600)  # CPU never spent
     daemon = ProbeSocket(path, 8192, budget=budget)
     try:
         sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -327,3 +353,83 @@ def test_something_else_at_the_socket_path_is_left_alone(tmp_path: Path) -> None
     with pytest.raises(SourceError, match="not a socket"):
         ProbeSocket(path, 512)
     assert path.read_text() == "not a socket"
+
+
+# -- issue 41, item 3: tenants and the pids tracked -------------------------------------
+
+FLOODER = "/user.slice/user-2000.slice/user@2000.service/app.slice/flood-{}.scope"
+
+
+def cheap_reporters(proc: Path, pids: range, cgroup: str) -> None:
+    """Live processes in `proc` (their stat and cgroup, as the kernel writes them)."""
+    stat = "{} (python3) S 1 {} {} 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 5000 0 0\n"
+    for pid in pids:
+        (proc / str(pid)).mkdir()
+        (proc / str(pid) / "stat").write_text(stat.format(pid, pid, pid))
+        (proc / str(pid) / "cgroup").write_text(f"0::{cgroup.format(pid)}\n")
+
+
+def test_thousands_of_cheap_reporters_are_bounded_per_tenant(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    """2,287 reporters of one login user, each in a cgroup of its own making: 64 are
+    tracked (a poll read every one's stat: 32-114 ms), the rest counted as pid_limit, one
+    log line; the victim's report still lands on its GPU."""
+    flood = range(30_000, 32_287)
+    cheap_reporters(node.sim.root / "proc", flood, FLOODER)
+    for t in (1, 2, 3):  # a third of them each poll (the test's wire is no fair queue)
+        for pid in flood[t - 1 :: 3]:
+            wire(node).send(pid, GOOD)
+        wire(node).send(200, {**GOOD, "batches": t})
+        m = node.poll(t)
+    assert m.node("probe_processes") == PIDS_PER_TENANT + 1
+    assert m.node("probe_unplaced_processes") == PIDS_PER_TENANT
+    assert m.node("probe_reports_total", "pid_limit") == len(flood) - PIDS_PER_TENANT
+    assert m.gpu("probe_pid", 2) == 200 and m.gpu("probe_batches_total", 2) == 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpuwatchd.sources.probe"]
+    assert len(lines) == 2, lines  # one for the drops, one for the pids on no GPU
+    assert lines[1].startswith(
+        "probe: pid 30000, 30003, 30006, 30009, 30012, 30015, 30018, 30021, 30024, 30027 "
+        "reports but NVML lists it on no GPU (64 pid(s) in all now)"
+    )
+
+
+def test_the_roster_keeps_room_for_every_tenant() -> None:
+    """At the cap, a newcomer takes the place of the stalest pid of the tenant tracking
+    the most; one tenant never holds more than its share, nor evicts itself."""
+    roster: Roster[Any] = Roster(most=8, per_tenant=5)
+
+    def add(pid: int, tenant: str) -> bool:
+        if not roster.room(tenant):
+            return False
+        roster.add(pid, SimpleNamespace(tenant=tenant, seen=float(pid)))
+        return True
+
+    assert [add(pid, "a") for pid in range(1, 7)] == [True] * 5 + [False]
+    assert [add(pid, "b") for pid in range(11, 14)] == [True] * 3  # 8 tracked
+    assert add(21, "c")  # a's stalest, pid 1, makes room
+    assert sorted(roster.pids) == [2, 3, 4, 5, 11, 12, 13, 21]
+    assert add(22, "c") and 2 not in roster.pids  # a: 3, b: 3, c: 2
+    assert not add(23, "c")  # c would hold as many as the most: its own newcomer waits
+    roster.remove(13)
+    assert add(23, "c")
+
+
+@pytest.mark.parametrize(
+    "cgroup, tenant",
+    [
+        # what a tenant makes below its own cgroup is still its own
+        (FLOODER.format(1), "user:2000"),
+        (f"/user.slice/user-2000.slice/user@2000.service/user.slice/libpod-{'f' * 64}.scope",
+         "user:2000"),  # rootless podman: the user's own container
+        ("/user.slice/user-2000.slice/session-4.scope", "user:2000"),
+        ("/system.slice/slurmstepd.scope/job_77/step_0/user/task_0/x/y", "slurm:77"),
+        (f"/kubepods.slice/kubepods-pod{'a' * 32}.slice/cri-containerd-{'b' * 64}.scope/z",
+         "pod:" + "a" * 32),
+        (f"/docker/{'c' * 64}/docker/{'d' * 64}", f"cgroup:docker/{'c' * 64}"),  # the outer
+        ("/system.slice/train.service/sub/deeper", "cgroup:system.slice/train.service"),
+        ("/", None),
+    ],
+)  # fmt: skip
+def test_a_tenant_is_cut_where_its_own_subtree_begins(cgroup: str, tenant: str | None) -> None:
+    assert cgroup_tenant(f"0::{cgroup}\n") == tenant

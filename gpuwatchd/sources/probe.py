@@ -7,13 +7,17 @@ lists that pid on. (With pid namespaces the kernel gives the pid in the daemon's
 namespace; the daemon needs the host's, as NVML does: hostPID in Kubernetes.)
 
 A thread drains the socket as datagrams arrive into a queue shared fairly between the
-senders' uids (`Inbox`); each poll empties it. A report is checked against `Report`
+senders' tenants (`Inbox`; probe_tenants: the sender's cgroup cut where its own subtree
+begins, never its uid, which PrivateUsers=yes merges and CAP_SETUID multiplies); each
+poll empties it. A report is checked against `Report`
 (size, JSON, schema, every number finite and in range); a bad one or one over the pid's
 rate limit is counted by `result` and dropped, and never fails the poll. The socket's
 directory must be the daemon's (or root's) and writable by no other user (see
 `_safe_directory`). The latest report of each pid is kept until the pid exits or stays silent
-for `expire_after`; a pid that reports but is on no GPU is counted in
-`probe_unplaced_processes`.
+for `expire_after`; at most 64 pids of one tenant and 256 in all are tracked
+(probe_tenants.Roster: a poll reads each one's /proc/PID/stat). A pid that reports but is
+on no GPU is counted in `probe_unplaced_processes`; what is dropped or unplaced is logged
+at most once a minute.
 
 While no pid is known (nothing to expire or place), a poll that receives nothing hands
 back the last poll's samples, and the source rests (`idle`): its lane's thread sleeps
@@ -55,11 +59,12 @@ from gpuwatchd.sources.base import Context, Source, SourceError, read_small
 from gpuwatchd.sources.nvmlapi import quietly
 from gpuwatchd.sources.probe_gpus import GPU_SPECS, INSTANCE_FORMS, Placer
 from gpuwatchd.sources.probe_report import Report
+from gpuwatchd.sources.probe_tenants import Roster, Tenants
 
 log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
-RESULTS = ("accepted", "malformed", "too_large", "rate_limited", "queue_full")
+RESULTS = ("accepted", "malformed", "too_large", "rate_limited", "queue_full", "pid_limit")
 
 
 # -- metrics ----------------------------------------------------------------------------
@@ -69,8 +74,9 @@ REPORTS = counter(
     "probe_reports_total",
     "Probe reports received, by result: accepted, or dropped as malformed (not JSON, not "
     "the schema, a number out of range), too_large, rate_limited (the pid's), queue_full "
-    "(the daemon's queue was full, from the uid queuing the most; or the uid was past its "
-    "share of a drain window)",
+    "(the daemon's queue was full, from the tenant queuing the most; or the tenant was past "
+    "its share of a drain window), pid_limit (a new pid of a tenant with as many tracked "
+    "as one may have)",
     ("result",),
     export="nonzero",
 )
@@ -100,28 +106,28 @@ INBOX_CAPACITY = 1024  # datagrams waiting for a poll, all senders together (<= 
 
 
 class Inbox:
-    """Datagrams waiting for the next poll, queued per sender uid.
+    """Datagrams waiting for the next poll, queued per sender tenant (probe_tenants).
 
-    Bounded by `capacity` in all. When it is full, the uid holding the most loses its
-    newest datagram ("queue_full"), so a uid that floods only ever loses its own share
-    and every other uid's reports still get through; `take` serves the uids in turn.
+    Bounded by `capacity` in all. When it is full, the tenant holding the most loses its
+    newest datagram ("queue_full"), so a tenant that floods only ever loses its own share
+    and every other tenant's reports still get through; `take` serves the tenants in turn.
     """
 
     def __init__(self, capacity: int = INBOX_CAPACITY) -> None:
         self.capacity = capacity
         self.dropped = 0
-        self._queues: dict[int, deque[tuple[int, bytes]]] = {}
+        self._queues: dict[str, deque[tuple[int, bytes]]] = {}
         self._size = 0
         self._lock = threading.Lock()
 
-    def put(self, uid: int, pid: int, data: bytes) -> None:
+    def put(self, tenant: str, pid: int, data: bytes) -> None:
         with self._lock:
-            mine = self._queues.setdefault(uid, deque())
+            mine = self._queues.setdefault(tenant, deque())
             if self._size >= self.capacity:
                 self.dropped += 1
                 biggest = max(self._queues.values(), key=len)
                 if len(mine) + 1 >= len(biggest):
-                    return  # this uid holds (about) the most: its own datagram goes
+                    return  # this tenant holds (about) the most: its own datagram goes
                 biggest.pop()
                 self._size -= 1
             mine.append((pid, data))
@@ -131,18 +137,18 @@ class Inbox:
         return self._size
 
     def take(self, limit: int) -> list[tuple[int, bytes]]:
-        """Up to `limit` datagrams, oldest first within a uid, one uid after another."""
+        """Up to `limit` datagrams, oldest first within a tenant, one tenant after another."""
         out: list[tuple[int, bytes]] = []
         with self._lock:
             while self._size and len(out) < limit:
-                for uid, queue in list(self._queues.items()):
+                for tenant, queue in list(self._queues.items()):
                     if len(out) == limit:
                         break
                     if queue:
                         out.append(queue.popleft())
                         self._size -= 1
                     if not queue:
-                        del self._queues[uid]
+                        del self._queues[tenant]
         return out
 
 
@@ -151,32 +157,33 @@ class Inbox:
 DRAIN_WINDOW = 0.1  # seconds: the budget's period (CPUQuota's, 100 ms), or until a poll
 DRAIN_CPU_SHARE = 0.1  # of one core: at most 10 ms of CPU per window, a fifth of the quota
 DRAIN_BURST = 64  # datagrams read between two looks at the CPU spent
-UID_SHARE = 256  # datagrams one uid may queue per window (a burst of 256 ranks); then dropped
+TENANT_SHARE = 256  # datagrams one tenant may queue per window (256 ranks' burst); then dropped
 
 
 class DrainBudget:
     """What the draining thread may spend per window (DRAIN_WINDOW, or until the next
     poll, whichever ends first): `cpu_share` of a core, then it rests until the window
     ends, the kernel meanwhile holding (and refusing) what is sent, for every sender
-    alike; and `per_uid` datagrams per uid, past which one is dropped before any work
-    is done on it. `cpu_clock` must be the draining thread's (time.thread_time)."""
+    alike; and `per_tenant` datagrams per tenant, past which one is dropped before any
+    work but reading its tenant is done on it. `cpu_clock` must be the draining thread's
+    (time.thread_time)."""
 
     def __init__(
         self,
         cpu_share: float = DRAIN_CPU_SHARE,
-        per_uid: int = UID_SHARE,
+        per_tenant: int = TENANT_SHARE,
         window: float = DRAIN_WINDOW,
         cpu_clock: Callable[[], float] = time.thread_time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.per_uid = per_uid
+        self.per_tenant = per_tenant
         self.window = window
         self._cpu_limit = cpu_share * window
         self._cpu_clock = cpu_clock
         self._clock = clock
         self._start = -math.inf
         self._cpu_start = 0.0
-        self._counts: dict[int, int] = {}
+        self._counts: dict[str, int] = {}
         self._renewed = threading.Event()
         self.resting = threading.Event()  # set while the thread rests (for tests)
 
@@ -188,11 +195,11 @@ class DrainBudget:
                 self._counts = {}
             self._start, self._cpu_start = self._clock(), self._cpu_clock()
 
-    def admit(self, uid: int) -> bool:
-        queued = self._counts.get(uid, 0)
-        if queued >= self.per_uid:
+    def admit(self, tenant: str) -> bool:
+        queued = self._counts.get(tenant, 0)
+        if queued >= self.per_tenant:
             return False
-        self._counts[uid] = queued + 1
+        self._counts[tenant] = queued + 1
         return True
 
     def spent(self) -> bool:
@@ -204,7 +211,7 @@ class DrainBudget:
         self.resting.clear()
 
     def renew(self) -> None:
-        """A poll took the inbox: every uid's share and the CPU budget start again."""
+        """A poll took the inbox: every tenant's share and the CPU budget start again."""
         self._counts = {}
         self._renewed.set()
 
@@ -215,8 +222,8 @@ class ProbeSocket:
     The kernel queues at most net.unix.max_dgram_qlen (10 by default) datagrams on the
     socket, whatever SO_RCVBUF says, and a sender meeting a full queue gets EAGAIN: a
     socket read once a poll loses most of what many processes send at once. The thread
-    moves each datagram, with the sender's pid and uid as the kernel gives them, into an
-    Inbox that the poll empties.
+    moves each datagram, with the sender's pid as the kernel gives it, into an Inbox that
+    the poll empties, queued by the pid's tenant (`tenants`).
     """
 
     def __init__(
@@ -225,6 +232,7 @@ class ProbeSocket:
         max_bytes: int,
         capacity: int = INBOX_CAPACITY,
         budget: DrainBudget | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self.path = path
         self.max_bytes = max_bytes
@@ -240,6 +248,7 @@ class ProbeSocket:
         self._ancillary = socket.CMSG_SPACE(_UCRED.size)
         self._inbox = Inbox(capacity)
         self._budget = budget or DrainBudget()
+        self._tenants = tenants or Tenants()
         self._lock = threading.Lock()
         self._closing = False
         self._wake: Callable[[], None] | None = None  # `notify`'s, until a datagram comes
@@ -250,7 +259,7 @@ class ProbeSocket:
 
     @property
     def dropped(self) -> int:
-        """Datagrams dropped: the inbox was full, or their uid had spent its share."""
+        """Datagrams dropped: the inbox was full, or their tenant had spent its share."""
         return self._inbox.dropped
 
     def _wait_and_drain(self) -> None:
@@ -267,7 +276,7 @@ class ProbeSocket:
     def _drain(self, most: int) -> None:
         """Move up to `most` datagrams the kernel holds into the inbox. Under the lock, so
         that a poll's `receive` sees every datagram whose send returned before it. One
-        from a uid past its share of this window is dropped before any other work."""
+        from a tenant past its share of this window is dropped before any other work."""
         with self._lock:
             for _ in range(most):
                 if self._closing:
@@ -279,16 +288,17 @@ class ProbeSocket:
                     )
                 except OSError:  # BlockingIOError: all taken
                     return
-                pid, uid = 0, -1
+                pid = 0
                 for level, kind, payload in ancillary:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                        pid, uid, _ = _UCRED.unpack_from(payload)
-                if not self._budget.admit(uid):
+                        pid = _UCRED.unpack_from(payload)[0]
+                tenant = self._tenants.of(pid)
+                if not self._budget.admit(tenant):
                     self._inbox.dropped += 1  # under self._lock, as every put
                     continue
                 if flags & socket.MSG_TRUNC:
                     data = data + b"\0"  # marks it too large whatever was read
-                self._inbox.put(uid, pid, data)
+                self._inbox.put(tenant, pid, data)
                 wake, self._wake = self._wake, None
                 if wake is not None:
                     wake()
@@ -410,6 +420,9 @@ def _take_over(path: Path) -> None:
 
 # -- the source -------------------------------------------------------------------------
 
+LOG_EVERY = 60.0  # seconds between two lines of one kind (drops, unplaced pids)
+MAX_LISTED = 10  # pids a line names
+
 
 @dataclass
 class _Pid:
@@ -418,6 +431,21 @@ class _Pid:
     tokens: float  # rate limit: reports it may still send now
     refilled: float
     start: int | None  # the sender's start time (/proc/PID/stat): pid + start is one process
+    tenant: str  # whose pids it counts among (probe_tenants)
+
+
+class _Lines:
+    """A line of each kind at most every LOG_EVERY seconds: a flood of new senders made
+    a line each (1,068 a second, issue 23), then one a poll (issue 41)."""
+
+    def __init__(self) -> None:
+        self._next: dict[str, float] = {}
+
+    def ready(self, kind: str, now: float) -> bool:
+        if now < self._next.get(kind, -math.inf):
+            return False
+        self._next[kind] = now + LOG_EVERY
+        return True
 
 
 @register
@@ -436,11 +464,14 @@ class ProbeSource(Source):
         self._clock: Callable[[], float] = context.extras.get("clock", time.monotonic)
         self._receiver: Receiver | None = context.extras.get("probe_receiver")
         self._proc = os.fspath(context.procfs)
-        self._pids: dict[int, _Pid] = {}
+        self._tenants = Tenants(self._proc)
+        self._roster: Roster[_Pid] = Roster()
         self._results = dict.fromkeys(RESULTS, 0)
-        self._warned: set[tuple[int, str]] = set()
-        self._new_drops: list[tuple[int, str, str]] = []  # this poll's, logged in one line
+        self._lines = _Lines()
+        self._dropped: dict[str, int] = {}  # by result, since the last line saying so
+        self._first_drop: tuple[int, str, str] | None = None  # (pid, result, why) of those
         self._unplaced: set[int] = set()
+        self._newly_unplaced: list[int] = []  # since the last line saying so
         self._placer = Placer(context, self.settings.interval, self._clock)  # NVML's side
         self._quiet: list[Sample] | None = None  # the last samples, while no pid is known
 
@@ -455,34 +486,44 @@ class ProbeSource(Source):
 
     def collect(self) -> list[Sample]:
         if self._receiver is None:
-            self._receiver = ProbeSocket(self.settings.socket, self.settings.max_report_bytes)
+            self._receiver = ProbeSocket(
+                self.settings.socket, self.settings.max_report_bytes, tenants=self._tenants
+            )
         now = self._clock()
         received = self._receiver.receive(INBOX_CAPACITY)  # all since the last poll
         dropped = getattr(self._receiver, "dropped", 0)
         if self._quiet is not None and not received and dropped == self._results["queue_full"]:
             return self._quiet  # nothing came, no pid to expire or place: the same as before
-        self._forget_warnings()  # before accepting: a pid may have been reused
         for pid, data in received:
             self._accept(pid, data, now)
+        self._tenants.renew()  # a pid may be another process by the next poll
         self._results["queue_full"] = dropped
-        self._log_drops()
+        self._log_drops(now)
         self._expire(now)
         samples: list[Sample] = []
-        reports = {pid: state.report for pid, state in self._pids.items()}
+        pids = self._roster.pids
+        reports = {pid: state.report for pid, state in pids.items()}
         placed = self._placer.samples(reports, samples) if reports else set()
-        unplaced = self._pids.keys() - placed
-        for pid in unplaced - self._unplaced:
-            log.warning(
-                "probe: pid %d reports but NVML lists it on no GPU; is the daemon in the "
-                "host's pid namespace?",
-                pid,
-            )
-        self._unplaced = unplaced
+        unplaced = pids.keys() - placed
+        self._log_unplaced(unplaced, now)
         samples.extend(Sample(REPORTS.name, (r,), float(n)) for r, n in self._results.items())
-        samples.append(Sample(PROCESSES.name, (), float(len(self._pids))))
+        samples.append(Sample(PROCESSES.name, (), float(len(pids))))
         samples.append(Sample(UNPLACED.name, (), float(len(unplaced))))
-        self._quiet = None if self._pids else samples
+        self._quiet = None if pids else samples
         return samples
+
+    def _log_unplaced(self, unplaced: set[int], now: float) -> None:
+        """Pids newly on no GPU, in one line a minute at most (issue 41: a line a pid)."""
+        room = MAX_LISTED - len(self._newly_unplaced)
+        self._newly_unplaced += sorted(unplaced - self._unplaced)[:room]
+        self._unplaced = unplaced
+        if self._newly_unplaced and self._lines.ready("unplaced", now):
+            new, self._newly_unplaced = self._newly_unplaced, []
+            log.warning(
+                "probe: pid %s reports but NVML lists it on no GPU (%d pid(s) in all now); "
+                "is the daemon in the host's pid namespace?",
+                ", ".join(map(str, new)), len(unplaced),
+            )  # fmt: skip
 
     def idle(self, wake: Callable[[], None]) -> bool:
         """True if the last poll's samples stay as they are until a datagram comes (no pid
@@ -498,7 +539,7 @@ class ProbeSource(Source):
         if len(data) > self.settings.max_report_bytes:
             self._drop(pid, "too_large", f"{len(data)} bytes or more")
             return
-        state = self._pids.get(pid)
+        state = self._roster.pids.get(pid)
         if state is not None and not self._take_token(state, now):
             self._results["rate_limited"] += 1
             return
@@ -512,8 +553,13 @@ class ProbeSource(Source):
             self._drop(pid, "malformed", "no sender credentials")
             return
         if state is None:
+            tenant = self._tenants.of(pid)
+            if not self._roster.room(tenant):
+                self._drop(pid, "pid_limit", f"{tenant} has as many pids reporting as it may")
+                return
             rate = self.settings.max_reports_per_second
-            self._pids[pid] = _Pid(report, now, 2 * rate - 1, now, self._start_time(pid))
+            start = self._start_time(pid)
+            self._roster.add(pid, _Pid(report, now, 2 * rate - 1, now, start, tenant))
         else:
             state.report, state.seen = report, now
         self._results["accepted"] += 1
@@ -529,38 +575,33 @@ class ProbeSource(Source):
 
     def _drop(self, pid: int, result: str, why: str) -> None:
         self._results[result] += 1
-        if (pid, result) not in self._warned:  # once per pid and kind: a loop can't flood logs
-            self._warned.add((pid, result))
-            self._new_drops.append((pid, result, why))
+        self._dropped[result] = self._dropped.get(result, 0) + 1
+        if self._first_drop is None:
+            self._first_drop = (pid, result, why)
 
-    def _log_drops(self) -> None:
-        """One line per poll for the pids newly dropped: forked processes each sending a
-        bad report (a new pid each) made a warning each, 1,068 a second."""
-        drops, self._new_drops = self._new_drops, []
-        if not drops:
+    def _log_drops(self, now: float) -> None:
+        """The reports dropped since the last such line, in one line a minute at most."""
+        if self._first_drop is None or not self._lines.ready("drops", now):
             return
-        counts: dict[str, int] = {}
-        for _, result, _ in drops:
-            counts[result] = counts.get(result, 0) + 1
-        pid, result, why = drops[0]
+        counts, self._dropped = self._dropped, {}
+        (pid, result, why), self._first_drop = self._first_drop, None
         log.warning(
-            "probe: dropped reports from %d new sender(s) this poll (%s); the first, pid %d "
-            "(%s): %s",
-            len(drops), ", ".join(f"{r} {n}" for r, n in sorted(counts.items())), pid,
-            result, why,
+            "probe: dropped %d report(s) (%s); the first, pid %d (%s): %s",
+            sum(counts.values()), ", ".join(f"{r} {n}" for r, n in sorted(counts.items())),
+            pid, result, why,
         )  # fmt: skip
 
     def _expire(self, now: float) -> None:
         """Forget a pid silent too long, exited, or now another process (the pid reused:
         its report must not land on the new process's GPUs)."""
-        for pid, state in list(self._pids.items()):
+        for pid, state in list(self._roster.pids.items()):
             start = self._start_time(pid)
             if (
                 now - state.seen > self.settings.expire_after
                 or start is None
                 or (start != state.start)
             ):
-                del self._pids[pid]
+                self._roster.remove(pid)
 
     def _start_time(self, pid: int) -> int | None:
         """/proc/PID/stat's starttime (field 22, after the last ')'); None if gone."""
@@ -569,9 +610,3 @@ class ProbeSource(Source):
             return int(fields[19])
         except (OSError, ValueError, IndexError):
             return None
-
-    def _forget_warnings(self) -> None:
-        """Forget a warning once its pid has exited: a pid that only ever sends bad
-        reports is never in _pids, and must still be warned about once, not per poll."""
-        if self._warned:
-            self._warned = {w for w in self._warned if os.path.isdir(f"{self._proc}/{w[0]}")}

@@ -161,7 +161,7 @@ def _from_process(facts: ProcessFacts, job: str, users: Callable[[int], str]) ->
     scheduler = place.scheduler
     if scheduler == "process" and (launch.slurm_job or job):
         scheduler = "slurm"
-    uid = place.uid if place.uid is not None else facts.uid
+    uid = _uid(place, facts)
     slurm_user = launch.slurm_user if scheduler == "slurm" else ""
     return Owner(
         scheduler=scheduler,
@@ -172,6 +172,14 @@ def _from_process(facts: ProcessFacts, job: str, users: Callable[[int], str]) ->
         pod=place.pod_uid,
         container=place.container,
     )
+
+
+def _uid(place: Placement, facts: ProcessFacts) -> int | None:
+    """A Slurm job's owner (v1 `uid_U`), else the process's uid, else (the kernel's not
+    mapped into the daemon's user namespace) the login user of its systemd slice."""
+    if place.scheduler == "slurm" and place.uid is not None:
+        return place.uid
+    return facts.uid if facts.uid is not None else place.uid
 
 
 def _from_job(job: str) -> Owner | None:

@@ -19,12 +19,18 @@ Anywhere else they are a tenant's own: systemd delegates `user@UID.service` (and
 container may own its subtree), so a tenant can name a cgroup
 `…/uid_<victim>/job_<J>/step_0` or `…/kubepods-pod<UID>.slice` and must not be charged
 as that job or pod (issue 23).
+
+The login user of systemd's `/user.slice/user-U.slice/…` (a session, a user manager) is
+the uid of the path too: under the shipped unit's PrivateUsers=yes, /proc/PID/status shows
+65534 for every user but root and the daemon's, and a path names the real one (issue 41).
+`tenant` cuts a path where the tenant's own subtree begins: what the probe shares its
+queue by.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # a pod UID: a UUID (with `_` for `-` in systemd slice names), or the 32 hex digits of a
 # static pod's UID (a hash of its manifest)
@@ -49,6 +55,7 @@ _RUNTIMES = {
 _JOB = re.compile(r"job_([0-9]{1,12})")
 _STEP = re.compile(r"step_([0-9A-Za-z_.+-]{1,32})")  # 0, 1, …, batch, extern, interactive
 _UID_DIR = re.compile(r"uid_([0-9]{1,10})")
+_USER_SLICE = re.compile(r"user-([0-9]{1,10})\.slice")  # systemd's slice of a login user
 _SLURM_V1_ROOT = re.compile(r"slurm(?:_[0-9A-Za-z_.-]{1,64})?")  # /slurm_<node>: multiple slurmd
 # what may lie between the root and a pod: kubepods' QoS levels (both drivers), kind's
 # kubelet-prefixed slices, containerd's service on v1 with systemd (root-owned, none of them
@@ -67,7 +74,9 @@ class Placement:
     scheduler: str = "process"  # "slurm", "kubernetes", "container" or "process"
     job_id: str = ""  # Slurm job
     step: str = ""  # Slurm step: "0", "1", …, "batch", "extern", "interactive"
-    uid: int | None = None  # the job's owner, in Slurm's cgroup v1 paths (uid_U)
+    # the uid a root-made directory names: a Slurm job's owner (v1 `uid_U`), else the
+    # login user of systemd's `/user.slice/user-U.slice`
+    uid: int | None = None
     pod_uid: str = ""  # Kubernetes pod UID, with dashes
     # "<runtime>://<ID>" (containerd, cri-o, docker, podman), or the bare ID (runtime unknown)
     container: str = ""
@@ -87,17 +96,67 @@ def parse_cgroup(text: str) -> Placement:
     best = NOWHERE
     for path in paths:
         found = place(path)
-        if _RANK[found.scheduler] > _RANK[best.scheduler]:
+        if _weight(found) > _weight(best):
             best = found
     return best
 
 
+def _weight(found: Placement) -> tuple[int, bool]:
+    return _RANK[found.scheduler], found.uid is not None
+
+
 def place(path: str) -> Placement:
     """The placement one cgroup path names."""
-    parts = [part for part in path.strip().split("/") if part not in ("", ".", "..")]
+    parts = _parts(path)
     if not parts:
         return NOWHERE
-    return _slurm(parts) or _kubernetes(parts) or _container(parts) or NOWHERE
+    found = _slurm(parts) or _kubernetes(parts) or _container(parts) or NOWHERE
+    uid = _login_uid(parts)
+    return replace(found, uid=uid) if uid is not None and found.uid is None else found
+
+
+def _parts(path: str) -> list[str]:
+    return [part for part in path.strip().split("/") if part not in ("", ".", "..")]
+
+
+def _login_uid(parts: list[str]) -> int | None:
+    """U of `/user.slice/user-U.slice/…`: logind makes it root's, so a user cannot leave it
+    (nor make it deeper: `user@U.service` below is the user's own)."""
+    if len(parts) < 2 or parts[0] != "user.slice":
+        return None
+    match = _USER_SLICE.fullmatch(parts[1])
+    return int(match[1]) if match and int(match[1]) < 2**32 - 1 else None
+
+
+def tenant(text: str) -> str | None:
+    """What a process's cgroup (a /proc/PID/cgroup file) says of who runs it, cut where
+    that tenant's own subtree begins, so that it cannot be multiplied: its Slurm job, its
+    pod, its login user's slice, the outermost container, else the first two levels of
+    systemd's path (`system.slice/x.service`); None for a process at the root."""
+    found = parse_cgroup(text)
+    if found.scheduler == "slurm":
+        return f"slurm:{found.job_id}"
+    if found.scheduler == "kubernetes":
+        return f"pod:{found.pod_uid}"
+    if found.uid is not None:
+        return f"user:{found.uid}"  # before containers: a user's own subtree holds its own
+    parts = _parts(_systemd_path(text))
+    for i, part in enumerate(parts):
+        if _runtime_id(part):
+            return "cgroup:" + "/".join(parts[: i + 1])  # the outermost: its engine made it
+    return "cgroup:" + "/".join(parts[:2]) if parts else None
+
+
+def _systemd_path(text: str) -> str:
+    """The path of the hierarchy that organizes processes: v2's (`0::`), else v1's
+    `name=systemd`, else the first that is not the root."""
+    paths: dict[str, str] = {}
+    for line in text.splitlines():
+        _, _, rest = line.partition(":")
+        controllers, sep, path = rest.partition(":")
+        if sep and _parts(path):
+            paths.setdefault(controllers, path)
+    return paths.get("") or paths.get("name=systemd") or next(iter(paths.values()), "")
 
 
 def _slurm(parts: list[str]) -> Placement | None:
