@@ -212,6 +212,8 @@ def test_instances_are_judged_apart_when_named():
     assert (fires.gpus, fires.observed, fires.ok) == ("1/2", "fired 60s after onset", True)
     assert (never.gpus, never.observed, never.ok) == ("1/3,0", "gpu 1/3 fired at 310s", False)
     assert unexpected == []  # GI 3 is named (never), GI 2 allowed
+    with pytest.raises(ValueError, match="names MIG GPU instances"):  # would judge nothing
+        check(cut, {(1, CAUSE): [(300.0, None)]}, END)
     # GPU 1 itself firing: neither instance's expectation allows it
     spans[(1, "", CAUSE)] = [(400.0, None)]
     *_, extra = check(cut, {}, END, {}, instances)

@@ -14,9 +14,13 @@ from gpuwatchd.sim.scenario import builtin_scenarios, load_scenario
 def test_builtin_scenario_passes_its_check(name: str):
     played = replays()[name]  # all played at once, over the CPUs; cached for detection.md
     verdicts = check(
-        played.scenario, played.intervals, played.simulated_seconds, played.summaries
+        played.scenario,
+        played.intervals,
+        played.simulated_seconds,
+        played.summaries,
+        played.instances,  # an expectation on a MIG GPU instance ("0/2") is judged on its own
     )
-    assert all(v.ok for v in verdicts), format_verdicts(name, verdicts)
+    assert all(v.ok and v.reached for v in verdicts), format_verdicts(name, verdicts)
 
 
 def test_every_default_rule_has_a_scenario_that_fires_it_and_a_twin_that_must_not():

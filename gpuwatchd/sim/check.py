@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.rules.engine import FIRING, Transition
 from gpuwatchd.sim.scenario import Expectation, Scenario
-from gpuwatchd.sim.scenario.subjects import Subject, subject_label, subjects
+from gpuwatchd.sim.scenario.subjects import Subject, named_subjects, subject_label, subjects
 
 Span = tuple[float, float | None]  # seconds since the scenario start; None: still firing
 Intervals = dict[tuple[int, str], list[Span]]  # (gpu, cause): a GPU's, its instances' with it
@@ -108,8 +108,14 @@ class _Fired:
         return self.summaries.get((gpu, cause), [])
 
 
-def _on_whole_gpus(intervals: Intervals, summaries: Summaries) -> Instances:
-    """Without instances' own spans: everything fired on the GPUs themselves."""
+def _on_whole_gpus(scenario: Scenario, intervals: Intervals, summaries: Summaries) -> Instances:
+    """Without instances' own spans: everything fired on the GPUs themselves (an error
+    where the scenario names an instance: it would judge nothing)."""
+    if any(gi for e in scenario.expect for _, gi in named_subjects(e.gpus)):
+        raise ValueError(
+            'check: the scenario names MIG GPU instances ("0/2"): pass what each fired on '
+            "its own (`instances`, from firing_instances)"
+        )
     return Instances(
         {(gpu, "", cause): spans for (gpu, cause), spans in intervals.items()},
         {(gpu, "", cause): texts for (gpu, cause), texts in summaries.items()},
@@ -327,7 +333,9 @@ def check(
     per subject, from `firing_instances`: without it, all on the GPUs themselves) up to
     `end`, the seconds the run reached (the scenario's end unless cut short)."""
     summaries = summaries or {}
-    fired = _Fired(intervals, summaries, instances or _on_whole_gpus(intervals, summaries))
+    if instances is None:
+        instances = _on_whole_gpus(scenario, intervals, summaries)
+    fired = _Fired(intervals, summaries, instances)
     count, duration = scenario.node.gpu_count, scenario.duration
     verdicts = []
     for e in scenario.expect:
