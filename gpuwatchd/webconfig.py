@@ -91,7 +91,8 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "X-XSS-Protection": (),
     "Content-Security-Policy": (),
 }
-_BCRYPT = re.compile(r"^\$2[abxy]?\$\d\d\$[./A-Za-z0-9]{53}$")
+_BCRYPT = re.compile(r"^\$2[abxy]\$(\d\d)\$[./A-Za-z0-9]{53}$")
+BCRYPT_COSTS = range(4, 32)  # bcrypt's; a hash outside it matches no password
 
 
 def _one_of(allowed: Any) -> Any:
@@ -104,11 +105,14 @@ def _fail(message: str) -> Any:
 
 
 def _bcrypt_hash(value: Any) -> Any:
-    if isinstance(value, str) and _BCRYPT.match(value):
-        return value
-    raise ValueError(
-        "expected a bcrypt hash such as $2y$10$... (htpasswd -nBC 10 '' | tr -d ':\\n')"
-    )
+    match = _BCRYPT.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(
+            "expected a bcrypt hash such as $2y$10$... (htpasswd -nBC 10 '' | tr -d ':\\n')"
+        )
+    if int(match[1]) not in BCRYPT_COSTS:  # no password could ever match it
+        raise ValueError(f"expected a bcrypt cost of 4 to 31, got cost {match[1]}")
+    return value
 
 
 def _go_duration(value: Any) -> float:
@@ -353,18 +357,24 @@ class BasicAuth:
     """Checks `Authorization: Basic` against bcrypt hashes, as exporter-toolkit does.
 
     A success is cached per (user, hash, password) so a scrape does not pay bcrypt (~70 ms
-    at cost 10) each time; failures are not cached, so guessing cannot evict them. An
-    unknown user is checked against a hash made here at the highest cost of the file's
-    own hashes, so the time of an answer does not tell whether the user exists.
+    at cost 10) each time; failures are not cached, so guessing cannot evict them.
+
+    Every check costs what one at the file's highest cost does, so the time of an answer
+    tells nothing of whether the user exists (issue 41): an unknown user is checked
+    against a hash of that cost, and a user whose hash is cheaper (files may mix costs,
+    as exporter-toolkit's own test data does) is checked against dummies of costs c,
+    c+1, ..., highest-1 after its own: 2^c + 2^c + ... + 2^(highest-1) = 2^highest rounds.
     """
 
     CACHE_SIZE = 100
 
     def __init__(self, users: dict[str, str]) -> None:
         self.users = users
-        cost = max((int(hashed.split("$")[2]) for hashed in users.values()), default=10)
-        cost = min(max(cost, 4), 31)  # bcrypt's range; a hash outside it matches nothing
-        self.unknown = bcrypt.hashpw(os.urandom(16).hex().encode(), bcrypt.gensalt(cost)).decode()
+        self.cost = max(map(_cost, users.values()), default=10)
+        self.unknown = _dummy(self.cost)
+        self._padding = {
+            cost: [_dummy(k) for k in range(cost, self.cost)] for cost in map(_cost, users.values())
+        }
         self._ok: dict[bytes, None] = {}
         self._lock = threading.Lock()
 
@@ -379,13 +389,29 @@ class BasicAuth:
     def check(self, user: str, password: str) -> bool:
         """bcrypt's verdict (slow: run it off the event loop), remembered if it is yes."""
         hashed = self.users.get(user)
-        try:
-            ok = bcrypt.checkpw(password.encode(), (hashed or self.unknown).encode())
-        except ValueError:  # over bcrypt's 72 bytes: no hash can match it (as in Go)
-            ok = False
+        ok = _verify(password, hashed or self.unknown)
+        for dummy in self._padding[_cost(hashed)] if hashed else ():
+            _verify(password, dummy)  # the rounds up to the file's highest cost
         if ok and hashed is not None:
             with self._lock:
                 self._ok[self.key(user, password)] = None
                 while len(self._ok) > self.CACHE_SIZE:
                     del self._ok[next(iter(self._ok))]
         return ok and hashed is not None
+
+
+def _cost(hashed: str) -> int:
+    return int(hashed.split("$")[2])
+
+
+def _dummy(cost: int) -> str:
+    """A hash of `cost` that no password matches (a fresh salt, a zero digest): checking
+    a password against it costs what a real hash of that cost does, making it nothing."""
+    return bcrypt.gensalt(cost).decode() + "." * 31
+
+
+def _verify(password: str, hashed: str) -> bool:
+    try:
+        return bcrypt.checkpw(password.encode(), hashed.encode())
+    except ValueError:  # over bcrypt's 72 bytes: no hash can match it (as in Go)
+        return False

@@ -71,6 +71,10 @@ def test_every_file_the_toolkit_refuses_at_load_is_refused_naming_the_file(name)
             "tls_server_config: expected one of key or key_file",
         ),
         ("basic_auth_users: {alice: hunter2}", "basic_auth_users.alice: expected a bcrypt hash"),
+        (  # no password matches a cost bcrypt does not run: the user could never log in
+            "basic_auth_users: {alice: $2y$03$" + "a" * 53 + "}",
+            "basic_auth_users.alice: expected a bcrypt cost of 4 to 31, got cost 03",
+        ),
         (
             "http_server_config: {headers: {X-Powered-By: me}}",
             "header 'X-Powered-By' cannot be configured",

@@ -14,6 +14,7 @@ import ssl
 import threading
 from pathlib import Path
 
+import bcrypt
 import pytest
 import trustme
 from servers import wait_until
@@ -310,6 +311,36 @@ def test_an_unknown_user_costs_what_the_files_users_cost():
     old fixed cost-10 hash answered unknown users of a cost-12 file 4x faster)."""
     assert HASH.startswith("$2b$04$")
     assert BasicAuth({"alice": HASH}).unknown.startswith("$2b$04$")
+
+
+def test_every_password_check_costs_the_files_highest_cost(tmp_path, monkeypatch):
+    """Issue 41: in a file mixing costs (exporter-toolkit's own test data mixes 10, 12
+    and 18), a wrong password for a cost-4 user cost 2^4 bcrypt rounds and one for an
+    unknown user 2^6 (the dummy at the file's highest): the time of a 401 told whether
+    the user exists. Now every check, right or wrong, known or not, costs 2^6."""
+    rounds: list[int] = []
+    checkpw = webconfig.bcrypt.checkpw
+
+    def counted(password: bytes, hashed: bytes) -> bool:
+        rounds.append(2 ** int(hashed.split(b"$")[2]))
+        return checkpw(password, hashed)
+
+    monkeypatch.setattr(webconfig.bcrypt, "checkpw", counted)
+    dear = bcrypt.hashpw(b"other", bcrypt.gensalt(6)).decode()
+    config = {"basic_auth_users": {"prometheus": HASH, "oncall": dear}}
+    with serving(config, where=tmp_path) as (server, _):
+        work = []
+        for user, password, status in [
+            ("prometheus", "wrong", 401),
+            ("nobody", "wrong", 401),
+            ("oncall", "wrong", 401),
+            ("prometheus", PASSWORD, 200),
+            ("oncall", "other", 200),
+        ]:
+            rounds.clear()
+            assert once(server, headers=basic(user, password)) == status
+            work.append(sum(rounds))
+        assert work == [2**6] * 5
 
 
 # finding 6: the rate limit ---------------------------------------------------------------
