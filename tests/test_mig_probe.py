@@ -312,6 +312,6 @@ def test_gpus_without_mig_read_exactly_as_before(nodes: Any) -> None:
 def test_the_scenario_fires_on_the_stalled_instance_only() -> None:
     result = CliRunner().invoke(main, ["simulate", "mig-probe-input-stall-h100", "--check"])
     assert result.exit_code == 0, result.output
-    assert "0 mismatch(es) in 10 expectation(s)" in result.output
+    assert "0 mismatch(es) in 12 expectation(s)" in result.output
     assert "gpu 0/2  input_pipeline_stall firing" in result.output
     assert "gpu 0/1  input_pipeline_stall" not in result.output
