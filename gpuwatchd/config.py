@@ -24,6 +24,8 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from gpuwatchd.filetrust import distrust
+
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(ms|s|m|h))+$")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _LISTEN = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]*):\d{1,5}$")
@@ -44,15 +46,20 @@ class FileError(Exception):
 def read_text_file(path: Path, limit: int = MAX_FILE_BYTES) -> str:
     """A configuration file's UTF-8 text, read so that it cannot block or run away: a
     regular file only (a FIFO would hold the reader until someone writes to it), at most
-    `limit` bytes. Raises FileError."""
+    `limit` bytes, that only root or the daemon's user can write (gpuwatchd/filetrust.py).
+    Raises FileError."""
+    real = os.path.realpath(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        fd = os.open(real, flags)
     except OSError as e:
         raise FileError(f"cannot read: {e.strerror}") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise FileError("cannot read: not a regular file")
+        if (why := distrust(real, st)) is not None:
+            raise FileError(f"refused: {why}")
         data = b""
         if st.st_size <= limit:  # read one byte more: a file that grew is caught too
             while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):

@@ -710,14 +710,15 @@ class RuleFileWatcher:
     def in_a_thread(job: Callable[[], None]) -> None:
         threading.Thread(target=job, name="rules-loader", daemon=True).start()
 
-    def _file_stamp(self) -> tuple[int, int, int] | None:
+    def _file_stamp(self) -> tuple[int, ...] | None:
         if self.path is None:
             return None
         try:
             st = os.stat(self.path)
         except OSError:
             return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+        # its owner and mode too: whether it may be trusted is part of the load (issue 41)
+        return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid, st.st_gid)
 
     def request(self) -> None:
         """Reload at the next check (safe to call from a signal handler)."""
