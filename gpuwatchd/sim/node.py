@@ -49,7 +49,12 @@ class SimNode:
     """
 
     def __init__(
-        self, scenario: Scenario, virtual: bool, loop: bool = False, start_at: float = 0.0
+        self,
+        scenario: Scenario,
+        virtual: bool,
+        loop: bool = False,
+        start_at: float = 0.0,
+        ptrace: bool = True,
     ) -> None:
         self.scenario = scenario
         self.timeline = Timeline(scenario, loop=loop)
@@ -68,7 +73,9 @@ class SimNode:
         self.probe = SimProbeReceiver(self.timeline, self.clock.now, self.clock.elapsed)
         proc, sys = self.root / "proc", self.root / "sys"
         interrupts = InterruptsWriter(proc, self.timeline)
-        processes = ProcessesWriter(proc, sys, self.timeline)
+        # ptrace: the daemon may read other users' ptrace-gated /proc files (root or
+        # CAP_SYS_PTRACE); False models the shipped unit and DaemonSet (docs/deploy.md)
+        processes = ProcessesWriter(proc, sys, self.timeline, ptrace=ptrace)
         # in tick order (/proc/stat's intr line sums what the interrupts writer wrote),
         # each with the sources that read its files and whether it keeps counters (rising
         # between writes: SysfsWriter's files only show the state at the time)

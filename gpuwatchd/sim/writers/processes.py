@@ -334,10 +334,16 @@ class _Running:
 class ProcessesWriter:
     """Writes and updates the GPU processes of `timeline`'s node under the two roots."""
 
-    def __init__(self, procfs_root: Path, sysfs_root: Path, timeline: Timeline) -> None:
+    def __init__(
+        self, procfs_root: Path, sysfs_root: Path, timeline: Timeline, ptrace: bool = True
+    ) -> None:
         self.proc = os.fspath(procfs_root)
         self.cgroup_root = os.path.join(os.fspath(sysfs_root), "fs", "cgroup")
         self.timeline = timeline
+        # False: the daemon as the unit and DaemonSet ship it (its own user, no
+        # CAP_SYS_PTRACE): every process is another user's, and its ptrace-gated files
+        # (environ, maps; io, fd/ and fdinfo/ in ProcIoWriter) refuse it
+        self.ptrace = ptrace
         node = timeline.scenario.node
         self._nr_cpus = node.cpus
         self._numa_nodes = node.numa_nodes
@@ -555,11 +561,14 @@ class ProcessesWriter:
         cmdline = "".join(arg + "\0" for arg in fact.argv)
         put(f"{base}/cmdline", cmdline)
         put(f"{base}/cgroup", cgroup)
-        if fact.environ_readable:
+        if fact.environ_readable and self.ptrace:
             put(f"{base}/environ", environ_text(fact))
         else:
             self.files.deny(f"{base}/environ")
-        put(f"{base}/maps", maps)
+        if self.ptrace:
+            put(f"{base}/maps", maps)
+        else:
+            self.files.deny(f"{base}/maps")
         listed = "".join(f"{child} " for child in [*worker_pids(pid, workers), *kids])
         for j in range(threads):
             put(f"{base}/task/{thread_id(pid, j)}/children", listed if j == 0 else "")

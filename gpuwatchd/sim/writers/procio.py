@@ -162,7 +162,11 @@ class ProcIoWriter:
                     self._write_static(base, target, reads_from, k == 0)
                 # page-cache reads as if the process had run since the scenario began
                 rchar = read + int(CACHE_READ_BYTES * max(0.0, t))
-                self.files.put(f"{base}/io", io_text(read, rchar, rchar // SYSCALL_BYTES + 300))
+                if self.processes.ptrace:
+                    io = io_text(read, rchar, rchar // SYSCALL_BYTES + 300)
+                    self.files.put(f"{base}/io", io)
+                else:
+                    self.files.deny(f"{base}/io")
             self._shape[pid] = (workers, reads_from)
         return self.writes - before
 
@@ -186,6 +190,9 @@ class ProcIoWriter:
             shard = (pid * 2 + k) % 1024
             fds.append((f"{prefix}/datasets/train/shard-{shard:05d}.tar", mount, "0100000"))
         fd_dir = f"{base}/fd"
+        if not self.processes.ptrace:  # fd/ refuses listing (fdinfo/ goes unread then)
+            self.files.deny(fd_dir)
+            return
         os.makedirs(fd_dir, exist_ok=True)
         wanted = {str(n): target for n, (target, _, _) in enumerate(fds)}
         for name in os.listdir(fd_dir):
