@@ -52,7 +52,8 @@ class Node:
         proc, sys = root / "proc", root / "sys"
         self.sysfs = SysfsWriter(sys, self.timeline)
         self.writer = ProcessesWriter(proc, sys, self.timeline)
-        extras = {"clock": self.clock.elapsed, "now": self.clock.now}
+        host = self.timeline.scenario.node.host
+        extras = {"clock": self.clock.elapsed, "now": self.clock.now, "user_name": host.user_name}
         context = Context(procfs=proc, sysfs=sys, pynvml=self.nv, extras=extras)
         self.nvml = NvmlSource(NvmlConfig(), context) if nvml else None
         self.source = ProcessesSource(ProcessesConfig(**config), context)

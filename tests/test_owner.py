@@ -283,7 +283,7 @@ def test_environ_real_format_without_launcher() -> None:
 
 def test_environ_launcher_variables() -> None:
     slurm = env(SLURM_JOB_ID="748468", SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_JOB_USER="bob")
-    assert parse_environ(slurm) == Launch("748468", "0", "bob", rank="5")
+    assert parse_environ(slurm) == Launch("748468", "0", rank="5")  # the user is not read
     # torchrun under srun: RANK is the worker's rank, SLURM_PROCID the launcher's
     assert parse_environ(env(SLURM_PROCID="1", RANK="9")).rank == "9"
     assert parse_environ(env(PMI_RANK="2", OMPI_COMM_WORLD_RANK="3")).rank == "3"
@@ -364,9 +364,9 @@ def test_slurm_v1_with_environment(tmp_path: Path) -> None:
     launch = env(SLURM_JOB_ID="748468", SLURM_STEP_ID="0", SLURM_PROCID="12")
     add_process(tmp_path, 100, cgroup("slurm-v1-freezer-only"), launch)
     assert owner_of(tmp_path, 100) == Owner("slurm", "748468", "0", rank="12", user="bob")
-    # SLURM_JOB_USER names the user without a lookup
+    # SLURM_JOB_USER is the process's own to set: the cgroup's uid names the user (issue 41)
     add_process(tmp_path, 101, cgroup("slurm-v1-freezer-only"), launch + b"SLURM_JOB_USER=carol\0")
-    assert owner_of(tmp_path, 101) == Owner("slurm", "748468", "0", rank="12", user="carol")
+    assert owner_of(tmp_path, 101) == Owner("slurm", "748468", "0", rank="12", user="bob")
 
 
 def test_slurm_v2_environment_unread(tmp_path: Path) -> None:
@@ -384,10 +384,16 @@ def test_environment_of_another_job_is_ignored(tmp_path: Path) -> None:
 
 
 def test_slurm_without_cgroup_tracking(tmp_path: Path) -> None:
-    """proctrack/linuxproc: the process stays in the session's cgroup; its variables tell."""
+    """proctrack/linuxproc: the process stays in the session's cgroup. Its variables name
+    a job only where the prolog's job file confirms it (issue 41: any process sets them)."""
     launch = env(SLURM_JOB_ID="55", SLURM_STEP_ID="4294967291", SLURM_PROCID="0")
-    add_process(tmp_path, 100, cgroup("bare-v1-session"), launch, STATUS_0)
-    assert owner_of(tmp_path, 100) == Owner("slurm", "55", "batch", rank="0", user="root")
+    add_process(tmp_path / "proc", 100, cgroup("bare-v1-session"), launch, STATUS_0)
+    assert owner_of(tmp_path / "proc", 100) == Owner("process", rank="0", user="root")
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "0").write_text("55\n")
+    assert owner_of(tmp_path / "proc", 100, job_dir=tmp_path / "jobs") == Owner(
+        "slurm", "55", "batch", rank="0", user="root"
+    )
 
 
 def test_torchrun_outside_slurm(tmp_path: Path) -> None:
@@ -538,7 +544,8 @@ def test_unreadable_environment_is_normal() -> None:
     finally:
         helper.kill()
         helper.wait()
-    assert (as_root["job_id"], as_root["rank"], as_root["user"]) == ("4242", "7", "0")
+    # the job is the variables' only: unconfirmed, not the owner's (issue 41)
+    assert (as_root["job_id"], as_root["rank"], as_root["user"]) == ("", "7", "0")
     assert (as_nobody_["job_id"], as_nobody_["rank"], as_nobody_["user"]) == ("", "", "0")
     assert as_nobody_["scheduler"] == own.scheduler
 

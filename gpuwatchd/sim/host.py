@@ -128,9 +128,16 @@ class HostHardware(Strict):
     nics: list[Nic] = []
     ib_ports: list[IbPort] = []
     processes: list[HostProcess] = []
+    # the node's user database (getpwuid): uid -> name; root is "root", any other uid has
+    # no name (the daemon shows the number), whatever the machine running the simulator has
+    users: dict[int, str] = {}
     memory_total_mib: float = Field(1_048_576, gt=0)  # 1 TiB
     # cpufreq (sysfs cpuN/cpufreq): every core's fastest clock; None: no cpufreq (a VM)
     cpu_max_mhz: float | None = Field(3500, gt=0)
+
+    def user_name(self, uid: int) -> str:
+        """What getpwuid gives on the node: the name, else the uid as text."""
+        return {0: "root", **self.users}.get(uid, str(uid))
 
     @model_validator(mode="after")
     def _process_tree(self) -> HostHardware:

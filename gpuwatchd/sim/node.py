@@ -106,6 +106,7 @@ class SimNode:
                 "now": self.clock.now,
                 "clock": self.clock.elapsed,
                 "probe_receiver": self.probe,  # the kernel's side of the probe socket
+                "user_name": self.scenario.node.host.user_name,  # the node's user database
                 # virtual time: the nvml source stops waiting for a call that blocks at once
                 **({"nvml_wait": fake.wait_for} if self.clock.virtual else {}),
                 **self.dcgm.context_extras(),  # rootfs, dcgm_hostengine, hostname

@@ -14,20 +14,27 @@ Read per GPU, cheapest and most trusted first:
 
 How they combine:
 
+Who a GPU's owner is comes from what a tenant cannot set: the cgroup its scheduler or
+login manager put it in, the kernel's uid, a prolog's job files. The environment is the
+process's own (a tenant sets SLURM_JOB_ID=4242 or SLURM_JOB_USER=alice at will): it
+names a job only where one of those confirms it, and never the user (issue 41, item 5).
+
 * scheduler: "slurm" when the cgroup is a Slurm step, else "kubernetes" for a pod (or a
-  GPU the kubelet allocated), else "container" for docker or podman, else "slurm" when the
-  environment has SLURM_JOB_ID (Slurm without cgroup tracking) or a job file names a job,
-  else "process". The cgroup wins: any process can set SLURM_JOB_ID, none can leave the
-  cgroup its scheduler put it in.
-* job_id: the Slurm job of the cgroup, else SLURM_JOB_ID, else the GPU's job file (its
-  first line), else TORCHELASTIC_RUN_ID (a torchrun job outside Slurm).
+  GPU the kubelet allocated), else "container" for docker or podman, else "slurm" when a
+  job file names a job, else "process".
+* job_id: the Slurm job of the cgroup, else the GPU's job file (its first line), else
+  TORCHELASTIC_RUN_ID (a torchrun job outside Slurm) unless it is a number, which a
+  Slurm job's id could be. SLURM_JOB_ID counts only where it is the job of one of them.
 * step: the cgroup's step directory (0, 1, …, batch, extern, interactive), else
-  SLURM_STEP_ID. rank: RANK, OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID (the
-  environment only: a Slurm cgroup's task_N is the node-local task, not the rank).
-  An environment naming another Slurm job than the cgroup is ignored whole.
-* user: SLURM_JOB_USER in a Slurm job's environment, else the name of the Slurm job's uid
-  (cgroup v1 `uid_U`) or of the process's real uid, looked up once per uid in this host's
-  user database (in a container, the image's), the uid itself when it has no name.
+  SLURM_STEP_ID of a confirmed SLURM_JOB_ID. rank: RANK, OMPI_COMM_WORLD_RANK, PMI_RANK
+  or SLURM_PROCID (the environment only: a Slurm cgroup's task_N is the node-local task,
+  not the rank). An environment naming another Slurm job than the cgroup's or the job
+  file's is ignored whole.
+* user: the name of the Slurm job's uid (cgroup v1 `uid_U`, else the job file's second
+  word), else of the process's real uid, else (that uid not mapped into the daemon's user
+  namespace: PrivateUsers=yes) of the login user of its systemd `user-U.slice`; looked up
+  once per uid in this host's user database (in a container, the image's), the uid itself
+  when it has no name; "" when none is known.
 * namespace, pod, container: the names the kubelet gives the container the GPU is
   allocated to; without them, the pod UID and `<runtime>://<container ID>` of the cgroup
   (`containerd://…`, `cri-o://…`, `docker://…`, `podman://…`: the form of Kubernetes'
@@ -49,9 +56,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpuwatchd.sources.owner.cgroup import Placement, parse_cgroup
-from gpuwatchd.sources.owner.jobfiles import read_job_files, read_job_map
+from gpuwatchd.sources.owner.jobfiles import read_job_files, read_job_lines, read_job_map
 from gpuwatchd.sources.owner.podresources import PodContainer, PodResources, instance_keys
-from gpuwatchd.sources.owner.process import Launch, ProcessFacts, ProcessReader, user_name
+from gpuwatchd.sources.owner.process import (
+    Launch,
+    ProcessFacts,
+    ProcessReader,
+    unmapped_uid,
+    user_name,
+)
 
 LABELS = ("scheduler", "job_id", "step", "rank", "user", "namespace", "pod", "container")
 
@@ -105,17 +118,22 @@ def owners_by_gpu(
     jobs: Mapping[int, str] | None = None,
     pods: Mapping[str, PodContainer] | None = None,
     users: Callable[[int], str] = user_name,
+    job_uids: Mapping[int, int] | None = None,
 ) -> dict[str, Owner | None]:
     """uuid -> the owner of each GPU (module docstring), from `facts(pid)` of its processes
-    (None: gone), the GPU index -> job ID of job files and the device_key -> pod container
-    of the kubelet; `users` names a uid."""
-    jobs, pods = jobs or {}, pods or {}
+    (None: gone), the GPU index -> job ID (and uid, `job_uids`) of job files and the
+    device_key -> pod container of the kubelet; `users` names a uid."""
+    jobs, pods, job_uids = jobs or {}, pods or {}, job_uids or {}
     owners: dict[str, Owner | None] = {}
     for gpu in gpus:
         main = _main_facts(gpu.memory, facts)
         job = jobs.get(gpu.index, "")
         pod = pods.get(gpu.uuid) or pods.get(str(gpu.index))
-        owner = _from_process(main, job, users) if main is not None else _from_job(job)
+        owner = (
+            _from_process(main, job, job_uids.get(gpu.index), users)
+            if main is not None
+            else _from_job(job)
+        )
         owners[gpu.uuid] = _with_pod(owner, pod) if pod else owner
     return owners
 
@@ -127,18 +145,24 @@ def owners_by_instance(
     jobs: Mapping[tuple[int, int], str] | None = None,
     pods: Mapping[str, PodContainer] | None = None,
     users: Callable[[int], str] = user_name,
+    job_uids: Mapping[tuple[int, int], int] | None = None,
 ) -> dict[tuple[str, int], Owner | None]:
     """(GPU uuid, GPU instance) -> owner of each MIG GPU instance, as owners_by_gpu does
-    for GPUs, from its own processes, job file ((index, GI) -> job) and MIG devices'
-    allocation only."""
-    jobs, pods = jobs or {}, pods or {}
+    for GPUs, from its own processes, job file ((index, GI) -> job, and uid) and MIG
+    devices' allocation only."""
+    jobs, pods, job_uids = jobs or {}, pods or {}, job_uids or {}
     owners: dict[tuple[str, int], Owner | None] = {}
     for inst in instances:
         main = _main_facts(inst.memory, facts)
-        job = jobs.get((inst.index, inst.gpu_instance), "")
+        key = (inst.index, inst.gpu_instance)
+        job = jobs.get(key, "")
         keys = instance_keys(inst.index, inst.uuid, inst.gpu_instance, inst.mig_uuids)
         pod = next((pods[k] for k in keys if k in pods), None)
-        owner = _from_process(main, job, users) if main is not None else _from_job(job)
+        owner = (
+            _from_process(main, job, job_uids.get(key), users)
+            if main is not None
+            else _from_job(job)
+        )
         owners[inst.key] = _with_pod(owner, pod) if pod else owner
     return owners
 
@@ -154,31 +178,48 @@ def _main_facts(
     return None
 
 
-def _from_process(facts: ProcessFacts, job: str, users: Callable[[int], str]) -> Owner:
-    place, launch = facts.place, facts.launch or Launch()
-    if place.job_id and launch.slurm_job not in ("", place.job_id):
-        launch = Launch()  # inherited from another job: only the cgroup speaks for this one
+def _from_process(
+    facts: ProcessFacts, job: str, job_uid: int | None, users: Callable[[int], str]
+) -> Owner:
+    """The owner of a main process (module docstring), `job` and `job_uid` from its GPU's
+    job file ("" and None: none)."""
+    place = facts.place
+    confirmed = place.job_id or job  # the scheduler's word: its cgroup, its prolog's file
+    launch = _confirmed(facts.launch or Launch(), confirmed)
     scheduler = place.scheduler
-    if scheduler == "process" and (launch.slurm_job or job):
+    if scheduler == "process" and job:
         scheduler = "slurm"
-    uid = _uid(place, facts)
-    slurm_user = launch.slurm_user if scheduler == "slurm" else ""
+    run_id = "" if launch.run_id.isdigit() else launch.run_id  # could pass for a Slurm job
+    uid = _uid(place, facts, job_uid if job and job == confirmed else None)
     return Owner(
         scheduler=scheduler,
-        job_id=place.job_id or launch.slurm_job or job or launch.run_id,
+        job_id=confirmed or run_id,
         step=place.step or launch.slurm_step,
         rank=launch.rank,
-        user=slurm_user or (users(uid) if uid is not None else ""),
+        user=users(uid) if uid is not None else "",
         pod=place.pod_uid,
         container=place.container,
     )
 
 
-def _uid(place: Placement, facts: ProcessFacts) -> int | None:
-    """A Slurm job's owner (v1 `uid_U`), else the process's uid, else (the kernel's not
-    mapped into the daemon's user namespace) the login user of its systemd slice."""
+def _confirmed(launch: Launch, job: str) -> Launch:
+    """The environment as far as the scheduler's `job` confirms it: naming another job, it
+    was inherited from that job (pam_slurm_adopt) and is ignored whole; naming one where
+    the scheduler knows none, it is a tenant's say and its job and step are dropped."""
+    if not launch.slurm_job or launch.slurm_job == job:
+        return launch
+    if job:
+        return Launch()
+    return replace(launch, slurm_job="", slurm_step="")
+
+
+def _uid(place: Placement, facts: ProcessFacts, job_uid: int | None) -> int | None:
+    """A Slurm job's owner (v1 `uid_U`, else the job file's), else the process's uid,
+    else (the kernel's not mapped into the daemon's user namespace) its login user's."""
     if place.scheduler == "slurm" and place.uid is not None:
         return place.uid
+    if job_uid is not None:
+        return job_uid
     return facts.uid if facts.uid is not None else place.uid
 
 
@@ -228,7 +269,7 @@ class Attribution:
         read_environ: bool = True,
         users: Callable[[int], str] = user_name,
     ) -> None:
-        self.processes = ProcessReader(procfs, read_environ)
+        self.processes = ProcessReader(procfs, read_environ, unmapped_uid())
         self.job_dir = job_dir
         self.pod_resources = pod_resources
         self.users = UserNames(users)
@@ -251,15 +292,20 @@ class Attribution:
         """Owners of whole GPUs (by uuid) and of MIG GPU instances (by (uuid, GI)), with
         one read of the job files and the kubelet's answer for both."""
         gpus, instances = list(gpus), list(instances)
-        files = read_job_map(self.job_dir) if self.job_dir is not None else {}
+        files = read_job_lines(self.job_dir) if self.job_dir is not None else {}
+        firsts = {key: lines[0] for key, lines in files.items()}
+        uids = {key: uid for key, (_, uid) in firsts.items() if uid is not None}
         # a GPU's own file (`0`) names the whole GPU; an instance's (`0.5`) only that
         # instance, never the GPU (whose other instances are other tenants')
-        by_gpu = {index: ids[0] for (index, gi), ids in files.items() if gi < 0}
+        by_gpu = {index: job for (index, gi), (job, _) in firsts.items() if gi < 0}
+        gpu_uids = {index: uid for (index, gi), uid in uids.items() if gi < 0}
         pods = self.pod_resources.devices() if self.pod_resources is not None else {}
         facts, users = read or self.processes.read, self.users
-        owners = owners_by_gpu(gpus, facts, jobs=by_gpu, pods=pods, users=users)
-        by_instance = {key: ids[0] for key, ids in files.items() if key[1] >= 0}
-        parts = owners_by_instance(instances, facts, jobs=by_instance, pods=pods, users=users)
+        owners = owners_by_gpu(gpus, facts, jobs=by_gpu, pods=pods, users=users, job_uids=gpu_uids)
+        by_instance = {key: job for key, (job, _) in firsts.items() if key[1] >= 0}
+        parts = owners_by_instance(
+            instances, facts, jobs=by_instance, pods=pods, users=users, job_uids=uids
+        )
         pids = {pid for gpu in gpus for pid in gpu.memory}
         self.processes.keep(pids | {pid for inst in instances for pid in inst.memory})
         return owners, parts
@@ -286,5 +332,6 @@ __all__ = [
     "owners_by_instance",
     "parse_cgroup",
     "read_job_files",
+    "read_job_lines",
     "read_job_map",
 ]

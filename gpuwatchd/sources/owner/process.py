@@ -5,7 +5,12 @@ environment, and its uid.
 variables below are kept, checked to be plain label values, and never logged: the rest of
 an environment holds secrets. Reading another user's environ needs the same uid or
 CAP_SYS_PTRACE; without them it is unreadable, which is normal (the cgroup still tells the
-job, the step and the user).
+job, the step and the user). It is the process's own to set: it names a job only where the
+scheduler confirms it (gpuwatchd.sources.owner), and never the user (issue 41).
+
+The uid is the kernel's (/proc/PID/status), as the daemon's user namespace maps it: under
+the shipped unit's PrivateUsers=yes every user but root and the daemon's reads as the
+overflow uid (65534). That uid is then unknown (None), never `nobody` (`unmapped_uid`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuwatchd.sources.base import read_file
+from gpuwatchd.sources.base import read_file, read_small
 from gpuwatchd.sources.owner.cgroup import Placement, parse_cgroup
 
 # Slurm's step IDs for its named steps (slurm.h: SLURM_EXTERN_CONT, SLURM_BATCH_SCRIPT,
@@ -38,7 +43,7 @@ COMMUNICATORS = (
     b"MASTER_ADDR", b"MASTER_PORT", b"TORCHELASTIC_RUN_ID", b"PMIX_NAMESPACE", b"SLURM_JOB_ID",
     b"SLURM_STEP_ID", b"SLURM_STEP_NUM_TASKS",
 )  # fmt: skip
-WANTED = frozenset({b"SLURM_JOB_USER", *RANKS, *SIGNATURE, *COMMUNICATORS})
+WANTED = frozenset({*RANKS, *SIGNATURE, *COMMUNICATORS})
 MAX_ENVIRON = 1 << 20
 _VALUE = re.compile(r"[\w.:@+-]{1,64}")  # a label value: printable, no space, bounded
 _RANK = re.compile(r"[0-9]{1,7}")
@@ -50,7 +55,6 @@ class Launch:
 
     slurm_job: str = ""  # SLURM_JOB_ID
     slurm_step: str = ""  # SLURM_STEP_ID, named steps by name
-    slurm_user: str = ""  # SLURM_JOB_USER
     rank: str = ""  # the first of RANKS set
     run_id: str = ""  # TORCHELASTIC_RUN_ID (torchrun's --rdzv-id; its default "none" left out)
     launched: bool = False  # a launcher's signature (SIGNATURE): one rank of a job
@@ -63,7 +67,7 @@ class Launch:
 class ProcessFacts:
     place: Placement
     launch: Launch | None  # None: the environment could not be read
-    uid: int | None  # real uid (/proc/PID/status); None: unknown
+    uid: int | None  # real uid (/proc/PID/status); None: unknown, or not mapped here
 
 
 def parse_environ(data: bytes) -> Launch:
@@ -84,7 +88,6 @@ def parse_environ(data: bytes) -> Launch:
     return Launch(
         slurm_job=values.get(b"SLURM_JOB_ID", ""),
         slurm_step=SLURM_STEPS.get(step, step),
-        slurm_user=values.get(b"SLURM_JOB_USER", ""),
         rank=next((rank for rank in ranks if _RANK.fullmatch(rank)), ""),
         run_id=run_id,
         launched=launched,
@@ -125,14 +128,32 @@ class Gone(Exception):
     """The process exited while it was being read."""
 
 
+def unmapped_uid(proc: str = "/proc") -> int | None:
+    """The uid the kernel shows, to this process, for users its user namespace does not
+    map: the overflow uid (65534) where that uid is not itself mapped (PrivateUsers=yes
+    maps root and the daemon's user only); None where it is (the host's namespace maps
+    every uid), so that it is a real user's."""
+    try:
+        overflow = int(read_small(f"{proc}/sys/kernel/overflowuid"))
+        lines = read_small(f"{proc}/self/uid_map").decode().splitlines()
+        ranges = [tuple(int(n) for n in line.split()) for line in lines if line.strip()]
+    except (OSError, ValueError):
+        return None
+    if any(first <= overflow < first + count for first, _, count in ranges):
+        return None
+    return overflow
+
+
 class ProcessReader:
     """Reads GPU processes under a procfs root. The cgroup is read on every call (a process
     can be moved: pam_slurm_adopt, systemd); the environment and the uid once per process,
-    told apart from a later one with its pid by the start time."""
+    told apart from a later one with its pid by the start time. `unmapped`: the uid that
+    stands for any user the daemon's namespace does not map (unmapped_uid), read as None."""
 
-    def __init__(self, procfs: Path, read_environ: bool = True) -> None:
+    def __init__(self, procfs: Path, read_environ: bool = True, unmapped: int | None = None):
         self.procfs = procfs
         self.read_environ = read_environ
+        self.unmapped = unmapped
         self._known: dict[int, tuple[int, Launch | None, int | None]] = {}
 
     def read(self, pid: int) -> ProcessFacts | None:
@@ -164,9 +185,9 @@ class ProcessReader:
         except OSError:  # EACCES: another user's process, no CAP_SYS_PTRACE
             return None
 
-    @staticmethod
-    def _uid(base: str) -> int | None:
-        return parse_uid(_read(f"{base}/status", 65536))
+    def _uid(self, base: str) -> int | None:
+        uid = parse_uid(_read(f"{base}/status", 65536))
+        return None if uid == self.unmapped else uid
 
 
 def _read(path: str, limit: int) -> bytes:
@@ -184,4 +205,12 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
-__all__ = ["Launch", "ProcessFacts", "ProcessReader", "parse_environ", "parse_uid", "user_name"]
+__all__ = [
+    "Launch",
+    "ProcessFacts",
+    "ProcessReader",
+    "parse_environ",
+    "parse_uid",
+    "unmapped_uid",
+    "user_name",
+]

@@ -30,6 +30,7 @@ from gpuwatchd.sources.owner import (
     PodResources,
     ProcessFacts,
 )
+from gpuwatchd.sources.owner.process import user_name
 from gpuwatchd.sources.processes.desktop import DesktopWatch, _Desktop
 from gpuwatchd.sources.processes.facts import Facts, MainProcessReader, _CgroupReading, _Known
 from gpuwatchd.sources.processes.gpus import KINDS, NvmlLists, _Gpu
@@ -151,6 +152,8 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             job_dir=s.job_mapping_dir if s.owner else None,
             pod_resources=pods,
             read_environ=s.owner_environ,
+            # the node's user database: the simulator's is its scenario's
+            users=self.context.extras.get("user_name", user_name),
         )
 
     def close(self) -> None:
