@@ -500,13 +500,16 @@ class FakeNvmlLib(DeviceReads, MigReads):
         self, gpu: int, xid: int, gpu_instance: int | None = None, compute_instance: int = 0
     ) -> None:
         """Raise an Xid on `gpu` now, as the kernel driver would, for registered sets; on
-        a MIG GPU instance (its GI and CI ids in the event) if `gpu_instance` is given."""
+        a MIG GPU instance (its GI and CI ids in the event) if `gpu_instance` is given
+        (delivered only with the MIG monitor capability: `_mig_delivered`)."""
         xid_type = int(self.nv.nvmlEventTypeXidCriticalError)
         ids = (
             (NOT_AVAILABLE_UINT, NOT_AVAILABLE_UINT)
             if gpu_instance is None
             else (gpu_instance, compute_instance)
         )
+        if not self._mig_delivered(ids[0]):
+            return
         with self._events_changed:
             for event_set in self._event_sets.values():
                 if event_set.masks.get(gpu, 0) & xid_type:
@@ -718,16 +721,16 @@ class FakeNvmlLib(DeviceReads, MigReads):
             del self._event_sets[ctypes.addressof(event_set.struct)]
         return SUCCESS
 
-    def _supported_events(self) -> int:
+    def _supported_events(self, gpu: int) -> int:
         nv = self.nv
         mask = nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypePState
         if self.model.datacenter:
             mask |= nv.nvmlEventTypeSingleBitEccError | nv.nvmlEventTypeDoubleBitEccError
-        return int(mask)
+        return int(mask) | self._mig_event_types(gpu)
 
     @symbol("device")
     def _nvmlDeviceGetSupportedEventTypes(self, gpu: int, handle: Any, out: Any) -> int:
-        out._obj.value = self._supported_events()
+        out._obj.value = self._supported_events(gpu)
         return SUCCESS
 
     @symbol("device")
@@ -736,9 +739,10 @@ class FakeNvmlLib(DeviceReads, MigReads):
         if event_set is None:
             return ERROR_INVALID_ARGUMENT
         mask = _value(types)
-        if mask & ~self._supported_events():
+        if mask & ~self._supported_events(gpu):
             return ERROR_NOT_SUPPORTED
         with self._lock:
+            self._pull_timeline_events(event_set)  # those before the call: not recorded
             event_set.masks[gpu] = event_set.masks.get(gpu, 0) | mask
         return SUCCESS
 
@@ -749,7 +753,9 @@ class FakeNvmlLib(DeviceReads, MigReads):
             if event_set.masks.get(event.gpu, 0) & xid_type:
                 values = self.timeline.state(event.time)[0][event.gpu]
                 ids = xid_instance(values.get("mig"), event.xid)
-                event_set.pending.append((event.gpu, xid_type, event.xid, *ids))
+                if self._mig_delivered(ids[0]):
+                    event_set.pending.append((event.gpu, xid_type, event.xid, *ids))
+        event_set.pending += self._mig_config_events(event_set.masks, event_set.since, now)
         event_set.since = max(event_set.since, now)
 
     @symbol("system")

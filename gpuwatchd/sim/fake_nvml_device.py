@@ -129,6 +129,8 @@ class DeviceReads:
 
         def _gpu_values(self, gpu: int) -> dict[str, Any]: ...
 
+        def _mig_refused_fields(self, gpu: int, values: dict[str, Any]) -> dict[int, int]: ...
+
         def _now(self) -> float: ...
 
         def _is_unsupported(self, name: str) -> bool: ...
@@ -622,9 +624,12 @@ class DeviceReads:
         stamp = int((self.clock.start_wall + self.clock.elapsed()) * 1e6)  # µs since the epoch
         self._field_t = stamp / 1e6 - self.clock.start_wall  # the time the values are of
         pack, state = _RECORD.pack, self._gpu_values(gpu)
+        refused = self._mig_refused_fields(gpu, state)  # a MIG-enabled GPU's, per call
         out = []
         for field_id, scope, code, read, kind, modulus in plan.fields:
             value = 0
+            if refused and field_id in refused and read is not None:
+                code, read = refused[field_id], None
             if read is not None:
                 got = read(gpu, state, scope)
                 code, value = (ERROR_INVALID_ARGUMENT, 0) if got is None else (SUCCESS, got)

@@ -17,6 +17,12 @@ docs/mig.md has the table):
   count answer NOT_SUPPORTED (`MIG_PARENT_UNSUPPORTED`); memory and the process lists
   are the aggregate over the instances, each process with its GPU and compute instance
   ids, or NO_PERMISSION without the MIG monitor capability (`node.mig_monitor: false`);
+  while it has a GPU instance, row remapping (`nvmlDeviceGetRemappedRows` and its field
+  values) answers NOT_SUPPORTED (`MIG_INSTANCES_UNSUPPORTED`);
+* events: an Xid naming a GPU instance reaches an event set only with the MIG monitor
+  capability (without it, only the whole GPU's); `nvmlEventMigConfigChange` is supported
+  while MIG is enabled and raised on the parent when a phase creates or destroys a MIG
+  device (or turns MIG on or off);
 * on a MIG device handle (`MIG_HANDLE_SYMBOLS`): its identity (UUID `MIG-…`, name
   "<GPU> MIG 1g.10gb", index, GPU / compute instance ids, its parent), its GPU
   instance's memory, its own processes, its attributes; every other call answers
@@ -61,7 +67,7 @@ from gpuwatchd.sim.scenario.mig import GiProfile, MigDevice, MigLayout, profiles
 
 if TYPE_CHECKING:
     from gpuwatchd.sim.models import GpuModel
-    from gpuwatchd.sim.scenario import Node
+    from gpuwatchd.sim.scenario import Node, Timeline
 
 ERROR_NO_PERMISSION = 4
 # the profile indexes the driver knows (R580 on an H200 answered INVALID_ARGUMENT at 17)
@@ -86,6 +92,9 @@ MIG_PARENT_AGGREGATE = frozenset({
     "nvmlDeviceGetGraphicsRunningProcesses_v2",
     "nvmlDeviceGetRunningProcessDetailList",
 })  # fmt: skip
+# "On MIG-enabled GPUs with active instances, querying the number of remapped rows is not
+# supported" (nvml.h): the call and the field values that share it, while a GI exists
+MIG_INSTANCES_UNSUPPORTED = frozenset({"nvmlDeviceGetRemappedRows"})
 # symbol -> MigReads method answering it on a MIG device handle (others: NOT_SUPPORTED)
 MIG_HANDLE_SYMBOLS = {
     "nvmlDeviceIsMigDeviceHandle": "_mig_is_mig",
@@ -127,6 +136,9 @@ class MigReads:
         model: GpuModel
         node: Node
         _devices: list[Any]
+
+        timeline: Timeline
+        _field_handlers: dict[int, tuple[str, Any]]
 
         def _gpu_values(self, gpu: int) -> dict[str, Any]: ...
 
@@ -182,7 +194,19 @@ class MigReads:
             return ERROR_NOT_SUPPORTED
         if name in MIG_PARENT_AGGREGATE and not self.node.mig_monitor:
             return ERROR_NO_PERMISSION
+        if name in MIG_INSTANCES_UNSUPPORTED and self._gpu_values(gpu)["mig"].devices:
+            return ERROR_NOT_SUPPORTED
         return None
+
+    def _mig_refused_fields(self, gpu: int, values: dict[str, Any]) -> dict[int, int]:
+        """Field id -> what a MIG-enabled parent answers for it instead of its value (a
+        field answers as the call it shares its support with); empty with MIG off."""
+        layout = values["mig"]
+        if layout is None or not layout.enabled:
+            return {}
+        handlers: dict[int, tuple[str, Any]] = self._field_handlers
+        codes = {fid: self._mig_parent_code(name, gpu) for fid, (name, _) in handlers.items()}
+        return {fid: code for fid, code in codes.items() if code is not None}
 
     def _mig_handle_call(self, name: str, gpu: int, key: Any, args: tuple) -> int:
         """A call on a MIG device handle (the GPU's faults already applied); `key` is its
@@ -382,3 +406,52 @@ class MigReads:
 
     def _mig_not_a_parent(self, gpu: int, layout: MigLayout, device: MigDevice, *args: Any) -> int:
         return ERROR_INVALID_ARGUMENT
+
+    # -- events -------------------------------------------------------------------------
+
+    def _mig_event_types(self, gpu: int) -> int:
+        """The MIG event types the GPU supports now: nvmlEventMigConfigChange while its
+        MIG mode is enabled. DCGM registers it only on a MIG-enabled GPU; a registration
+        that asks for a type the GPU does not support registers none of those it asks
+        for (nvml.h), so a client asks for it on its own."""
+        return int(self.nv.nvmlEventMigConfigChange) if self._layout(gpu) is not None else 0
+
+    def _mig_delivered(self, gpu_instance: int) -> bool:
+        """Whether an Xid naming this GPU instance (NOT_AVAILABLE_UINT: the whole GPU) is
+        delivered. nvml.h (nvmlEventSetWait_v2): in MIG mode the events of every instance
+        only with the MIG monitor capability; without it only the events that affect all
+        instances (`node.mig_monitor: false` plays that)."""
+        return gpu_instance == NOT_AVAILABLE_UINT or self.node.mig_monitor
+
+    def _mig_config_events(
+        self, masks: dict[int, int], t0: float, t1: float
+    ) -> list[tuple[int, int, int, int, int]]:
+        """nvmlEventMigConfigChange events in (t0, t1] for the GPUs registered for them:
+        one per phase start there that creates or destroys a MIG device of the GPU (or
+        turns MIG on or off), on the parent, with no data and no instance ids."""
+        kind = int(self.nv.nvmlEventMigConfigChange)
+        gpus = [gpu for gpu, mask in masks.items() if mask & kind]
+        events = []
+        for start in self._phase_starts(t0, t1) if gpus else ():
+            before, after = self.timeline.state(start - 1e-6)[0], self.timeline.state(start)[0]
+            for gpu in gpus:
+                if _mig_keys(before[gpu]) != _mig_keys(after[gpu]):
+                    events.append((gpu, kind, 0, NOT_AVAILABLE_UINT, NOT_AVAILABLE_UINT))
+        return events
+
+    def _phase_starts(self, t0: float, t1: float) -> list[float]:
+        """The times in (t0, t1] after 0 at which a phase starts (each loop's)."""
+        timeline = self.timeline
+        starts = [start for start, _ in timeline.phases()]
+        period = timeline.duration if timeline.loop and timeline.duration > 0 else 0.0
+        cycles = range(int(t0 // period), int(t1 // period) + 1) if period else range(1)
+        found = {c * period + s for c in cycles for s in starts}
+        return sorted(t for t in found if t0 < t <= t1 and t > 0)
+
+
+def _mig_keys(values: dict[str, Any]) -> frozenset[Any] | None:
+    """What a MIG configuration change changes: the GPU's MIG devices (None: MIG off)."""
+    layout: MigLayout | None = values.get("mig")
+    if layout is None or not layout.enabled:
+        return None
+    return frozenset(d.key for d in layout.devices)

@@ -680,7 +680,8 @@ class SimHostengine:
             return lambda gpu, v, t: integrals.violation_s(gpu, fid, t) * 1e9  # ns
 
         def remap(key: str) -> Callable[[int, dict[str, Any], float], Any]:
-            return lambda gpu, v, t: int(v[key]) if datacenter else None
+            # as NVML, which DCGM asks: none on a MIG GPU with instances (nvml.h)
+            return lambda gpu, v, t: int(v[key]) if datacenter and not _instances(v) else None
 
         ecc = "nvmlDeviceGetTotalEccErrors" not in model.unsupported
         datacenter = model.datacenter
@@ -783,3 +784,9 @@ class SimHostengine:
 
 def _constant(value: Any) -> Callable[[int, dict[str, Any], float], Any]:
     return lambda gpu, v, t: value
+
+
+def _instances(values: dict[str, Any]) -> bool:
+    """Whether the GPU has MIG enabled and a GPU instance."""
+    layout = values.get("mig")
+    return layout is not None and layout.enabled and bool(layout.devices)

@@ -39,7 +39,7 @@ from typing import Any
 
 from gpuwatchd.metrics import GPU_LABELS, Sample, gauge
 from gpuwatchd.sources.nvml.metrics import MEMORY_TOTAL, MEMORY_USED, PROCESSES, SM_COUNT
-from gpuwatchd.sources.nvml.reads import SLOW_EVERY, _Gpu, _GpuLost
+from gpuwatchd.sources.nvml.reads import SLOW_EVERY, SLOW_FIELDS_KEY, _Entry, _Gpu, _GpuLost
 from gpuwatchd.sources.nvmlapi import ListedInstance, ProcessTable, sm_count, text
 
 log = logging.getLogger("gpuwatchd.sources.nvml")
@@ -140,6 +140,7 @@ class MigState:
     stale: bool = False  # rediscover (and read the mode) at the next poll
     util_checked: bool = False  # the mode was read after utilization went unsupported
     published: bool = False  # its MIG devices are in the ProcessTable
+    gis: dict[str, frozenset[str]] = field(default_factory=dict)  # GI id -> its MIG UUIDs
 
 
 def profile_of(name: str, attributes: Any) -> str:
@@ -161,9 +162,13 @@ class MigReads:
 
     _nv: Any
     _table: ProcessTable
+    _event_set: Any
+    _mig_type: int
+    _ask: Callable[[_Gpu, list[_Entry]], None]
     _calls: dict[str, list[tuple[str, Any, tuple[Any, ...]]]]
     _describe: Callable[[Any], str]
     _log_once: Callable[[str, str, _Gpu, str], None]
+    _logged: set[tuple[str, str]]
 
     def _mig(self, gpu: _Gpu, out: list[Sample]) -> None:
         """This poll's MIG reads of a GPU (see the module's docstring for the cadence)."""
@@ -245,8 +250,66 @@ class MigReads:
         if not first:  # NVML counts a MIG-enabled GPU's cores no more
             sms = sm_count(self._nv, gpu.handle)
             gpu.sm_count = None if sms is None else Sample(SM_COUNT.name, gpu.labels, float(sms))
+            self._mig_forget(gpu, state, {})  # a mode change leaves no instance standing
+            self._mig_reask(gpu)
         for key in PARENT_KEYS:
             gpu.kept.pop(key, None)
+        if mode == 1:
+            self._mig_watch(gpu)
+
+    def _mig_watch(self, gpu: _Gpu) -> None:
+        """Ask for the GPU's MIG configuration changes (nvmlEventMigConfigChange: an
+        instance created or destroyed), so a change, a reused handle included, is read
+        in the poll that drains it (`_mig_event`) rather than at the slow re-check. A
+        registration of its own: one the driver refuses (NOT_SUPPORTED) registers none
+        of the types asked (nvml.h), and the Xids must not go with it."""
+        nv, kind = self._nv, self._mig_type
+        if self._event_set is None or not kind:
+            return
+        try:
+            if self._mig_call(gpu, nv.nvmlDeviceGetSupportedEventTypes, gpu.handle) & kind:
+                self._mig_call(gpu, nv.nvmlDeviceRegisterEvents, gpu.handle, kind, self._event_set)
+        except nv.NVMLError as e:
+            log.debug("nvml: GPU %d: MIG events: %s", gpu.index, self._describe(e))
+
+    def _mig_event(self, gpu: _Gpu) -> None:
+        """A MIG configuration change on the GPU: its mode and devices, read this poll."""
+        state: MigState | None = gpu.mig
+        if state is not None and state.mode == 1:
+            state.stale = True
+
+    def _mig_forget(self, gpu: _Gpu, state: MigState, gis: dict[str, frozenset[str]]) -> None:
+        """An instance's Xid counts end with it: those of a GPU instance gone, or made
+        again under its id (other MIG devices: another tenant's), are dropped. `gis`:
+        the GPU instances now, by id, with their MIG UUIDs."""
+        gone = {gi for gi, uuids in state.gis.items() if gis.get(gi) != uuids}
+        state.gis = gis
+        if gone:  # a new dict: the poll may be reading the old one
+            gpu.instance_xids = {k: n for k, n in gpu.instance_xids.items() if k[0] not in gone}
+
+    def _mig_reask(self, gpu: _Gpu) -> None:
+        """The fields the driver refused, asked again at the next poll: a MIG layout
+        change changes what it answers (nvml.h: no remapped rows on a MIG-enabled GPU
+        with instances; they are back once MIG is off or its instances are gone)."""
+        if gpu.dropped:
+            self._ask(gpu, gpu.batch + sorted(gpu.dropped, key=lambda e: (e.field_id, e.scope)))
+            gpu.dropped = set()
+            gpu.kept.pop(SLOW_FIELDS_KEY, None)  # the SLOW fields too
+
+    def _mig_unmonitored(self, gpu: _Gpu, function: str) -> None:
+        """A MIG-enabled GPU's aggregate answered NO_PERMISSION: no MIG monitor
+        capability. Said once per GPU, with what it costs (docs/mig.md)."""
+        if ("mig_monitor", gpu.labels[1]) in self._logged:
+            return
+        self._logged.add(("mig_monitor", gpu.labels[1]))
+        log.warning(
+            "nvml: GPU %d: %s answered NO_PERMISSION on a MIG-enabled GPU: no MIG monitor "
+            "capability (/proc/driver/nvidia/capabilities/mig/monitor), so the whole GPU's "
+            "memory and processes are not read and the driver delivers no Xid that hits a "
+            "single MIG instance (docs/mig.md)",
+            gpu.index,
+            function,
+        )
 
     def _mig_reused(self, gpu: _Gpu, state: MigState) -> bool:
         """Whether a known handle now answers for another instance (one UUID read per
@@ -309,6 +372,11 @@ class MigReads:
                               self._describe(e))  # fmt: skip
         profiles = ", ".join(d.labels[4] for d in state.devices) or "none"
         log.info("nvml: GPU %d: %d MIG devices (%s)", gpu.index, len(state.devices), profiles)
+        gis: dict[str, frozenset[str]] = {}
+        for device in state.devices:
+            gis[device.labels[2]] = gis.get(device.labels[2], frozenset()) | {device.uuid}
+        self._mig_forget(gpu, state, gis)
+        self._mig_reask(gpu)
 
     def _mig_identify(self, gpu: _Gpu, index: int, handle: Any) -> MigDevice:
         """A MIG device's identity, read once per discovery (NVMLError if it cannot be)."""

@@ -106,6 +106,8 @@ class Polling:
     _event_set: Any
     _wait: Callable[..., Any]
     _xid_type: int
+    _mig_type: int
+    _mig_event: Callable[[_Gpu], None]
     _by_address: dict[int, _Gpu]
     _now: Callable[[], float]
     _describe: Callable[[Any], str]
@@ -212,9 +214,8 @@ class Polling:
                 poll.read[gpu.index] = mine
 
     def _drain_xid_events(self) -> None:
-        """Take every pending Xid event without waiting (timeout 0). On a MIG-enabled GPU
-        the event names the GPU instance it hit (gpuInstanceId; 0xFFFFFFFF: the whole
-        GPU's): counted for the GPU and for that instance."""
+        """Take every pending event without waiting (timeout 0): Xids, and MIG
+        configuration changes (`_mig_event`: the GPU's MIG devices are read again now)."""
         if self._event_set is None:
             return
         nv = self._nv
@@ -225,21 +226,28 @@ class Polling:
                 if e.value != nv.NVML_ERROR_TIMEOUT:
                     log.debug("nvml: event wait failed: %s", self._describe(e))
                 return
-            if not data.eventType & self._xid_type:
-                continue
             gpu = self._by_address.get(ctypes.cast(data.device, ctypes.c_void_p).value or 0)
             if gpu is None:
                 continue
-            xid = int(data.eventData)
-            gpu.xids[xid] = gpu.xids.get(xid, 0) + 1
-            gpu.last_xid = self._now()
-            gi = int(getattr(data, "gpuInstanceId", NO_INSTANCE))
-            if gi == NO_INSTANCE:
-                log.warning("nvml: GPU %d: Xid %d", gpu.index, xid)
-                continue
-            key = (str(gi), _profile_of(gpu, gi), xid)
-            gpu.instance_xids[key] = gpu.instance_xids.get(key, 0) + 1
-            log.warning("nvml: GPU %d: Xid %d on MIG GPU instance %d", gpu.index, xid, gi)
+            if data.eventType & self._xid_type:
+                self._count_xid(gpu, data)
+            elif data.eventType & self._mig_type:
+                self._mig_event(gpu)
+
+    def _count_xid(self, gpu: _Gpu, data: Any) -> None:
+        """An Xid, counted for the GPU; on a MIG-enabled GPU the event names the GPU
+        instance it hit (gpuInstanceId; 0xFFFFFFFF: the whole GPU's), counted for that
+        instance too."""
+        xid = int(data.eventData)
+        gpu.xids[xid] = gpu.xids.get(xid, 0) + 1
+        gpu.last_xid = self._now()
+        gi = int(getattr(data, "gpuInstanceId", NO_INSTANCE))
+        if gi == NO_INSTANCE:
+            log.warning("nvml: GPU %d: Xid %d", gpu.index, xid)
+            return
+        key = (str(gi), _profile_of(gpu, gi), xid)
+        gpu.instance_xids[key] = gpu.instance_xids.get(key, 0) + 1
+        log.warning("nvml: GPU %d: Xid %d on MIG GPU instance %d", gpu.index, xid, gi)
 
     def _take(self, gpu: _Gpu, poll: _Poll) -> bool:
         if poll.closed or not gpu.lock.acquire(blocking=False):

@@ -78,6 +78,9 @@ class _Gpu:
         self.request: Any = None  # ... as the nvmlFieldValue_t array it is asked with
         self.fast: list[_Entry] = []  # the batch's fields read every poll (the others: SLOW)
         self.fast_request: Any = None
+        # fields dropped NOT_SUPPORTED (no fallback): asked again when the MIG layout
+        # changes (nvml.h: no remapped rows on a MIG GPU with instances)
+        self.dropped: set[_Entry] = set()
         # byte counter field -> (value, driver's µs timestamp, rate since the one before)
         self.counters: dict[int, tuple[int, int | None, float | None]] = {}
         self.lists: dict[str, dict[int, float]] = {}  # process lists, by kind

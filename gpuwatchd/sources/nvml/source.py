@@ -98,6 +98,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         self._reasons: list[tuple[str, int]] = []
         self._direct: Direct | None = None
         self._xid_type = 0
+        self._mig_type = 0
         self._wait: Any = None
 
     # -- lifecycle --------------------------------------------------------------------
@@ -148,6 +149,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
             if bit:
                 self._reasons.append((label, int(bit)))
         self._xid_type = int(nv.nvmlEventTypeXidCriticalError)
+        self._mig_type = int(getattr(nv, "nvmlEventMigConfigChange", 0))  # R450+ pynvml
         self._wait = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
 
     def close(self) -> None:
@@ -176,6 +178,8 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         if code in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
             gpu.disabled.add(key)
             self._log_once(key, function, gpu, self._describe(error))
+        elif code == nv.NVML_ERROR_NO_PERMISSION and getattr(gpu.mig, "mode", None) == 1:
+            self._mig_unmonitored(gpu, function)
         elif code == nv.NVML_ERROR_UNINITIALIZED:
             self._nv = None  # someone shut NVML down: start again next poll
             why = self._describe(error)
@@ -371,10 +375,13 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
             self._unsupported(gpu, unsupported)
 
     def _unsupported(self, gpu: _Gpu, entries: set[_Entry]) -> None:
-        """Drop these entries from the GPU's batch; their fallbacks are read from now on."""
+        """Drop these entries from the GPU's batch; their fallbacks are read from now on,
+        those without one asked again after a MIG layout change (`_mig_reask`)."""
         for entry in entries:
             fallback = entry.field.fallback
-            if fallback is not None and fallback not in gpu.reads:
+            if fallback is None:
+                gpu.dropped.add(entry)
+            elif fallback not in gpu.reads:
                 gpu.reads.append(fallback)
         self._ask(gpu, [e for e in gpu.batch if e not in entries])
 
