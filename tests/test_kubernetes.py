@@ -206,6 +206,30 @@ def test_the_kubelet_pod_names_component_changes_the_user_only(tmp_path: Path) -
     assert patched == rendered()["DaemonSet"]
 
 
+def test_the_mig_monitor_component_grants_the_capability_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """components/mig-monitor (issue 42 item 6): NVIDIA_MIG_MONITOR_DEVICES=all, which
+    NVIDIA's runtime hook accepts only with CAP_SYS_ADMIN in the container's capabilities
+    (a container without it fails to start: the base sets neither), and that one
+    capability; still valid, still uid 65532 without privilege escalation."""
+    assert "NVIDIA_MIG_MONITOR_DEVICES" not in {e["name"] for e in container()["env"]}
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    base = os.path.relpath(BASE, overlay)  # kustomize takes relative paths only
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [base], "components": [f"{base}/components/mig-monitor"],
+    }))  # fmt: skip
+    patched = copy.deepcopy(rendered(overlay)["DaemonSet"])
+    for version in KUBERNETES:
+        kubernetes_validate.validate(patched, version, strict=True)
+    (main,) = patched["spec"]["template"]["spec"]["containers"]
+    assert main["env"][0] == {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}
+    assert main["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    del main["env"][0], main["securityContext"]["capabilities"]["add"]
+    assert patched == rendered()["DaemonSet"]
+
+
 def test_only_prometheus_reaches_the_metrics_port() -> None:
     policy = rendered()["NetworkPolicy"]["spec"]
     assert (
