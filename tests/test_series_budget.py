@@ -7,8 +7,10 @@ scrape; the families held back (`nonzero`, `detail`) show when they matter, and
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from functools import cache
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,7 @@ from gpuwatchd.sim.scenario import load_scenario
 from gpuwatchd.simulate import Simulation
 from gpuwatchd.sources import load_builtin_sources
 
+ROOT = Path(__file__).resolve().parents[1]
 GPUS = 8
 SERIES_PER_GPU = 60
 MAX_BYTES = 60_000
@@ -31,8 +34,14 @@ def all_specs() -> list[MetricSpec]:
 
 
 @cache
-def exposition(scenario: str, detail: bool = False, until: float = 600.0) -> bytes:
-    simulation = Simulation(load_scenario(scenario), Config(detail_metrics=detail))
+def exposition(
+    scenario: str, detail: bool = False, until: float = 600.0, dcgm: str | None = None
+) -> bytes:
+    """The exposition at `until`; `dcgm`: the node's DCGM ("none": not installed)."""
+    scn = load_scenario(scenario)
+    if dcgm is not None:
+        scn = scn.model_copy(update={"node": scn.node.model_copy(update={"dcgm": dcgm})})
+    simulation = Simulation(scn, Config(detail_metrics=detail))
     try:
         return simulation.run(until=until).exposition
     finally:
@@ -102,18 +111,49 @@ def test_rules_waiting_for_the_probe_are_not_exported_as_not_evaluable():
     assert 'cause="input_pipeline_stall"' not in body
 
 
-SERIES_PER_INSTANCE = 20
+SERIES_PER_INSTANCE = 20  # every series a GPU instance adds, with DCGM
+SERIES_PER_INSTANCE_WITHOUT_DCGM = 32  # ... without: the rules that need DCGM say so
+INSTANCE = re.compile(r'gpu="(\d+)".*gpu_instance="(\d+)"')
+
+
+def series_by_instance(body: bytes) -> tuple[Counter[tuple[str, str]], Counter[str]]:
+    """The series labelled with a GPU instance: how many each (gpu, gpu_instance) has, and
+    how many each family has."""
+    instances: Counter[tuple[str, str]] = Counter()
+    families: Counter[str] = Counter()
+    for line in body.decode().splitlines():
+        found = None if line.startswith("#") else INSTANCE.search(line)
+        if found:
+            instances[(found.group(1), found.group(2))] += 1
+            families[line.split("{")[0]] += 1
+    return instances, families
 
 
 def test_a_mig_gpu_costs_a_gpu_plus_a_bounded_share_per_instance():
     """Fourteen 1g.10gb instances on two A100s cost the node's Prometheus what the same
     node without MIG costs (its twin: the same tenants on whole GPUs) and at most
-    SERIES_PER_INSTANCE a GPU instance (its memory, processes, activity, main process
-    and owner), not a copy of every per-GPU family."""
-    shown = series_by_family(exposition("mig-7x1g-a100-mixed-tenants"))
-    per_instance = sum(n for name, n in shown.items() if "_gpu_instance_" in name)
-    instances = shown["gpuwatchd_gpu_instance_info"]
-    assert instances == 14
-    assert per_instance <= SERIES_PER_INSTANCE * instances, per_instance
+    SERIES_PER_INSTANCE a GPU instance, every series that carries its label counted (its
+    memory, processes, activity, main process, owner and causes), not a copy of every
+    per-GPU family."""
+    body = exposition("mig-7x1g-a100-mixed-tenants")
+    per_instance, families = series_by_instance(body)
+    assert len(per_instance) == 14
+    assert max(per_instance.values()) <= SERIES_PER_INSTANCE, per_instance
+    shown = series_by_family(body)
     twin = sum(series_by_family(exposition("mig-twin-shared-a100-no-mig")).values())
-    assert sum(shown.values()) - per_instance <= twin
+    assert sum(shown.values()) - sum(families.values()) <= twin
+
+
+def test_without_dcgm_a_mig_instance_says_which_rules_cannot_judge_it():
+    """Without DCGM an instance has no utilization or activity (NVML has none on MIG):
+    the rules that need them are not evaluable there, each a series of its own, within
+    SERIES_PER_INSTANCE_WITHOUT_DCGM an instance (issue 42 item 7; docs/mig.md)."""
+    body = exposition("mig-7x1g-a100-mixed-tenants", until=120.0, dcgm="none")
+    per_instance, families = series_by_instance(body)
+    assert len(per_instance) == 14
+    assert max(per_instance.values()) <= SERIES_PER_INSTANCE_WITHOUT_DCGM, per_instance
+    assert families["gpuwatchd_starvation_not_evaluable"] > 14  # more than one rule each
+    assert not any("_active_ratio" in family for family in families)
+    said = " ".join((ROOT / "docs" / "mig.md").read_text().split())
+    budgets = SERIES_PER_INSTANCE, SERIES_PER_INSTANCE_WITHOUT_DCGM
+    assert "at most {} with DCGM and at most {} without".format(*budgets) in said
