@@ -18,8 +18,13 @@ NOT_SUPPORTED elsewhere and is never asked again):
   compute processes (~9 + ~11 µs);
 - discovery (all slots up to `nvmlDeviceGetMaxMigDeviceCount`; per device its UUID,
   GPU/compute instance ids, name and attributes) only when the mode turns on, a device
-  appears, or a device's handle stops answering (INVALID_ARGUMENT / NOT_FOUND: its
-  instance was destroyed).
+  appears, a device's handle stops answering (INVALID_ARGUMENT / NOT_FOUND: its
+  instance was destroyed), or an `nvmlEventMigConfigChange` arrives (asked for once MIG
+  is on, in a registration of its own: `_mig_watch`), which reads the change in the
+  poll that drains it.
+After a mode change or a discovery, the fields the driver refused are asked again (row
+remapping is NOT_SUPPORTED on a MIG GPU with instances), and the Xid counts of GPU
+instances gone, or made again under their id, are dropped.
 NVML's MIG device indexes can have holes (NOT_FOUND at 2, a device at 3): the discovery
 skips empty indexes, as NVIDIA's samples do (nvitop stops at the first one), and the
 probe asks the index past the highest known device and, where there are holes, the
@@ -243,6 +248,7 @@ class MigReads:
                 "MIG device (gpuwatchd_gpu_instance_*; docs/mig.md)",
                 gpu.index,
             )
+            self._mig_watch(gpu)
         elif not first:
             log.info("nvml: GPU %d: MIG disabled: reading it as a whole GPU again", gpu.index)
             gpu.disabled.difference_update(PARENT_KEYS)
@@ -254,8 +260,6 @@ class MigReads:
             self._mig_reask(gpu)
         for key in PARENT_KEYS:
             gpu.kept.pop(key, None)
-        if mode == 1:
-            self._mig_watch(gpu)
 
     def _mig_watch(self, gpu: _Gpu) -> None:
         """Ask for the GPU's MIG configuration changes (nvmlEventMigConfigChange: an
