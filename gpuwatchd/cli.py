@@ -184,6 +184,15 @@ def run(
     type=click.Path(path_type=Path, dir_okay=False),
     help="rule file to use (overrides the config's rules_file)",
 )
+@click.option(
+    "--privileges",
+    type=click.Choice(["ptrace", "unprivileged"]),
+    default="ptrace",
+    show_default=True,
+    help="what the daemon may read of other users' processes: ptrace (root or "
+    "CAP_SYS_PTRACE), or unprivileged (the unit and DaemonSet as shipped: their environ, "
+    "maps, io and fd/ refused); --check judges the expectations that hold under it",
+)
 @log_option
 def simulate(
     scenario_name: str,
@@ -192,6 +201,7 @@ def simulate(
     metrics: bool,
     check: bool,
     rules_file: Path | None,
+    privileges: str,
     log_level: str,
 ) -> None:
     """Replay SCENARIO in virtual time, as fast as the CPU allows.
@@ -211,7 +221,7 @@ def simulate(
     config = _load(config_file, rules_file=rules_file)
     scenario = _scenario(scenario_name)
     try:
-        simulation = Simulation(scenario, config)
+        simulation = Simulation(scenario, config, ptrace=privileges == "ptrace")
     except RulesError as e:
         raise click.ClickException(f"rules not loaded:\n{e}") from e
     except ConfigError as e:
@@ -228,7 +238,12 @@ def simulate(
         summaries = firing_summaries(result.transitions)
         instances = firing_instances(result.transitions, result.started_at)
         verdicts = check_expectations(
-            scenario, intervals, result.simulated_seconds, summaries, instances
+            scenario,
+            intervals,
+            result.simulated_seconds,
+            summaries,
+            instances,
+            "unprivileged" if privileges == "unprivileged" else "ptrace",
         )
         click.echo("\n" + format_verdicts(scenario.name, verdicts))
         if not all(v.ok for v in verdicts):

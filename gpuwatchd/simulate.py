@@ -50,10 +50,10 @@ class SimulationResult:
 
 
 class Simulation:
-    def __init__(self, scenario: Scenario, config: Config) -> None:
+    def __init__(self, scenario: Scenario, config: Config, ptrace: bool = True) -> None:
         self.scenario = scenario
         self.config = config
-        self.node = SimNode(scenario, virtual=True)
+        self.node = SimNode(scenario, virtual=True, ptrace=ptrace)
         try:
             self.pipeline = Pipeline(config, self.node.context(), self.node.clock.now)
         except Exception:  # a bad rule file: leave no simulated node behind

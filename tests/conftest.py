@@ -13,6 +13,7 @@ import pytest
 
 from gpuwatchd.sim.detection import play_ahead
 from gpuwatchd.sim.scenario import builtin_scenarios
+from gpuwatchd.sim.scenario.schema import PRIVILEGES
 
 CORPUS_FILES = {"test_detection.py", "test_scenario_corpus.py"}
 
@@ -20,5 +21,6 @@ CORPUS_FILES = {"test_detection.py", "test_scenario_corpus.py"}
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     corpus = [item for item in items if item.path.name in CORPUS_FILES]
     if corpus:
-        play_ahead(builtin_scenarios(), nice=19)  # the CPU the real-time tests leave
+        # the CPU the real-time tests leave; both privileges (test_scenario_corpus.py)
+        play_ahead(builtin_scenarios(), nice=19, privileges=PRIVILEGES)
         items[:] = [item for item in items if item.path.name not in CORPUS_FILES] + corpus

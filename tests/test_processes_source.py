@@ -40,7 +40,7 @@ from gpuwatchd.sources.processes.desktop import (
     desktop_name,
     installed_desktop,
 )
-from gpuwatchd.sources.processes.jobs import ADOPTERS, ALONE, group_jobs
+from gpuwatchd.sources.processes.jobs import ADOPTERS, ALONE, group_jobs, is_launcher
 from gpuwatchd.sources.processes.procfs import (
     CgroupLine,
     cpu_cgroup,
@@ -242,6 +242,23 @@ def test_desktop_names_match_truncated_comm() -> None:
     assert desktop_name("gdm-wayland-ses") == "gdm-wayland-session"
     assert desktop_name("python") is None and desktop_name("") is None
     assert len(set(DESKTOP_PROCESSES)) == len(DESKTOP_PROCESSES)
+
+
+def test_a_launcher_is_told_by_its_command() -> None:
+    """Without the ranks' environment (the daemon without CAP_SYS_PTRACE), only a parent
+    that is a launcher by its command makes its children one job."""
+    assert is_launcher("torchrun", ["/usr/bin/python3", "/usr/local/bin/torchrun"])
+    assert is_launcher("python3", ["python3", "-m", "torch.distributed.run", "train.py"])
+    assert is_launcher("slurmstepd", ["slurmstepd: [4471902.0]"])
+    assert not is_launcher("jupyter-lab", ["/usr/bin/python3", "/usr/bin/jupyter-lab"])
+    assert not is_launcher("bash", ["bash", "run.sh"])
+    assert not is_launcher("python3", ["python3", "-m", "ipykernel_launcher", "-f", "k.json"])
+    kernels = {4101: 4000, 4102: 4000}
+    never = {0}.__contains__
+    assert group_jobs(kernels, never, launches=never) == {4101: 4101, 4102: 4102}
+    assert group_jobs(kernels, never, launches={4000}.__contains__) == dict.fromkeys(
+        kernels, 4000
+    )
 
 
 def test_group_jobs_by_common_parent() -> None:
@@ -561,7 +578,8 @@ def test_workers_and_their_cpu(node_factory) -> None:
     assert m.gpu("gpu_process_throttled_ratio", 3) == 0
     assert m.gpu("gpu_process_in_container", 3) == 0
     assert m.labels("gpu_process_info", 3) == [("python", "")]  # no cudart mapped
-    assert m.gpu("gpu_process_cudart_version", 3) is None
+    # 0: maps read, no runtime mapped (absent only where the maps are unreadable)
+    assert m.gpu("gpu_process_cudart_version", 3) == 0
     # four more workers fork at 600 s (the simulator's counters move at the rate of its
     # previous write, so they start at 603); the poll after sees all their CPU time
     node.poll(598.0)
@@ -1020,8 +1038,10 @@ def _real_jobs(environ: dict[str, str], **settings: Any) -> tuple[list[float | N
 
 def test_job_on_this_machines_real_proc() -> None:
     """Two real children of this process on GPUs 0 and 1: one job (this process) when
-    their environment carries a launcher's variables, or cannot be read; two jobs when it
-    is read and has none (sibling notebooks). This process on GPU 2 is a job of its own."""
+    their environment carries a launcher's variables; two jobs when it is read and has
+    none (sibling notebooks), or cannot be read, this process (pytest) being no launcher
+    by its command. This process on GPU 2 is a job of its own (with its children, where
+    they are its ranks)."""
     if not os.path.isdir(f"/proc/{os.getpid()}/task"):
         pytest.skip("no Linux procfs")
     plain = {"PATH": os.environ.get("PATH", "/usr/bin"), "HOME": "/nonexistent"}
@@ -1031,8 +1051,9 @@ def test_job_on_this_machines_real_proc() -> None:
     assert jobs == [me, me, me]
     jobs, me = _real_jobs(plain)
     assert jobs[2] == me and jobs[0] != jobs[1] and me not in jobs[:2]
-    jobs, me = _real_jobs(plain, owner_environ=False)  # unknown: siblings are one job
-    assert jobs == [me, me, me]
+    # unknown, and the parent is no launcher by its command: a job each (issue 39 item 5)
+    jobs, me = _real_jobs(plain, owner_environ=False)
+    assert jobs[2] == me and jobs[0] != jobs[1] and me not in jobs[:2]
 
 
 def test_pid_reuse_is_a_new_process(node_factory) -> None:

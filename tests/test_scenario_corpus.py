@@ -8,17 +8,23 @@ from gpuwatchd.rules import load_rules
 from gpuwatchd.sim.check import check, format_verdicts
 from gpuwatchd.sim.detection import replays
 from gpuwatchd.sim.scenario import builtin_scenarios, load_scenario
+from gpuwatchd.sim.scenario.schema import PRIVILEGES
 
 
+@pytest.mark.parametrize("privileges", PRIVILEGES)
 @pytest.mark.parametrize("name", builtin_scenarios())
-def test_builtin_scenario_passes_its_check(name: str):
-    played = replays()[name]  # all played at once, over the CPUs; cached for detection.md
+def test_builtin_scenario_passes_its_check(name: str, privileges):
+    """Each scenario with the daemon reading other users' ptrace-gated /proc files (root
+    or CAP_SYS_PTRACE) and as the unit and DaemonSet ship it (refused: issue 39 item 5)."""
+    # all played at once, over the CPUs; cached for detection.md
+    played = replays(privileges=privileges)[name]
     verdicts = check(
         played.scenario,
         played.intervals,
         played.simulated_seconds,
         played.summaries,
         played.instances,  # an expectation on a MIG GPU instance ("0/2") is judged on its own
+        privileges,
     )
     assert all(v.ok and v.reached for v in verdicts), format_verdicts(name, verdicts)
 

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from gpuwatchd.rules.engine import FIRING, Transition
-from gpuwatchd.sim.scenario import Expectation, Scenario
+from gpuwatchd.sim.scenario import Expectation, Privileges, Scenario
 from gpuwatchd.sim.scenario.subjects import Subject, named_subjects, subject_label, subjects
 
 Span = tuple[float, float | None]  # seconds since the scenario start; None: still firing
@@ -328,11 +328,13 @@ def check(
     end: float,
     summaries: Summaries | None = None,
     instances: Instances | None = None,
+    privileges: Privileges = "ptrace",
 ) -> list[Verdict]:
     """The verdicts on what a replay fired (`intervals`, `summaries` per GPU; `instances`
     per subject, from `firing_instances`: without it, all on the GPUs themselves) up to
     `end`, the seconds the run reached (the scenario's end unless cut short)."""
     summaries = summaries or {}
+    scenario = under(scenario, privileges)
     if instances is None:
         instances = _on_whole_gpus(scenario, intervals, summaries)
     fired = _Fired(intervals, summaries, instances)
@@ -345,6 +347,12 @@ def check(
         else:
             verdicts.append(_fires(e, names, fired, _Window.of(e, end, duration)))
     return verdicts + _unexpected(scenario, fired) + _without_values(fired)
+
+
+def under(scenario: Scenario, privileges: Privileges) -> Scenario:
+    """`scenario` with the expectations that hold under the daemon's `privileges`."""
+    expect = [e for e in scenario.expect if e.privileges in ("any", privileges)]
+    return scenario.model_copy(update={"expect": expect})
 
 
 def format_verdicts(scenario: str, verdicts: list[Verdict]) -> str:

@@ -31,7 +31,7 @@ from gpuwatchd.sim.check import (
     firing_summaries,
     time_to_resolve,
 )
-from gpuwatchd.sim.scenario import Scenario, builtin_scenarios, load_scenario
+from gpuwatchd.sim.scenario import Privileges, Scenario, builtin_scenarios, load_scenario
 from gpuwatchd.sim.scenario.subjects import Subject, subject_label, subjects
 
 
@@ -51,35 +51,47 @@ class Replay:
         return self.intervals.get((gpu, cause), [])
 
 
-_played: dict[str, Replay] = {}
-_playing: dict[str, Future[Replay]] = {}  # started by play_ahead, not taken yet
+Played = tuple[str, Privileges]  # a built-in scenario, and the daemon's privileges
+_played: dict[Played, Replay] = {}
+_playing: dict[Played, Future[Replay]] = {}  # started by play_ahead, not taken yet
 
 
-def replay(name: str) -> Replay:
-    """Play the built-in scenario `name` to its end with the default config (cached)."""
-    if name not in _played:
-        playing = _playing.pop(name, None)
-        _played[name] = playing.result() if playing is not None else _play(name)
-    return _played[name]
+def replay(name: str, privileges: Privileges = "ptrace") -> Replay:
+    """Play the built-in scenario `name` to its end with the default config, the daemon
+    holding `privileges` (cached)."""
+    key = (name, privileges)
+    if key not in _played:
+        playing = _playing.pop(key, None)
+        _played[key] = playing.result() if playing is not None else _play(key)
+    return _played[key]
 
 
-def replays(names: list[str] | None = None) -> dict[str, Replay]:
+def replays(
+    names: list[str] | None = None, privileges: Privileges = "ptrace"
+) -> dict[str, Replay]:
     """Every built-in scenario (or `names`) played, those not played yet in parallel,
     one process per CPU, the longest first (cached as `replay`)."""
     names = builtin_scenarios() if names is None else names
-    play_ahead(names)
-    return {name: replay(name) for name in names}
+    play_ahead(names, privileges=(privileges,))
+    return {name: replay(name, privileges) for name in names}
 
 
-def play_ahead(names: list[str], nice: int = 0) -> None:
+def play_ahead(
+    names: list[str], nice: int = 0, privileges: tuple[Privileges, ...] = ("ptrace",)
+) -> None:
     """Start playing the scenarios not played or playing yet in worker processes, one
     per CPU, the longest first, at `nice` more than this process's niceness; `replay`
     takes each result when asked. The test suite starts the corpus this way at
     collection, at the lowest priority, so it plays on the CPU its real-time tests
     (servers, daemons, deadlines) leave."""
     todo = sorted(
-        (n for n in set(names) if n not in _played and n not in _playing),
-        key=lambda n: -load_scenario(n).duration,
+        (
+            (n, p)
+            for n in set(names)
+            for p in privileges
+            if (n, p) not in _played and (n, p) not in _playing
+        ),
+        key=lambda key: (-load_scenario(key[0]).duration, key[1]),
     )
     workers = min(len(todo), os.cpu_count() or 1)
     if workers < 2:
@@ -87,7 +99,7 @@ def play_ahead(names: list[str], nice: int = 0) -> None:
     context = multiprocessing.get_context("spawn")  # no threads of ours come along
     quiet = logging.root.manager.disable  # the workers log as this process would
     pool = ProcessPoolExecutor(workers, context, _start_worker, (quiet, nice))
-    _playing.update((name, pool.submit(_play, name)) for name in todo)
+    _playing.update((key, pool.submit(_play, key)) for key in todo)
     pool.shutdown(wait=False)  # its workers end once the last scenario is played
 
 
@@ -100,15 +112,16 @@ def _start_worker(quiet: int, nice: int) -> None:
             os.nice(nice)
 
 
-def _play(name: str) -> Replay:
-    return play(load_scenario(name))
+def _play(key: Played) -> Replay:
+    name, privileges = key
+    return play(load_scenario(name), privileges)
 
 
-def play(scenario: Scenario) -> Replay:
+def play(scenario: Scenario, privileges: Privileges = "ptrace") -> Replay:
     """Play `scenario` to its end with the default config (uncached)."""
     from gpuwatchd.simulate import Simulation
 
-    simulation = Simulation(scenario, Config())
+    simulation = Simulation(scenario, Config(), ptrace=privileges == "ptrace")
     try:
         result = simulation.run()
     finally:

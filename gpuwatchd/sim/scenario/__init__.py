@@ -38,6 +38,7 @@ from gpuwatchd.sim.scenario.schema import (
     Node,
     Noise,
     Phase,
+    Privileges,
     Scenario,
     Strict,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "Node",
     "Phase",
     "PciFunction",
+    "Privileges",
     "Scenario",
     "Timeline",
     "Topology",

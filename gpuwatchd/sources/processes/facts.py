@@ -239,11 +239,13 @@ class MainProcessReader:
                     facts.throttled_seconds = reading.seconds
                     facts.memory_pressure = reading.memory_pressure
 
-        # CUDA runtime, from the memory maps: once, or at each scan until found
-        if state.cudart is None and (state.maps_read_at is None or scanning):
+        # CUDA runtime, from the memory maps: once, or at each scan until found; "" when
+        # the maps were read and map none (yet), None while they could not be read
+        if not state.cudart and (state.maps_read_at is None or scanning):
             state.maps_read_at = self.polls
             try:
-                state.cudart = parse_cudart(package._proc_read(f"{base}/maps", MAX_MAPS_BYTES))
+                maps = package._proc_read(f"{base}/maps", MAX_MAPS_BYTES)
+                state.cudart = parse_cudart(maps) or ""
             except _Gone:
                 raise
             except OSError as e:

@@ -17,6 +17,17 @@ from gpuwatchd.sources.owner import ProcessFacts
 # never one job however many GPUs they use
 ADOPTERS = frozenset({"systemd", "init"})
 
+# parents whose children are ranks of one launch, told without their environment (the
+# daemon without CAP_SYS_PTRACE reads another user's comm and cmdline, not its environ):
+# by comm, or by the module a Python launcher runs (`python -m torch.distributed.run`).
+# Any other parent (a JupyterLab server, a shell, a scheduler's wrapper) starts processes
+# that may never synchronize: grouping them would invent stragglers (issue 39 item 5)
+LAUNCHER_COMMS = frozenset({
+    "torchrun", "deepspeed", "accelerate", "horovodrun", "mpirun", "mpiexec", "orterun",
+    "orted", "prterun", "prted", "hydra_pmi_proxy", "slurmstepd",
+})  # fmt: skip
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher")
+
 # launch_key() of a process whose environment was read and names no launcher
 ALONE: tuple[str, ...] = ()
 
@@ -38,16 +49,26 @@ def launch_key(facts: ProcessFacts | None) -> tuple[str, ...] | None:
     )  # fmt: skip
 
 
+def is_launcher(comm: str, argv: list[str]) -> bool:
+    """A launcher by its comm, or a Python running a launcher module (its argv)."""
+    if comm in LAUNCHER_COMMS:
+        return True
+    pairs = zip(argv, argv[1:], strict=False)
+    return any(a == "-m" and b.startswith(LAUNCHER_MODULES) for a, b in pairs)
+
+
 def group_jobs(
     parents: dict[int, int],
     adopter: Callable[[int], bool],
     keys: dict[int, tuple[str, ...] | None] | None = None,
+    launches: Callable[[int], bool] | None = None,
 ) -> dict[int, int]:
     """pid -> job of GPU main processes given as {pid: ppid} and their launch_key() (none
     given: all unknown).
 
     Unknown: their parent's pid when it is the parent of another unknown one, is neither
-    0 nor 1 and is no `adopter(ppid)` (a subreaper), else their own pid. ALONE: their own
+    0 nor 1, is no `adopter(ppid)` (a subreaper) and, given `launches`, `launches(ppid)`
+    (a launcher by its command), else their own pid. ALONE: their own
     pid. A key: the processes with the same key (and, when it names no launch, the same
     parent) are one job, named by their common parent where it is a launcher, else by
     their lowest pid."""
@@ -65,6 +86,7 @@ def group_jobs(
     jobs: dict[int, int] = {}
     for ppid, pids in by_parent.items():
         launcher = len(pids) > 1 and ppid > 1 and not adopter(ppid)
+        launcher = launcher and (launches is None or launches(ppid))
         for pid in pids:
             jobs[pid] = ppid if launcher else pid
     for pids in by_key.values():

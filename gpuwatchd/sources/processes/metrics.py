@@ -108,7 +108,8 @@ CONTAINER = _gpu(
 )
 CUDART = _gpu(
     "gpu_process_cudart_version",
-    "CUDA runtime version the main process mapped, e.g. 12.1 (12: major only known).",
+    "CUDA runtime version the main process mapped, e.g. 12.1 (12: major only known; 0: "
+    "none mapped; absent where its maps are unreadable).",
     export="detail",
 )
 AGE = _gpu(

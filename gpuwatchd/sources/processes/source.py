@@ -35,7 +35,14 @@ from gpuwatchd.sources.processes.desktop import DesktopWatch, _Desktop
 from gpuwatchd.sources.processes.facts import Facts, MainProcessReader, _CgroupReading, _Known
 from gpuwatchd.sources.processes.gpus import KINDS, NvmlLists, _Gpu
 from gpuwatchd.sources.processes.instances import Instance, group_instances, instance_samples
-from gpuwatchd.sources.processes.jobs import ADOPTERS, ALONE, _Memo, group_jobs, launch_key
+from gpuwatchd.sources.processes.jobs import (
+    ADOPTERS,
+    ALONE,
+    _Memo,
+    group_jobs,
+    is_launcher,
+    launch_key,
+)
 from gpuwatchd.sources.processes.metrics import (
     AGE,
     BUSIEST,
@@ -294,7 +301,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         if not self.settings.owner:
             self._owners.processes.keep(set(parents))  # owners() keeps them otherwise
         launched = {pid: key != ALONE for pid, key in keys.items() if key is not None}
-        return group_jobs(parents, self._adopter, keys), launched
+        return group_jobs(parents, self._adopter, keys, self._launches), launched
 
     def _read_uptime(self) -> float | None:
         """Seconds since boot (/proc/uptime's first field), the clock of starttime."""
@@ -315,6 +322,18 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         except OSError:
             return False
         return comm.strip() in ADOPTERS
+
+    def _launches(self, pid: int) -> bool:
+        """True when the process is a launcher by its command (comm, argv), which any
+        user may read: its children are ranks of one job though their environment is not
+        readable. Unreadable (exited this instant, or hidden): not one."""
+        try:
+            comm = package._read(f"{self._proc}/{pid}/comm", 4096)
+            cmdline = package._read(f"{self._proc}/{pid}/cmdline", 4096)
+        except OSError:
+            return False
+        argv = cmdline.decode("utf-8", "replace").split("\0")
+        return is_launcher(comm.decode("utf-8", "replace").strip(), argv)
 
     # -- samples --------------------------------------------------------------------------
 
@@ -373,7 +392,8 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             (THROTTLED, f.throttled_ratio),
             (THROTTLED_SECONDS, f.throttled_seconds),
             (MEMORY_PRESSURE, f.memory_pressure),
-            (CUDART, None if f.cudart is None else version_number(f.cudart)),
+            # 0: no CUDA runtime mapped; absent: the maps could not be read
+            (CUDART, None if f.cudart is None else version_number(f.cudart) or 0.0),
             (AGE, f.age),
         )
         for spec, value in optional:
