@@ -612,7 +612,7 @@ def test_main_process_and_other_tenants(node_factory) -> None:
             3: [{"pid": 1789, "name": "Xorg", "gpu_memory_mib": 400, "kind": "graphics"},
                 {"pid": 700, "name": "glxgears", "gpu_memory_mib": 50, "kind": "graphics"}],
         },
-        facts=[{"pid": 1789, "name": "Xorg"}],
+        facts=[{"pid": 1789, "name": "Xorg", "uid": 0}],  # root's (issue 41: its signature)
     )  # fmt: skip
     m = node_factory(scn).poll(10.0)
     assert m.gpu("gpu_process_pid", 0) == 200  # the most memory
@@ -627,6 +627,9 @@ def test_main_process_and_other_tenants(node_factory) -> None:
     assert m.names_of(4) == {P + "gpu_processes", P + "gpu_desktop_processes",
                              P + "gpu_other_processes"}  # fmt: skip
     assert m.gpu("gpu_processes", 4, "compute") == 0
+
+
+SESSION = "/user.slice/user-1000.slice/session-2.scope"  # a console login's
 
 
 def test_a_name_alone_does_not_make_a_desktop_process(node_factory) -> None:
@@ -644,9 +647,11 @@ def test_a_name_alone_does_not_make_a_desktop_process(node_factory) -> None:
               for pid, cpu in ((4242, 100), (5150, 100), (5151, 10), (1789, 10))},
         facts=[
             {"pid": 4242, "name": "Xorg", "cmdline": python},
-            {"pid": 1789, "name": "Xorg", "cmdline": ["/usr/lib/xorg/Xorg", "vt2"]},
+            {"pid": 1789, "name": "Xorg", "cmdline": ["/usr/lib/xorg/Xorg", "vt2"],
+             "cgroup": SESSION, "tty": "tty2"},  # on vt2: its signature (issue 41)
             {"pid": 5150, "name": "gnome-shell", "cmdline": ["gnome-shell"]},  # setproctitle
-            {"pid": 5151, "name": "tracker-miner-fs-3"},  # /usr/bin/tracker-miner-fs-3
+            {"pid": 5151, "name": "tracker-miner-fs-3",  # /usr/bin/tracker-miner-fs-3
+             "cgroup": "/user.slice/user-1000.slice/user@1000.service/tracker.service"},
         ],
     )  # fmt: skip
     node = node_factory(scn)
@@ -832,7 +837,7 @@ def test_desktop_on_training_box_scenario(node_factory) -> None:
 def test_desktop_scan_runs_every_n_polls(node_factory) -> None:
     scn = scenario(
         [{"pid": 4242, "gpu_memory_mib": 1000}],
-        facts=[{"pid": 2650, "name": "tracker-miner-fs-3"}],
+        facts=[{"pid": 2650, "name": "tracker-miner-fs-3", "tty": "tty1"}],  # from the console
         host={2650: {"running": False}},
         phases=[{"name": "indexing", "duration": "10m",
                  "host": {"processes": {2650: {"running": True, "main_thread_cpu_percent": 90,

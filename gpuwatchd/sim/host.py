@@ -107,10 +107,24 @@ class HostProcess(Strict):
     # /usr/bin/NAME. `name` is the comm: a process that renamed itself (prctl
     # PR_SET_NAME, /proc/self/comm) has a comm its argv does not show
     cmdline: list[str] | None = Field(None, min_length=1)
+    # its controlling terminal: a virtual console ("tty2": a session started at the
+    # machine, as gdm's Xorg on vt2) or a pseudo-terminal ("pts/3": ssh); None: none
+    tty: str | None = Field(None, pattern=r"^(?:tty[1-9][0-9]?|pts/[0-9]{1,5})$")
 
     @property
     def argv(self) -> list[str]:
         return self.cmdline if self.cmdline is not None else [f"/usr/bin/{self.name}"]
+
+    @property
+    def tty_nr(self) -> int:
+        """The terminal's device number as /proc/PID/stat shows it (linux/kdev_t.h's
+        new_encode_dev): tty N is 4:N, pts/N 136+N/256:N%256; 0 without one."""
+        if self.tty is None:
+            return 0
+        number = int(self.tty.removeprefix("pts/").removeprefix("tty"))
+        pts = self.tty.startswith("pts/")
+        major, minor = (136 + number // 256, number % 256) if pts else (4, number)
+        return (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)
 
     @model_validator(mode="after")
     def _environment(self) -> HostProcess:

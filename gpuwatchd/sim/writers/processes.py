@@ -5,7 +5,7 @@ in `node.host.processes` and every pid a GPU's `processes` list names (those wit
 host facts get `HostProcess` defaults and the GPU entry's name):
 
 * `<procfs>/<pid>/stat` (fs/proc/array.c, 52 fields, comm cut at 15 bytes; the ppid
-  is the fact's `ppid`, 1 while that parent is not running), `status`
+  is the fact's `ppid`, 1 while that parent is not running; tty_nr its `tty`), `status`
   (`Key:\\tvalue` lines: `Name`, `State`, `Tgid`, `PPid`, `Uid`, `Threads`,
   `Cpus_allowed` / `Cpus_allowed_list`, `Vm*` …), `comm`, `cmdline` (`cmdline`, or
   /usr/bin/NAME; NUL-terminated arguments), `cgroup` (v2: `0::/path`) and
@@ -126,6 +126,7 @@ def stat_line(
     rss_pages: int = 0,
     majflt: int = 120,
     kthread: bool = False,
+    tty_nr: int = 0,
 ) -> str:
     """One /proc/<pid>/stat line as fs/proc/array.c prints it: 52 fields. A kernel
     thread (kthreadd's child) has process group and session 0, the PF_KTHREAD flag and
@@ -134,7 +135,7 @@ def stat_line(
     flags = 0x208040 if kthread else 4194560 if ppid else 4194304  # PF_KTHREAD / PF_RANDOMIZE
     minflt = 0 if kthread else 183_000
     fields = [
-        f"{pid} ({comm[:15]})", state, ppid, group, group, 0, -1, flags,
+        f"{pid} ({comm[:15]})", state, ppid, group, group, tty_nr, -1, flags,
         minflt, 0, majflt, 0,  # minflt cminflt majflt cmajflt
         utime, stime, 0, 0,  # utime stime cutime cstime
         20, 0, threads, 0, starttime, vsize, rss_pages, 18446744073709551615,
@@ -504,7 +505,7 @@ class ProcessesWriter:
             user = math.floor(ticks * USER_SHARE)
             line = stat_line(
                 thread_id(pid, j), name, other_state if j else main_state, ppid, user,
-                ticks - user, threads, start + j, cpus[j % len(cpus)],
+                ticks - user, threads, start + j, cpus[j % len(cpus)], tty_nr=fact.tty_nr,
             )  # fmt: skip
             put(f"{base}/task/{thread_id(pid, j)}/stat", line)
         running.threads = threads
@@ -532,7 +533,7 @@ class ProcessesWriter:
         faults = 120 + math.floor(self._count(totals, (pid, "f"), new))
         line = stat_line(
             pid, name, main_state, ppid, utime, ticks - utime, threads, start, cpus[0],
-            18_302_144 * 1024, 5_980_112 // 4, faults,
+            18_302_144 * 1024, 5_980_112 // 4, faults, tty_nr=fact.tty_nr,
         )  # fmt: skip
         put(f"{base}/stat", line)
 

@@ -115,12 +115,18 @@ Desktop and other tenants
 Display servers, compositors and their helpers (`DESKTOP_PROCESSES`) take GPU time and
 CPU from a training box. They are found in NVML's lists on every poll and, to see the
 ones burning CPU without holding a GPU, in a scan of `/proc/*/comm` every `scan_every`
-polls (one small read per process: ~1 ms per 500 processes); the ones found are read
-(`/proc/PID/stat`) on every poll until they exit. A name is no evidence (any process may
-call itself Xorg, and another user's /proc/PID/exe is unreadable): a process with a
+polls (`/proc/*/stat`, one small read per process: ~1 ms per 500 processes); the ones
+found are read (`/proc/PID/stat`) on every poll until they exit. A name is no evidence
+(any process may call itself Xorg, and `exec -a` gives it any argv[0]): a process with a
 desktop comm counts only if it is on an NVML graphics list (a display server's context)
 or its /proc/PID/cmdline starts with that program under a system directory
-(`desktop.installed_desktop`). Per GPU, `gpu_desktop_processes`
+(`desktop.installed_desktop`), and it has the display server's signature (issue 41): it
+runs on the host, not in a container, pod or job, and its /proc/PID/exe is a system
+program's binary (root's, writable by no one else, under a system directory); where the
+daemon may not read that link (another user's process without CAP_SYS_PTRACE: the
+shipped unit), it runs as root, or on a virtual console (its controlling terminal), or
+as the login user (systemd's user-U.slice) of a session with a process on one: a
+desktop's compositor and indexer. Per GPU, `gpu_desktop_processes`
 counts the desktop processes NVML lists on it and `gpu_other_processes` the other
 processes sharing it with the main one. Node-wide, `desktop_cpu_cores` sums the desktop
 processes' CPU use; `desktop_process_cpu_cores{name}` splits it by name, a label taken

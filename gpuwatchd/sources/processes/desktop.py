@@ -6,17 +6,29 @@ polls (which also collects every ppid on kernels without task/*/children), follo
 ones found, and emits the node-wide desktop CPU series. See "Desktop and other tenants"
 in gpuwatchd.sources.processes. A mixin of ProcessesSource, which sets the state it
 declares.
+
+A desktop name and an installed program's argv[0] are a process's own to choose (prctl,
+`exec -a /usr/lib/xorg/Xorg`): a tenant so named was left out of its GPU's owner and
+made desktop_on_gpu fire (issue 41). So a process counts only with the display server's
+signature too (`DesktopWatch._signed`): on the host, not in a container, pod or job, and
+running a system program's binary (/proc/PID/exe, where the daemon may read it: as root
+or with CAP_SYS_PTRACE); where it may not (another user's process under the shipped
+unit), running as root, on a virtual console, or as the login user of a session that has
+a process on one (its compositor and indexer).
 """
 
 from __future__ import annotations
 
 import os
+import stat as mode
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuwatchd.config import ProcessesConfig
 from gpuwatchd.metrics import Sample
 from gpuwatchd.sources import processes as package
+from gpuwatchd.sources.owner.cgroup import parse_cgroup
+from gpuwatchd.sources.owner.process import parse_uid
 from gpuwatchd.sources.processes.metrics import DESKTOP_COUNT, DESKTOP_CPU, DESKTOP_CPU_BY_NAME
 from gpuwatchd.sources.processes.procfs import CLK_TCK, _is_count, parse_stat
 
@@ -78,6 +90,21 @@ def installed_desktop(cmdline: bytes) -> bool:
     )
 
 
+def signed_binary(target: str, binary: os.stat_result) -> bool:
+    """Whether /proc/PID/exe shows a desktop program as the system installs it: `binary`
+    (the file it runs) root's and writable by no one else, `target` (where it was) under
+    SYSTEM_DIRS naming one. A tenant's own copy, or an interpreter run with another
+    argv[0], is not."""
+    path = target.removesuffix(" (deleted)")  # replaced by an upgrade while it runs
+    return (
+        binary.st_uid == 0
+        and not binary.st_mode & (mode.S_IWGRP | mode.S_IWOTH)
+        and path.startswith(SYSTEM_DIRS)
+        and "/../" not in path
+        and desktop_name(path.rsplit("/", 1)[1]) is not None
+    )
+
+
 @dataclass
 class _Desktop:
     name: str  # from DESKTOP_PROCESSES
@@ -93,12 +120,14 @@ class DesktopWatch:
     scans: int
     _proc: str
     _desktop: dict[int, _Desktop]
+    _consoles: set[int]  # login users with a process on a virtual console (the last scan)
     _children_file: bool
     _ppid_children: dict[int, list[int]]
     _complain: Callable[[str, str], None]
 
     def _scan(self) -> None:
-        """Desktop processes by comm (and, without task/*/children, every ppid)."""
+        """Desktop processes by comm, the login users with a process on a virtual console
+        (and, without task/*/children, every ppid), from each process's stat."""
         self.scans += 1
         try:
             entries = os.listdir(self._proc)
@@ -106,43 +135,71 @@ class DesktopWatch:
             self._complain("scan", f"{self._proc}: {e}")
             return
         by_ppid: dict[int, list[int]] = {}
-        with_ppid = not self._children_file
+        consoles: set[int] = set()
+        named: list[tuple[int, str]] = []
         for entry in entries:
             if not _is_count(entry):
                 continue
             pid = int(entry)
             try:
-                if with_ppid:
-                    stat = parse_stat(package._read(f"{self._proc}/{entry}/stat", 4096))
-                    comm = stat.comm
-                    by_ppid.setdefault(stat.ppid, []).append(pid)
-                else:
-                    comm = package._read(f"{self._proc}/{entry}/comm", 4096).decode(
-                        "utf-8", "replace"
-                    )
+                stat = parse_stat(package._read(f"{self._proc}/{entry}/stat", 4096))
+                login = self._login_user(pid) if stat.on_console else None
             except (OSError, ValueError):
                 continue
-            if not self.settings.desktop or pid in self._desktop:
-                continue
+            by_ppid.setdefault(stat.ppid, []).append(pid)
+            if login is not None:
+                consoles.add(login)
+            if self.settings.desktop and pid not in self._desktop and desktop_name(stat.comm):
+                named.append((pid, stat.comm))
+        self._consoles = consoles  # before judging: a compositor may be listed before its X
+        for pid, comm in named:
             label = self._desktop_label(pid, comm, graphics=False)
             if label is not None:
                 self._desktop[pid] = _Desktop(label)
-        if with_ppid:
+        if not self._children_file:
             self._ppid_children = by_ppid
 
     def _desktop_label(self, pid: int, comm: str, graphics: bool) -> str | None:
-        """The DESKTOP_PROCESSES name of a process, or None: its comm names one, and it
-        is on an NVML graphics list (a display server's context) or its cmdline shows
-        the program installed (installed_desktop). A name alone is no evidence: any
-        process may call itself Xorg, and another user's /proc/PID/exe is unreadable."""
+        """The DESKTOP_PROCESSES name of a process, or None: its comm names one, it is on
+        an NVML graphics list (a display server's context) or its cmdline shows the
+        program installed (installed_desktop), and it has the signature (`_signed`)."""
         label = desktop_name(comm)
-        if label is None or graphics:
-            return label
-        try:
-            cmdline = package._read(f"{self._proc}/{pid}/cmdline", 4096)
-        except OSError:
+        if label is None:
             return None
-        return label if installed_desktop(cmdline) else None
+        try:
+            cmdline = b"" if graphics else package._read(f"{self._proc}/{pid}/cmdline", 4096)
+            if not (graphics or installed_desktop(cmdline)):
+                return None
+            return label if self._signed(pid) else None
+        except (OSError, ValueError):
+            return None
+
+    def _signed(self, pid: int) -> bool:
+        """What a tenant cannot give its own process (module docstring): a host process
+        running a system program's binary; where /proc/PID/exe is not the daemon's to read
+        (EACCES; the simulator has none), one of root's, on a virtual console, or of a
+        login user with a process on one. OSError, ValueError: gone or garbled."""
+        base = f"{self._proc}/{pid}"
+        place = parse_cgroup(package._read(f"{base}/cgroup", 65536).decode("utf-8", "replace"))
+        if place.scheduler != "process":
+            return False  # a container's, a pod's or a job's: a tenant's own
+        try:
+            target, binary = os.readlink(f"{base}/exe"), os.stat(f"{base}/exe")
+        except OSError:
+            pass
+        else:
+            return signed_binary(target, binary)
+        if parse_uid(package._read(f"{base}/status", 65536)) == 0:
+            return True
+        if parse_stat(package._read(f"{base}/stat", 4096)).on_console:
+            return True
+        return place.uid is not None and place.uid in self._consoles
+
+    def _login_user(self, pid: int) -> int | None:
+        """The login user of a host process's systemd slice (user-U.slice), or None."""
+        text = package._read(f"{self._proc}/{pid}/cgroup", 65536).decode("utf-8", "replace")
+        place = parse_cgroup(text)
+        return place.uid if place.scheduler == "process" else None
 
     def _desktop_samples(self, now: float, out: list[Sample]) -> None:
         total = 0.0

@@ -38,10 +38,20 @@ class Stat:
     stime: int
     threads: int
     starttime: int  # clock ticks after boot
+    tty_nr: int = 0  # the controlling terminal's device number; 0: none
 
     @property
     def ticks(self) -> int:
         return self.utime + self.stime
+
+    @property
+    def on_console(self) -> bool:
+        """Whether its controlling terminal is a virtual console (/dev/tty1-63: major 4):
+        a session started at the machine, which a tenant logged in over the network, or
+        a job its scheduler started, does not have (linux/kdev_t.h encodes the number)."""
+        major = (self.tty_nr >> 8) & 0xFFF
+        minor = (self.tty_nr & 0xFF) | ((self.tty_nr >> 12) & 0xFFF00)
+        return major == 4 and 1 <= minor <= 63
 
 
 def _is_count(text: str) -> bool:
@@ -77,6 +87,7 @@ def parse_stat(data: bytes) -> Stat:
         stime=_uint(rest[12]),
         threads=_uint(rest[17]),
         starttime=_uint(rest[19]),
+        tty_nr=_uint(rest[4]),
     )
 
 

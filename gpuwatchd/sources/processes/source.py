@@ -132,6 +132,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         self._names: dict[int, str] = {}  # comm of the pids NVML lists
         self._known: dict[int, _Known] = {}  # main processes
         self._desktop: dict[int, _Desktop] = {}
+        self._consoles: set[int] = set()
         self._cgroups: dict[str, tuple[float, int, int]] = {}  # cpu.stat -> (at, periods, thr)
         self._children_file = True  # False: the kernel has no task/*/children
         self._ppid_children: dict[int, list[int]] = {}  # from the last scan, if needed
