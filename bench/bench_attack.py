@@ -1,6 +1,7 @@
 """Can an authenticated Prometheus still scrape while someone without a password attacks?
 
-    python bench/bench_attack.py [--attack busy-http|busy-tls|bcrypt ...] [--seconds 30]
+    python bench/bench_attack.py [--attack busy-http|busy-tls|bcrypt|connect-flood[-data] ...]
+        [--seconds 30]
 
 Starts `gpuwatchd run --simulate healthy-8gpu` on loopback with a web config made here
 (trustme certificates, a cost-10 bcrypt password for `prometheus`), runs one attack from
@@ -14,7 +15,12 @@ and the peak of its connections' kernel send queues (`ss`):
   `GET /metrics` (401) without end and never read;
 - bcrypt: TLS + basic auth; 16 connections from 127.0.0.2 send wrong passwords for
   `prometheus` as fast as answered, and the victim's right password is not cached yet (a
-  fresh daemon).
+  fresh daemon);
+- connect-flood: plain HTTP; 4 processes connect from 127.0.0.2 and reset as fast as
+  they can (issue 41), while the victim, from 127.0.0.1, opens a new connection for each
+  request as a kubelet does: a `/healthz` probe with its 1 s timeout and a scrape, once
+  a second each; connect-flood-data: the same, each connection sending a request line
+  before its reset (so it reaches accept() whatever TCP_DEFER_ACCEPT holds back).
 Loopback only; run by hand, not a test. Results: docs/performance.md.
 """
 
@@ -23,11 +29,13 @@ from __future__ import annotations
 import argparse
 import base64
 import http.client
+import multiprocessing
 import re
 import resource
 import socket
 import ssl
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -208,6 +216,85 @@ def scrape_like_prometheus(address, context, auth: bool, seconds: float) -> dict
     }
 
 
+def _flood(address: tuple[str, int], payload: bytes, stop, counted) -> None:
+    """Connect from ATTACKER, send `payload` and reset, until `stop` is set; adds its
+    connects to `counted`."""
+    linger, connects = struct.pack("ii", 1, 0), 0
+    while not stop.is_set():
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)  # no TIME_WAIT
+            sock.settimeout(5)
+            try:
+                sock.bind(ATTACKER)
+                sock.connect(address)
+                sock.sendall(payload)
+                connects += 1
+            except OSError:
+                pass
+    with counted.get_lock():
+        counted.value += connects
+
+
+class Flooder:
+    """`processes` processes running `_flood` until `stop` is set; `rate`: connects/s."""
+
+    def __init__(self, address, payload: bytes, processes: int = 4) -> None:
+        self.address, self.payload, self.processes = address, payload, processes
+        self.stop = threading.Event()
+        self.rate = 0.0
+
+    def run(self) -> None:
+        stop, counted = multiprocessing.Event(), multiprocessing.Value("q", 0)
+        workers = [
+            multiprocessing.Process(target=_flood, args=(self.address, self.payload, stop, counted))
+            for _ in range(self.processes)
+        ]
+        started = time.monotonic()
+        for worker in workers:
+            worker.start()
+        self.stop.wait()
+        stop.set()
+        for worker in workers:
+            worker.join()
+        self.rate = counted.value / (time.monotonic() - started)
+
+
+def fresh_connections(address, seconds: float) -> dict:
+    """A kubelet's probe (new connection, GET /healthz, 1 s timeout) and a scrape on a
+    new connection (10 s timeout), once a second each, for `seconds`."""
+    probes: list[float] = []
+    answers = {"probes": [0, 0], "scrapes": [0, 0]}  # succeeded, tried
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        started = time.monotonic()
+        for kind, path, timeout in (("probes", "/healthz", 1.0), ("scrapes", "/metrics", TIMEOUT)):
+            answers[kind][1] += 1
+            began = time.monotonic()
+            connection = http.client.HTTPConnection(*address, timeout=timeout)
+            try:
+                connection.request("GET", path)
+                response = connection.getresponse()
+                response.read()
+                if response.status == 200 and time.monotonic() - began <= timeout:
+                    answers[kind][0] += 1
+                    if kind == "probes":
+                        probes.append(time.monotonic() - began)
+            except (OSError, http.client.HTTPException):
+                pass
+            finally:
+                connection.close()
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
+    ordered = sorted(probes)
+    return {
+        "probes within 1 s": "{} of {}".format(*answers["probes"]),
+        "new-connection scrapes": "{} of {}".format(*answers["scrapes"]),
+        "probe p50 ms": 1000 * statistics.median(ordered) if ordered else float("nan"),
+        "probe p99 ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        if ordered
+        else float("nan"),
+    }
+
+
 def _send_queues(port: int) -> int:
     """Bytes in the kernel's send queues of the daemon's connections (`ss`'s skmem `w`):
     kernel memory, which its cgroup is charged for as it is for RSS."""
@@ -255,10 +342,18 @@ def _during(
 
 
 def run_attack(name: str, seconds: float) -> dict:
-    tls, auth = name != "busy-http", name != "busy-http"
+    tls = auth = name not in ("busy-http", "connect-flood", "connect-flood-data")
     with tempfile.TemporaryDirectory() as tmp, daemon(Path(tmp), tls, auth) as (netloc, pid, ctx):
         host, port = netloc.rsplit(":", 1)
         address = (host, int(port))
+        if name.startswith("connect-flood"):
+            payload = b"GET /metrics HTTP/1.1\r\n" if name.endswith("data") else b""
+            flooder, process = Flooder(address, payload), psutil.Process(pid)
+            cpu = sum(process.cpu_times()[:2])
+            victim = lambda: fresh_connections(address, seconds)  # noqa: E731
+            result = _during(flooder.run, flooder.stop, victim, pid, address[1])
+            cpu = (sum(process.cpu_times()[:2]) - cpu) / (seconds + 2)
+            return {**result, "flood connects/s": flooder.rate, "daemon CPU %": 100 * cpu}
         victim = lambda: scrape_like_prometheus(address, ctx, auth, seconds)  # noqa: E731
         if name == "bcrypt":
             guesser = Guesser(address, ctx)
@@ -276,7 +371,10 @@ def run_attack(name: str, seconds: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--attack", action="append", choices=("busy-http", "busy-tls", "bcrypt"), default=[]
+        "--attack",
+        action="append",
+        choices=("busy-http", "busy-tls", "bcrypt", "connect-flood", "connect-flood-data"),
+        default=[],
     )
     parser.add_argument("--seconds", type=float, default=30.0, help="how long the victim scrapes")
     args = parser.parse_args()

@@ -4,9 +4,14 @@ One asyncio event loop on its own thread serves every connection, so an idle or 
 client costs a socket and a few KB, never a thread. What a cluster network can throw at
 it is bounded (`Limits`):
 - connections: at most `max_connections`, TLS handshakes included; at the cap one is
-  closed to make room, so a scraper always gets in: a connection whose reply the client
-  is not reading first (the longest stuck first), then the one idle the longest, and those
+  closed to make room, so a scraper always gets in: one of the address group holding the
+  most (a flood closes its own, issue 41), a connection whose reply the client is not
+  reading first (the longest stuck first), then the one idle the longest, and those
   that have given a right password only when no other is left (issue 23);
+- connects (issue 41): a connection reaches accept() once its client has sent something
+  (TCP_DEFER_ACCEPT: a connect-and-reset flood costs the kernel alone), and each address
+  group has a budget of new connections, past which one is reset at accept, before a
+  task, TLS or a parser is spent on it;
 - time: a connection without a complete request for `idle_timeout` is closed (this also
   bounds headers sent slowly), a TLS handshake gets `handshake_timeout`, a response the
   client does not read within `send_timeout` is dropped, and a connection whose reply
@@ -47,15 +52,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import math
 import socket
+import struct
 import sys
 import termios
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -85,6 +92,7 @@ TEXT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PLAIN = "text/plain; charset=utf-8"
 READ = ("GET", "HEAD")
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's; Python has it since 3.7
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,17 @@ class Limits:
     # a connection's transport buffer (the daemon's memory) holds at most about twice
     # this of a reply the client is not reading: its high-water mark and one write
     reply_buffer: int = 16 << 10
-    backlog: int = 1024
+    # connections the kernel completes before the daemon accepts them (Linux caps it at
+    # net.core.somaxconn, 4,096 since 5.4): room for a flood's burst while the loop is busy
+    backlog: int = 4096
+    # new connections per client address group (an IPv6 /64): `connect_burst` at once,
+    # then one per `connect_interval` s; beyond, reset at accept (issue 41: a flood of
+    # ~53k/s kept every other client's connect out). Far above what a scraper or a
+    # kubelet opens (one per scrape or probe); the cap holds most of the burst
+    connect_burst: int = 1024
+    connect_interval: float = 1 / 64
+    accept_batch: int = 64  # connections accepted per turn of the event loop
+    defer_accept: int = 1  # s a connection may stay silent before it is accepted anyway
     # kernel send buffer per connection (Linux doubles it): a reader takes an exposition
     # without a trip through the loop
     send_buffer: int = 256 << 10
@@ -163,6 +181,7 @@ class _Connection(RequestHandler):
         "authenticated",
         "busy",
         "first_request_due",
+        "group",
         "handler",
         "held",
         "last_active",
@@ -192,9 +211,12 @@ class _Connection(RequestHandler):
         self.last_active = time.monotonic()
         self.requests = 0
         self.first_request_due: asyncio.TimerHandle | None = None
+        self.group: str | None = None  # its client's address group (weblimits.client_group)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        self.group = client_group(peer[0] if peer else None)
         # pause_writing (aiohttp's drain waits) past `reply_buffer` held, not asyncio's
         # 64 KB: with PacedBody, what a connection holds of a reply is bounded by this
         with contextlib.suppress(AttributeError, NotImplementedError):
@@ -392,11 +414,13 @@ class MetricsServer:
         self._limiter = ClientBuckets(rate.interval, rate.burst) if rate.interval else None
         self._api_bucket = TokenBucket(limits.api_interval, limits.api_burst)
         self._api_refusals, self._accept_errors = _Throttled(), _Throttled()
+        self._connect_refusals = _Throttled()
         self._password_turns = FairTurns(limits.bcrypt_per_client, limits.bcrypt_waiting)
         self._verified: OrderedDict[tuple[str | None, str], None] = OrderedDict()
         self._page: tuple[float, asyncio.Future[bytes]] | None = None
         self._gzip: dict[str, tuple[bytes, asyncio.Future[bytes]]] = {}  # kind: (body, gzipped)
-        self._handshakes: dict[asyncio.Task[None], float] = {}
+        self._handshakes: dict[asyncio.Task[None], tuple[float, str | None]] = {}  # since, group
+        self._connects = ClientBuckets(limits.connect_interval, limits.connect_burst)
         self._routes: dict[str, tuple[tuple[str, ...], Callable[..., Awaitable[web.Response]]]] = {
             "/metrics": (READ, self._metrics),
             "/healthz": (READ, self._healthz),
@@ -407,6 +431,10 @@ class MetricsServer:
         self._socket = socket.create_server((host, port), family=family, backlog=limits.backlog)
         # accepted connections inherit it (and the TCP window it sets)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, limits.receive_buffer)
+        # a connection reaches accept() once its client has sent something (HTTP and TLS
+        # clients speak first), or after `defer_accept` s: one that connects and resets,
+        # as a connect flood does, costs the kernel alone (nginx's `deferred`)
+        self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, limits.defer_accept)
         self._socket.setblocking(False)
         bound = self._socket.getsockname()
         self.address: tuple[str, int] = (str(bound[0]), int(bound[1]))
@@ -471,9 +499,9 @@ class MetricsServer:
             max_headers=self.limits.max_headers,
             limits=self.limits,
         )
-        accepting = asyncio.create_task(self._accept_forever())
+        self._accepting()
         await self._stopping.wait()
-        accepting.cancel()
+        self._loop.remove_reader(self._socket)
         self._socket.close()
         for task in list(self._handshakes):
             task.cancel()
@@ -481,28 +509,61 @@ class MetricsServer:
 
     # -- connections -------------------------------------------------------------------
 
-    async def _accept_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
+    def _accepting(self) -> None:
+        self._loop.add_reader(self._socket, self._accept_ready)
+
+    def _accept_ready(self) -> None:
+        """Accept what the kernel holds: a connection from an address group past its
+        connect budget is reset at once (no task, TLS or parser: a flood costs an accept
+        and a close each, issue 41), up to `accept_batch` a turn of the loop; one let in
+        ends the turn, for its task to start before the next is counted."""
+        for _ in range(self.limits.accept_batch):
             try:
-                conn, _ = await loop.sock_accept(self._socket)
+                conn, address = self._socket.accept()
+            except BlockingIOError:
+                return
             except OSError as e:  # out of fds or memory: back off instead of spinning
                 self._accept_errors.warning("web: accept failed: %s", e)
-                await asyncio.sleep(0.1)
-                continue
-            if self._open_count() >= self.limits.max_connections and not self._make_room():
+                self._loop.remove_reader(self._socket)
+                self._loop.call_later(0.1, self._accepting)
+                return
+            group = client_group(address[0] if address else None)
+            if not self._connects.take(group):
+                self._reset(conn, group)
+            elif self._open_count() >= self.limits.max_connections and not self._make_room(group):
                 conn.close()  # every connection is mid-request: this one waits for none
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # an 8-GPU exposition is ~220 KB: let one send() take it rather than a dozen
-            # trips through the loop (kernel memory, held only while a client is slow)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer)
-            # ... of which at most `kernel_unsent` not yet sent: a client that does not
-            # read leaves the rest of its reply in the shared exposition (PacedBody)
-            conn.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, self.limits.kernel_unsent)
-            task = loop.create_task(self._open(conn))
-            self._handshakes[task] = time.monotonic()
-            await asyncio.sleep(0)  # let it start: from then on, cancelling it closes `conn`
+            else:
+                self._admit(conn, group)
+                return
+
+    def _reset(self, conn: socket.socket, group: str | None) -> None:
+        """Close with a reset (no TIME_WAIT left on the daemon's side) and say so."""
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+        conn.close()
+        limits = self.limits
+        self._connect_refusals.warning(
+            "web: reset a connection from %s: past %d connections at once, then %g a second",
+            group,
+            limits.connect_burst,
+            1 / limits.connect_interval,
+        )
+
+    def _admit(self, conn: socket.socket, group: str | None) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # an 8-GPU exposition is ~220 KB: let one send() take it rather than a dozen
+        # trips through the loop (kernel memory, held only while a client is slow)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer)
+        # ... of which at most `kernel_unsent` not yet sent: a client that does not
+        # read leaves the rest of its reply in the shared exposition (PacedBody)
+        conn.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, self.limits.kernel_unsent)
+        task = self._loop.create_task(self._open(conn))
+        self._handshakes[task] = (time.monotonic(), group)
+
+        def cancelled(done: asyncio.Task[None]) -> None:
+            if done.cancelled():  # to make room, maybe before it started and owned `conn`
+                conn.close()
+
+        task.add_done_callback(cancelled)
 
     async def _open(self, conn: socket.socket) -> None:
         """Hand `conn` to aiohttp, after the TLS handshake when there is one."""
@@ -514,7 +575,7 @@ class MetricsServer:
             )
         except OSError as e:  # a failed or timed-out handshake (ssl.SSLError is an OSError)
             log.debug("web: connection dropped before its first request: %s", e)
-        finally:
+        finally:  # counted as a connection from now on, if it is one
             self._handshakes.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
 
     def held_replies(self, timeout: float = 10.0) -> list[Held]:
@@ -536,23 +597,37 @@ class MetricsServer:
     def _open_count(self) -> int:
         return len(self._handshakes) + len(self._server.open_connections())
 
-    def _make_room(self) -> bool:
-        """Close one connection: a client's that has not given a right password before one
-        that has; of those, the one holding the most bytes of replies its client has not
-        taken (the slowest reader), else the one idle the longest (a handshake counts by
-        its start). One inside a handler, not sending (a password check, the DCGM call),
-        is left alone."""
-        candidates: list[tuple[tuple[bool, bool, float], Callable[[], object]]] = [
-            ((c.authenticated, not unsent, -unsent or c.last_active), c.evict)
-            for c in self._server.open_connections()
+    def _make_room(self, newcomer: str | None) -> bool:
+        """Close one connection for a newcomer from address group `newcomer`: a client's
+        that has not given a right password before one that has; of those, one of the
+        group holding the most connections (the newcomer counted: a flood from one group
+        closes its own, issue 41); of those, the one holding the most bytes of replies its
+        client has not taken (the slowest reader), else the one idle the longest (a
+        handshake counts by its start). One inside a handler, not sending (a password
+        check, the DCGM call), is left alone."""
+        connections = self._server.open_connections()
+        held = Counter(c.group for c in connections)
+        held.update(group for _, group in self._handshakes.values())
+        held[newcomer] += 1
+        candidates: list[tuple[tuple[bool, int, bool, float], Callable[[], object]]] = [
+            ((c.authenticated, -held[c.group], not unsent, -unsent or c.last_active), c.evict)
+            for c in connections
             if not c.busy or c.sending_since is not None
             for unsent in (c.unsent(),)
         ]
-        candidates += [((False, True, at), task.cancel) for task, at in self._handshakes.items()]
+        candidates += [
+            ((False, -held[group], True, at), functools.partial(self._cancel, task))
+            for task, (at, group) in self._handshakes.items()
+        ]
         if not candidates:
             return False
         min(candidates, key=lambda candidate: candidate[0])[1]()
         return True
+
+    def _cancel(self, handshake: asyncio.Task[None]) -> None:
+        """Cancel now, and count it gone now (its callbacks run after this turn)."""
+        handshake.cancel()
+        self._handshakes.pop(handshake, None)
 
     def _drop_stuck_writers(self) -> None:
         """Past `max_unsent` bytes of replies that clients do not take, drop the clients
