@@ -44,8 +44,12 @@ class Target:
             + "\r\n"
         ).encode()
 
-    def connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=TIMEOUT)
+    def connect(self, scraper: int = 0) -> socket.socket:
+        """A connection from scraper `scraper`'s own address on loopback (127.0.1.N): the
+        daemon's connect budget is per address, and these stand for many scrapers."""
+        local = self.host.startswith("127.")
+        source = (f"127.0.{1 + scraper // 250}.{1 + scraper % 250}", 0) if local else None
+        sock = socket.create_connection((self.host, self.port), TIMEOUT, source)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
@@ -79,7 +83,13 @@ class Target:
 
 
 def _scraper(
-    target: Target, requests: int, keep_alive: bool, pace: float, out: list, failures: list
+    target: Target,
+    n: int,
+    requests: int,
+    keep_alive: bool,
+    pace: float,
+    out: list,
+    failures: list,
 ) -> None:
     sock = None
     next_at = time.perf_counter()
@@ -88,7 +98,7 @@ def _scraper(
         start = time.perf_counter()
         try:
             if sock is None:
-                sock = target.connect()
+                sock = target.connect(n)
             status = target.get(sock)
             if status != 200:
                 raise ConnectionError(f"status {status}")
@@ -120,9 +130,9 @@ def run_mode(
     failures: list[str] = []
     threads = [
         threading.Thread(
-            target=_scraper, args=(target, requests, keep_alive, pace, latencies, failures)
+            target=_scraper, args=(target, n, requests, keep_alive, pace, latencies, failures)
         )
-        for _ in range(scrapers)
+        for n in range(scrapers)
     ]
     cpu_before, started = _cpu(process), time.perf_counter()
     for thread in threads:
