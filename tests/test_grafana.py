@@ -25,7 +25,6 @@ from servers import running_prometheus, serving_pod_resources
 from gpuwatchd.sim.fake_nvml import gpu_uuid
 from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
 from gpuwatchd.sources.owner.podresources_v1 import api_pb2, api_pb2_grpc
-from gpuwatchd.sources.owner.process import user_name
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIO = Path(__file__).resolve().parent / "fixtures" / "scenarios" / "dashboard-evidence.yaml"
@@ -306,7 +305,7 @@ def test_every_panel_query_returns_data(tmp_path: Path):
         "job_id": JOB_ID,
         "step": "",
         "rank": "0",
-        "user": user_name(1000),  # the simulated process's uid, named by this host
+        "user": "1000",  # the simulated process's uid: the scenario's user database names none
         **POD,
     }
     assert owners == {str(gpu): {"uuid": uuid, **owner} for gpu, uuid in enumerate(gpus)}
