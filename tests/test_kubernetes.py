@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,24 @@ def rendered(path: Path = BASE) -> dict[str, dict[str, Any]]:
     objects = {doc["kind"]: doc for doc in yaml.safe_load_all(out)}
     assert len(objects) == out.count("\nkind: ") + out.startswith("kind: ")
     return objects
+
+
+@pytest.fixture(scope="module")
+def overlays(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("overlays")
+
+
+def with_components(overlays: Path, *components: str) -> dict[str, dict[str, Any]]:
+    """The base with deploy/kubernetes/components/<name> of each, in this order, rendered
+    as an overlay would use them (once per module and order)."""
+    overlay = overlays / "+".join(components)
+    if not overlay.exists():
+        overlay.mkdir()
+        base = os.path.relpath(BASE, overlay)  # kustomize takes relative paths only
+        (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+            "resources": [base], "components": [f"{base}/components/{c}" for c in components],
+        }))  # fmt: skip
+    return rendered(overlay)
 
 
 def pod() -> dict[str, Any]:
@@ -118,7 +137,7 @@ def test_pod_has_the_documented_privileges_only() -> None:
     assert main["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": {"drop": ["ALL"], "add": []},  # the list components append to
     }
     assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in main["env"]
     # the one root step: chown of the probe socket's directory, CAP_CHOWN only
@@ -175,17 +194,11 @@ def test_configmap_config_and_rules_load(tmp_path: Path) -> None:
     assert config.sources.dcgm.enabled is False  # no DCGM bindings in the image
 
 
-def test_the_kubelet_pod_names_component_changes_the_user_only(tmp_path: Path) -> None:
+def test_the_kubelet_pod_names_component_changes_the_user_only(overlays: Path) -> None:
     """components/kubelet-pod-names, used as an overlay would: the daemon's container as
     uid 0 (the kubelet's socket is root's) and the probe socket's directory handed to
     that user, nothing else; still valid, still no capabilities."""
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    base = os.path.relpath(BASE, overlay)  # kustomize takes relative paths only
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": [base], "components": [f"{base}/components/kubelet-pod-names"],
-    }))
-    objects = rendered(overlay)
+    objects = with_components(overlays, "kubelet-pod-names")
     for version in KUBERNETES:
         kubernetes_validate.validate(objects["DaemonSet"], version, strict=True)
     patched = copy.deepcopy(objects["DaemonSet"])
@@ -193,7 +206,7 @@ def test_the_kubelet_pod_names_component_changes_the_user_only(tmp_path: Path) -
     assert main["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": {"drop": ["ALL"], "add": []},
         "runAsUser": 0,
         "runAsGroup": 0,
         "runAsNonRoot": False,
@@ -207,27 +220,125 @@ def test_the_kubelet_pod_names_component_changes_the_user_only(tmp_path: Path) -
 
 
 def test_the_mig_monitor_component_grants_the_capability_and_nothing_else(
-    tmp_path: Path,
+    overlays: Path,
 ) -> None:
     """components/mig-monitor (issue 42 item 6): NVIDIA_MIG_MONITOR_DEVICES=all, which
     NVIDIA's runtime hook accepts only with CAP_SYS_ADMIN in the container's capabilities
     (a container without it fails to start: the base sets neither), and that one
     capability; still valid, still uid 65532 without privilege escalation."""
     assert "NVIDIA_MIG_MONITOR_DEVICES" not in {e["name"] for e in container()["env"]}
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    base = os.path.relpath(BASE, overlay)  # kustomize takes relative paths only
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": [base], "components": [f"{base}/components/mig-monitor"],
-    }))  # fmt: skip
-    patched = copy.deepcopy(rendered(overlay)["DaemonSet"])
+    patched = copy.deepcopy(with_components(overlays, "mig-monitor")["DaemonSet"])
     for version in KUBERNETES:
         kubernetes_validate.validate(patched, version, strict=True)
     (main,) = patched["spec"]["template"]["spec"]["containers"]
     assert main["env"][0] == {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}
     assert main["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
-    del main["env"][0], main["securityContext"]["capabilities"]["add"]
+    del main["env"][0], main["securityContext"]["capabilities"]["add"][0]
     assert patched == rendered()["DaemonSet"]
+
+
+def test_the_ptrace_component_runs_as_root_with_two_capabilities_and_nothing_else(
+    overlays: Path,
+) -> None:
+    """components/ptrace: the daemon's container as uid 0 (a non-root container holds no
+    capability: Kubernetes sets no ambient ones) with SYS_PTRACE and DAC_READ_SEARCH
+    added, every other capability still dropped, no privilege escalation, read-only
+    root; the probe socket's directory handed to root; the base's hostPID kept. Nothing
+    else; still valid."""
+    patched = copy.deepcopy(with_components(overlays, "ptrace")["DaemonSet"])
+    for version in KUBERNETES:
+        kubernetes_validate.validate(patched, version, strict=True)
+    spec = patched["spec"]["template"]["spec"]
+    assert spec["hostPID"] is True and spec["securityContext"] == pod()["securityContext"]
+    (main,) = spec["containers"]
+    assert main["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": ["SYS_PTRACE", "DAC_READ_SEARCH"]},
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "runAsNonRoot": False,
+    }
+    (init,) = spec["initContainers"]
+    assert init["command"] == ["chown", "0:0", "/run/gpuwatchd"]  # the probe's check
+    for key in ("runAsUser", "runAsGroup", "runAsNonRoot"):
+        del main["securityContext"][key]
+    main["securityContext"]["capabilities"]["add"] = []
+    init["command"] = pod()["initContainers"][0]["command"]
+    assert patched == rendered()["DaemonSet"]
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        ("mig-monitor", "ptrace", "kubelet-pod-names"),
+        ("kubelet-pod-names", "ptrace", "mig-monitor"),
+    ],
+)
+def test_the_components_compose_in_either_order(overlays: Path, order: tuple[str, ...]) -> None:
+    """Each component appends its capabilities to the base's list, so none loses
+    another's (a strategic merge replaces the list: ptrace after mig-monitor dropped
+    SYS_ADMIN, and NVIDIA's runtime then refuses the container). All three: ptrace's
+    pod with mig-monitor's variable and capability, nothing else. Note that with uid 0
+    (ptrace or kubelet-pod-names) mig-monitor's SYS_ADMIN is an effective capability."""
+    composed = copy.deepcopy(with_components(overlays, *order)["DaemonSet"])
+    expected = copy.deepcopy(with_components(overlays, "ptrace")["DaemonSet"])
+    (main,) = expected["spec"]["template"]["spec"]["containers"]
+    main["env"].insert(0, {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"})
+    main["securityContext"]["capabilities"]["add"].append("SYS_ADMIN")
+    for daemonset in (composed, expected):
+        (c,) = daemonset["spec"]["template"]["spec"]["containers"]
+        c["securityContext"]["capabilities"]["add"].sort()
+    assert composed == expected
+
+
+def test_the_ptrace_components_capabilities_are_what_the_kernel_asks(overlays: Path) -> None:
+    """Run as the component's container runs (its uid, no new privileges, its capabilities
+    as the bounding set and nothing inherited or ambient, in a PID namespace of its own
+    reading the host's /proc), a reader gets another uid's environ, maps, io and fd/
+    (and the fds' targets); without either capability it does not get them all:
+    CAP_SYS_PTRACE passes ptrace's check, CAP_DAC_READ_SEARCH the files' modes (environ
+    and io 0400, fd/ 0500, the process's uid's; maps 0444). So no hostPID is needed for
+    them either: /proc checks credentials, not PID namespaces."""
+    if os.geteuid() != 0:
+        pytest.skip("switching users needs root")
+    (main,) = with_components(overlays, "ptrace")["DaemonSet"]["spec"]["template"]["spec"][
+        "containers"
+    ]
+    context = main["securityContext"]
+    assert context["runAsUser"] == 0 and context["allowPrivilegeEscalation"] is False
+    setpriv, unshare = require_tool("setpriv"), require_tool("unshare")
+    target = subprocess.Popen(
+        [setpriv, "--reuid=4321", "--regid=4321", "--clear-groups", "sleep", "60"],
+        env={"PATH": os.environ["PATH"], "GPUWATCHD_RANK_OF_ANOTHER_USER": "3"},
+    )
+    proc = Path(f"/proc/{target.pid}")
+    try:
+        while (proc / "comm").read_text() != "sleep\n":  # exec'd, dumpable again
+            time.sleep(0.01)
+        script = (
+            f"cd {proc} && grep -qa GPUWATCHD_RANK_OF_ANOTHER_USER environ && echo environ;"
+            " grep -q sleep maps && echo maps; grep -q read_bytes io && echo io;"
+            " ls fd >/dev/null && readlink fd/0 >/dev/null && echo fd"
+        )
+
+        def readable(capabilities: list[str]) -> set[str]:
+            bounding = "".join(f",+{c.lower()}" for c in capabilities)
+            return set(subprocess.run(
+                [unshare, "--pid", "--fork", setpriv, "--reuid=0", "--regid=0",
+                 "--clear-groups", "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all",
+                 f"--bounding-set=-all{bounding}", "--", "sh", "-c", script],
+                capture_output=True, text=True,
+            ).stdout.split())  # fmt: skip
+
+        everything = {"environ", "maps", "io", "fd"}
+        assert readable(context["capabilities"]["add"]) == everything
+        assert readable(["SYS_PTRACE"]) == {"maps"}
+        assert readable(["DAC_READ_SEARCH"]) == set()
+        assert readable([]) == set()
+    finally:
+        target.kill()
+        target.wait()
 
 
 def test_only_prometheus_reaches_the_metrics_port() -> None:
