@@ -27,7 +27,7 @@ from gpuwatchd.simulate import Simulation
 label_names = st.sampled_from(["gpu", "uuid", "reason", "a_b", "zz"])
 # any unicode, quotes, backslashes, newlines; no other control character (written apart)
 label_values = st.text(
-    st.characters(blacklist_categories=("Cs", "Cc")) | st.just("\n"), max_size=12
+    st.characters(exclude_categories=("Cs", "Cc"), include_characters="\n"), max_size=12
 )
 values = st.one_of(
     st.floats(allow_nan=False),
