@@ -14,8 +14,9 @@ from gpuwatchd.sim.scenario.schema import PRIVILEGES
 @pytest.mark.parametrize("privileges", PRIVILEGES)
 @pytest.mark.parametrize("name", builtin_scenarios())
 def test_builtin_scenario_passes_its_check(name: str, privileges):
-    """Each scenario with the daemon reading other users' ptrace-gated /proc files (root
-    or CAP_SYS_PTRACE) and as the unit and DaemonSet ship it (refused: issue 39 item 5)."""
+    """Each scenario with the daemon reading other users' ptrace-gated /proc files (root,
+    or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH) and as the unit and DaemonSet ship it
+    (refused: issue 39 item 5)."""
     # all played at once, over the CPUs; cached for detection.md
     played = replays(privileges=privileges)[name]
     verdicts = check(

@@ -73,8 +73,9 @@ class SimNode:
         self.probe = SimProbeReceiver(self.timeline, self.clock.now, self.clock.elapsed)
         proc, sys = self.root / "proc", self.root / "sys"
         interrupts = InterruptsWriter(proc, self.timeline)
-        # ptrace: the daemon may read other users' ptrace-gated /proc files (root or
-        # CAP_SYS_PTRACE); False models the shipped unit and DaemonSet (docs/deploy.md)
+        # ptrace: the daemon may read other users' ptrace-gated /proc files (root, or
+        # CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH); False models the shipped unit and
+        # DaemonSet (docs/deploy.md)
         processes = ProcessesWriter(proc, sys, self.timeline, ptrace=ptrace)
         # in tick order (/proc/stat's intr line sums what the interrupts writer wrote),
         # each with the sources that read its files and whether it keeps counters (rising

@@ -362,7 +362,8 @@ class JobIo:
             fds = os.listdir(f"{base}/fd")
         except OSError as e:
             if not isinstance(e, FileNotFoundError):
-                self._complain("fd", f"{base}/fd: {e} (needs root or CAP_SYS_PTRACE)")
+                why = "needs root, or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH"
+                self._complain("fd", f"{base}/fd: {e} ({why})")
             return None
         mount_ids: set[int] = set()
         for fd in fds[:MAX_FDS]:

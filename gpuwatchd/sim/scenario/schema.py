@@ -20,8 +20,9 @@ from gpuwatchd.sim.scenario.noise import _amplitude
 from gpuwatchd.sim.scenario.subjects import Subjects, named_subjects
 from gpuwatchd.sim.scenario.topology import Topology
 
-# What the daemon may read of other users' processes: ptrace (root or CAP_SYS_PTRACE:
-# their environ, maps, io and fd/), or unprivileged (the unit and DaemonSet as shipped)
+# What the daemon may read of other users' processes: ptrace (root, or CAP_SYS_PTRACE with
+# CAP_DAC_READ_SEARCH: their environ, maps, io and fd/), or unprivileged (the unit and
+# DaemonSet as shipped)
 Privileges = Literal["ptrace", "unprivileged"]
 PRIVILEGES: tuple[Privileges, ...] = ("ptrace", "unprivileged")
 
@@ -313,8 +314,8 @@ class Expectation(Strict):
     ends: Duration | None = None  # when the fault ends
     resolved_by: Duration | None = None  # must have stopped firing by then, for good
     summary: str = ""  # text each of the cause's firing summaries must contain
-    # the daemon's privileges it holds under: ptrace (root or CAP_SYS_PTRACE: other users'
-    # environ, maps, io and fd/ readable), unprivileged (the shipped unit: refused), any
+    # the daemon's privileges it holds under: ptrace (other users' environ, maps, io and
+    # fd/ readable: Privileges), unprivileged (the shipped unit: refused), any
     privileges: Literal["any", "ptrace", "unprivileged"] = "any"
 
     @property
