@@ -273,11 +273,28 @@ def rules_check(rule_file: Path) -> None:
 
 @rules.command("detection")
 def rules_detection() -> None:
-    """Print the detection table (Markdown) from the scenario corpus, as docs/detection.md."""
-    from gpuwatchd.sim.detection import detection_table
+    """Print the detection table (Markdown) from the scenario corpus, as docs/detection.md;
+    how far the corpus has played goes to stderr (it takes minutes)."""
+    from gpuwatchd.sim.detection import detection_table, play_ahead, replay
+    from gpuwatchd.sim.scenario import builtin_scenarios
 
     logging.disable(logging.WARNING)
+    names = builtin_scenarios()
+    _progress(f"rules detection: playing {len(names)} scenarios, one process per CPU")
+    play_ahead(names)
+    for done, name in enumerate(names, 1):
+        replay(name)  # each result taken in turn, to say how far the corpus is
+        line = f"rules detection: {done}/{len(names)} scenarios played ({name})"
+        _progress(line, last=done == len(names))
     click.echo(detection_table(), nl=False)
+
+
+def _progress(line: str, last: bool = False) -> None:
+    """A line on stderr; on a terminal, one line rewritten in place."""
+    if sys.stderr.isatty():
+        click.echo(f"\r\033[K{line}", err=True, nl=last)
+    else:
+        click.echo(line, err=True)
 
 
 @main.command("metrics")
