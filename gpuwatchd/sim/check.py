@@ -289,11 +289,11 @@ def _covered(key: SubjectKey, named: set[SubjectKey]) -> bool:
     return key in named or (gpu, "", cause) in named
 
 
-def _unexpected(scenario: Scenario, fired: _Fired) -> list[Verdict]:
-    """A cause firing on a subject no expectation names for it."""
+def _unexpected(scenario: Scenario, fired: _Fired, watched: set[str]) -> list[Verdict]:
+    """A cause firing on a subject no expectation names for it (`watched`: the metric
+    conditions, judged only where named)."""
     count = scenario.node.gpu_count
     named = {(*s, e.what) for e in scenario.expect for s in subjects(e.gpus, count)}
-    watched = {e.what for e in scenario.expect if e.metric}  # judged only where named
     hits: dict[str, list[tuple[Subject, float]]] = defaultdict(list)
     for key, spans in sorted(fired.instances.intervals.items()):
         if spans and key[2] not in watched and not _covered(key, named):
@@ -334,6 +334,7 @@ def check(
     per subject, from `firing_instances`: without it, all on the GPUs themselves) up to
     `end`, the seconds the run reached (the scenario's end unless cut short)."""
     summaries = summaries or {}
+    watched = {e.what for e in scenario.expect if e.metric}  # under any privileges
     scenario = under(scenario, privileges)
     if instances is None:
         instances = _on_whole_gpus(scenario, intervals, summaries)
@@ -346,7 +347,7 @@ def check(
             verdicts.append(_never(e, names, fired, end, duration))
         else:
             verdicts.append(_fires(e, names, fired, _Window.of(e, end, duration)))
-    return verdicts + _unexpected(scenario, fired) + _without_values(fired)
+    return verdicts + _unexpected(scenario, fired, watched) + _without_values(fired)
 
 
 def under(scenario: Scenario, privileges: Privileges) -> Scenario:

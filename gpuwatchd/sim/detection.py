@@ -30,6 +30,7 @@ from gpuwatchd.sim.check import (
     firing_intervals,
     firing_summaries,
     time_to_resolve,
+    under,
 )
 from gpuwatchd.sim.scenario import Privileges, Scenario, builtin_scenarios, load_scenario
 from gpuwatchd.sim.scenario.subjects import Subject, subject_label, subjects
@@ -161,7 +162,7 @@ def detection_table() -> str:
     false_twin: dict[str, list[str]] = defaultdict(list)
     false_other: dict[str, list[str]] = defaultdict(list)
     for r in played:
-        s = r.scenario
+        s = under(r.scenario, "ptrace")  # the table: the daemon reading what it may
         count = s.node.gpu_count
         allowed: dict[tuple[int, str, str], float] = {}  # (gpu, GI id, cause) -> onset
         never: set[str] = set()
