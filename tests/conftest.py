@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatchd.sim.detection import play_ahead
-from gpuwatchd.sim.scenario import builtin_scenarios
-from gpuwatchd.sim.scenario.schema import PRIVILEGES
+from gpuwatchd.sim.detection import EVERYTHING, play_pairs_ahead
+from gpuwatchd.sim.detection import corpus as corpus_pairs
 
 CORPUS_FILES = {"test_detection.py", "test_scenario_corpus.py"}
 
@@ -22,5 +21,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     corpus = [item for item in items if item.path.name in CORPUS_FILES]
     if corpus:
         # the CPU the real-time tests leave; both privileges (test_scenario_corpus.py)
-        play_ahead(builtin_scenarios(), nice=19, privileges=PRIVILEGES)
+        play_pairs_ahead(corpus_pairs(EVERYTHING), nice=19)
         items[:] = [item for item in items if item.path.name not in CORPUS_FILES] + corpus

@@ -211,7 +211,7 @@ def test_cross_node_hang_named_paged_once_and_healthy_twin_quiet(tmp_path: Path)
         annotations = wait_until("the culprit's evidence", evidence, 30)
         # (its 1-minute average, which the daemon's summary still takes, spans training)
         assert re.fullmatch(
-            r"GPU at \d+% utilization \(1m average\) while its 1 peer GPU\(s\) are busy"
+            r"GPU at [\d.]+% utilization \(1m average\) while its 1 peer GPU\(s\) are busy"
             r" \(the least at 100% utilization\)",
             annotations["description"],
         ), annotations["description"]

@@ -6,19 +6,17 @@ import pytest
 
 from gpuwatchd.rules import load_rules
 from gpuwatchd.sim.check import check, format_verdicts
-from gpuwatchd.sim.detection import replays
+from gpuwatchd.sim.detection import EVERYTHING, corpus, replay
 from gpuwatchd.sim.scenario import builtin_scenarios, load_scenario
-from gpuwatchd.sim.scenario.schema import PRIVILEGES
 
 
-@pytest.mark.parametrize("privileges", PRIVILEGES)
-@pytest.mark.parametrize("name", builtin_scenarios())
+@pytest.mark.parametrize(("name", "privileges"), corpus(EVERYTHING))
 def test_builtin_scenario_passes_its_check(name: str, privileges):
     """Each scenario with the daemon reading other users' ptrace-gated /proc files (root,
     or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH) and as the unit and DaemonSet ship it
     (refused: issue 39 item 5)."""
     # all played at once, over the CPUs; cached for detection.md
-    played = replays(privileges=privileges)[name]
+    played = replay(name, privileges)
     verdicts = check(
         played.scenario,
         played.intervals,

@@ -53,6 +53,7 @@ class Replay:
 
 
 Played = tuple[str, Privileges]  # a built-in scenario, and the daemon's privileges
+EVERYTHING = os.environ.get("GPUWATCHD_CORPUS_PRIVILEGES") == "all"  # corpus(): both, all
 _played: dict[Played, Replay] = {}
 _playing: dict[Played, Future[Replay]] = {}  # started by play_ahead, not taken yet
 
@@ -77,21 +78,37 @@ def replays(
     return {name: replay(name, privileges) for name in names}
 
 
+def corpus(everything: bool = False) -> list[Played]:
+    """The (scenario, privileges) pairs the test suite checks: every built-in scenario
+    with the daemon reading what it may (ptrace), and as shipped (unprivileged) those
+    whose result depends on it, which say so with expectations of either mode; all of
+    them in both modes with `everything` (GPUWATCHD_CORPUS_PRIVILEGES=all: twice the
+    time, more than CI's budget allows)."""
+    names = builtin_scenarios()
+    pairs: list[Played] = [(n, "ptrace") for n in names]
+    both = [n for n in names if everything or _depends_on_privileges(load_scenario(n))]
+    return pairs + [(n, "unprivileged") for n in both]
+
+
+def _depends_on_privileges(scenario: Scenario) -> bool:
+    return any(e.privileges != "any" for e in scenario.expect)
+
+
 def play_ahead(
     names: list[str], nice: int = 0, privileges: tuple[Privileges, ...] = ("ptrace",)
 ) -> None:
-    """Start playing the scenarios not played or playing yet in worker processes, one
-    per CPU, the longest first, at `nice` more than this process's niceness; `replay`
-    takes each result when asked. The test suite starts the corpus this way at
-    collection, at the lowest priority, so it plays on the CPU its real-time tests
-    (servers, daemons, deadlines) leave."""
+    """Start playing `names` under each of `privileges` (play_pairs_ahead)."""
+    play_pairs_ahead([(n, p) for n in names for p in privileges], nice)
+
+
+def play_pairs_ahead(pairs: list[Played], nice: int = 0) -> None:
+    """Start playing the (scenario, privileges) pairs not played or playing yet in worker
+    processes, one per CPU, the longest first, at `nice` more than this process's
+    niceness; `replay` takes each result when asked. The test suite starts the corpus
+    this way at collection, at the lowest priority, so it plays on the CPU its real-time
+    tests (servers, daemons, deadlines) leave."""
     todo = sorted(
-        (
-            (n, p)
-            for n in set(names)
-            for p in privileges
-            if (n, p) not in _played and (n, p) not in _playing
-        ),
+        (key for key in set(pairs) if key not in _played and key not in _playing),
         key=lambda key: (-load_scenario(key[0]).duration, key[1]),
     )
     workers = min(len(todo), os.cpu_count() or 1)
