@@ -365,34 +365,33 @@ class Evaluator:
         """(the peer; the selector's value) on the other GPUs (and GPU instances) of this
         GPU's job."""
         selector = self._sel(index)
+        values = []
+        for other in self._job_peers():
+            rows = self.rows(selector, other)
+            if rows:
+                values.append((other, rows[0][1]))
+        return values
+
+    def _job_peers(self) -> list[GpuRef]:
+        """The other GPUs (and GPU instances) of this GPU's job; none without a job."""
         mine = self._job(self.gpu)
         if mine is None:
             return []
-        values = []
-        for other in self.gpus:
-            if other.id != self.gpu.id and self._job(other) == mine:
-                rows = self.rows(selector, other)
-                if rows:
-                    values.append((other, rows[0][1]))
-        return values
+        return [o for o in self.gpus if o.id != self.gpu.id and self._job(o) == mine]
 
     def _peer_judgements(self, judge: Callable[[], float]) -> list[tuple[GpuRef, float]]:
         """(the peer; `judge`'s value evaluated as if the peer were this GPU) on the other
         GPUs of this GPU's job; a peer where it has no value is left out, as peers() leaves
         out a peer without the series."""
-        mine, me = self._job(self.gpu), self.gpu
-        if mine is None:
-            return []
-        values = []
-        for other in self.gpus:
-            if other.id != me.id and self._job(other) == mine:
-                self.gpu = other
-                try:
-                    values.append((other, float(judge())))
-                except Missing:
-                    pass
-                finally:
-                    self.gpu = me
+        me, values = self.gpu, []
+        for other in self._job_peers():
+            self.gpu = other
+            try:
+                values.append((other, float(judge())))
+            except Missing:
+                pass
+            finally:
+                self.gpu = me
         return values
 
     def _series_aggregate(self, how: str) -> Callable[[int], float]:
