@@ -52,7 +52,12 @@ class Node:
         self.clock = SimClock(virtual=True, start_wall=1_700_000_000.0)
         self.nv = make_pynvml(Timeline(scn), self.clock, **options)
         self.fake = self.nv._gpuwatchd_fake
-        extras = {"now": self.clock.now, "clock": self.clock.elapsed}
+        # the simulator's wait: for the reader, never for a real-time deadline
+        extras = {
+            "now": self.clock.now,
+            "clock": self.clock.elapsed,
+            "nvml_wait": self.fake.wait_for,
+        }
         self.source = NvmlSource(NvmlConfig(), Context(pynvml=self.nv, extras=extras))
 
     def poll(self) -> list[Sample]:

@@ -53,7 +53,12 @@ class Node:
         self.sysfs = SysfsWriter(sys, self.timeline)
         self.writer = ProcessesWriter(proc, sys, self.timeline)
         host = self.timeline.scenario.node.host
-        extras = {"clock": self.clock.elapsed, "now": self.clock.now, "user_name": host.user_name}
+        extras = {
+            "clock": self.clock.elapsed,
+            "now": self.clock.now,
+            "user_name": host.user_name,
+            "nvml_wait": self.nv._gpuwatchd_fake.wait_for,  # the simulator's: no deadline
+        }
         context = Context(procfs=proc, sysfs=sys, pynvml=self.nv, extras=extras)
         self.nvml = NvmlSource(NvmlConfig(), context) if nvml else None
         self.source = ProcessesSource(ProcessesConfig(**config), context)
