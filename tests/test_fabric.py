@@ -189,6 +189,20 @@ def test_state_per_gpu_and_a_failed_registrations_status():
     assert node.calls(V) == 2 * 8 and node.calls(V1) == 0
 
 
+def test_the_state_is_the_headers_byte_whatever_the_padding_holds():
+    """A driver that copies its own struct, padding and all: pynvml's c_uint state holds
+    that padding in its upper bytes; the source reads nvml.h's unsigned char."""
+    node = Node(scenario(**{"0": {"fabric": {"state": "in_progress"}}}))
+    fill = node.fake._fill_fabric
+
+    def with_padding(info: Any, gpu: int) -> None:
+        fill(info, gpu)
+        ctypes.memset(ctypes.addressof(info) + type(info).state.offset + 1, 0xAB, 3)
+
+    node.fake._fill_fabric = with_padding
+    assert node.poll()["gpu_fabric_state"][("0",)] == 2
+
+
 @pytest.mark.parametrize(("model", "count"), [("a100-sxm4-80gb", 8), ("h100-pcie", 2)])
 def test_no_series_where_unsupported_and_asked_once(model, count):
     node = Node(scenario(model, count))
