@@ -260,10 +260,11 @@ class ProcessesConfig(SourceConfig):
     """gpuwatchd.sources.processes: the processes on each GPU (NVML), /proc and cgroups."""
 
     interval: Interval = 5.0
-    # polls between two scans of /proc (desktop processes that hold no GPU, children of
-    # other threads, cudart not found yet, workers on kernels without task/*/children)
+    # polls between two scans of /proc (desktop processes that hold no GPU, the fabric
+    # manager, children of other threads, cudart not found yet, workers on kernels
+    # without task/*/children)
     scan_every: int = Field(12, ge=1)
-    desktop: bool = True  # scan /proc for desktop processes (else only NVML's lists)
+    desktop: bool = True  # count desktop processes the scan finds (else only NVML's lists)
     max_threads: int = Field(1024, ge=1)  # threads read per process per poll
     # owner attribution (docs/fleet.md): gpuwatchd_gpu_owner_info per owned GPU
     owner: bool = True

@@ -851,10 +851,32 @@ def test_desktop_scan_runs_every_n_polls(node_factory) -> None:
     assert [p.node("desktop_cpu_cores") for p in polls[:3]] == [0, 0, 0]
     assert polls[3].node("desktop_cpu_cores") is None  # found, not yet rated
     assert polls[4].node("desktop_cpu_cores") == pytest.approx(0.9, abs=0.01)
-    # without the scan, only desktop processes on a GPU are seen
+    # without desktop, only desktop processes on a GPU are counted (the scan still runs:
+    # it finds the fabric manager)
     quiet = node_factory(scn, desktop=False)
     assert [quiet.poll(t).node("desktop_processes") for t in (600.0, 605.0)] == [0, 0]
-    assert quiet.source.scans == 0
+    assert quiet.source.scans == 1
+
+
+def test_the_fabric_manager_is_found_by_the_scan_and_followed(node_factory) -> None:
+    """nv-fabricmanager (comm cut to 15 bytes) found by the scan, desktop or not; its exit
+    seen on the next poll, a new one at the next scan; another name is not it."""
+    manager = {"pid": 2301, "name": "nv-fabricmanager", "uid": 0,
+               "cgroup": "/system.slice/nvidia-fabricmanager.service"}  # fmt: skip
+    scn = scenario(
+        [{"pid": 4242, "gpu_memory_mib": 1000}],
+        facts=[manager, {"pid": 2302, "name": "nv-fabricmanag", "uid": 1000}],
+        phases=[
+            {"name": "stop", "duration": "1m", "host": {"processes": {2301: {"running": False}}}},
+            {"name": "again", "duration": "5m", "host": {"processes": {2301: {"running": True}}}},
+        ],
+    )
+    node = node_factory(scn, scan_every=3, desktop=False)
+    counts = [node.poll(t).node("fabric_manager_processes") for t in range(590, 660, 5)]
+    # 600 s: stopped, seen at once; 660 s: started again, seen by the scan of poll 13 (650 s)
+    assert counts == [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert node.poll(660.0).node("fabric_manager_processes") == 0  # poll 15: no scan
+    assert node.poll(665.0).node("fabric_manager_processes") == 1  # poll 16's scan
 
 
 def test_process_vanishing_between_listing_and_read(node_factory) -> None:

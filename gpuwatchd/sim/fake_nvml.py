@@ -72,6 +72,7 @@ from gpuwatchd.sim.fake_nvml_device import (
     fill_pci_info,
     nvml_bus_id,
 )
+from gpuwatchd.sim.fake_nvml_fabric import FabricReads
 from gpuwatchd.sim.fake_nvml_mig import MigReads
 from gpuwatchd.sim.fakelib import Symbol, install_symbols, symbol
 from gpuwatchd.sim.scenario import Timeline
@@ -97,6 +98,10 @@ _VERSION_SUFFIX = re.compile(r"_v\d+$")
 # Field values a driver branch added: an older driver answers NOT_SUPPORTED for them
 # (nvml.h of R555 first defines the PCIe byte counters; R535/R550 nodes lack them)
 FIELDS_SINCE = {"NVML_FI_DEV_PCIE_COUNT_TX_BYTES": 555, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES": 555}
+# Functions a driver branch added: an older driver's library lacks the symbol (pynvml:
+# FunctionNotFound). nvml.h of NVML 12.0 (R525) first declares the fabric call, 12.4
+# (R550) its versioned form
+FUNCTIONS_SINCE = {"nvmlDeviceGetGpuFabricInfo": 525, "nvmlDeviceGetGpuFabricInfoV": 550}
 
 
 def _branch(driver_version: str) -> int:
@@ -271,7 +276,7 @@ class _EventSet:
         self.pending: list[tuple[int, int, int, int, int]] = []
 
 
-class FakeNvmlLib(DeviceReads, MigReads):
+class FakeNvmlLib(DeviceReads, MigReads, FabricReads):
     """libnvidia-ml's symbols as Python callables with the C signatures."""
 
     def __init__(
@@ -292,7 +297,10 @@ class FakeNvmlLib(DeviceReads, MigReads):
         self.node = timeline.scenario.node
         self.model = self.node.model()
         self.driver_loaded = driver_loaded
-        self.missing = set(missing_functions)
+        self.driver_branch = _branch(self.node.driver_version)
+        self.missing = set(missing_functions) | {
+            name for name, since in FUNCTIONS_SINCE.items() if self.driver_branch < since
+        }
         self.hang_cap = hang_cap
         self.costs = costs
         self._request_costs: dict[tuple, float] = {}  # a field-values request -> its cost
@@ -458,7 +466,7 @@ class FakeNvmlLib(DeviceReads, MigReads):
             unsupported = (
                 name in self._unsupported
                 or base in self._unsupported
-                or _branch(self.node.driver_version) < FIELDS_SINCE.get(name, 0)
+                or self.driver_branch < FIELDS_SINCE.get(name, 0)
             )
             self._unsupported_names[name] = unsupported
         return unsupported
@@ -796,6 +804,7 @@ __all__ = [
     "CLOCK_EVENT_REASON_CONSTANTS",
     "DRIVER_COSTS",
     "FREE",
+    "FUNCTIONS_SINCE",
     "FakeNvmlLib",
     "NvmlCosts",
     "gpu_uuid",

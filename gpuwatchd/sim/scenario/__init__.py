@@ -24,12 +24,14 @@ from gpuwatchd.sim.scenario.load import SCENARIO_PACKAGE, builtin_scenarios, loa
 from gpuwatchd.sim.scenario.schema import (
     CLOCK_EVENT_REASONS,
     COUNTERS,
+    FABRIC_STATES,
     NVLINK_FABRICS,
     PCIE_GROUPS,
     PCIE_WIDTHS,
     RAMPABLE,
     Change,
     Expectation,
+    Fabric,
     GpuProcess,
     GpuSelector,
     GpuValues,
@@ -64,6 +66,8 @@ __all__ = [
     # the other public names of the module before the split
     "COUNTERS",
     "Change",
+    "FABRIC_STATES",
+    "Fabric",
     "GpuProcess",
     "GpuSelector",
     "IDLE_DEFAULTS",

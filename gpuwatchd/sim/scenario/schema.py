@@ -39,6 +39,34 @@ CLOCK_EVENT_REASONS = (
 )
 
 
+# nvmlGpuFabricState_t (nvml.h NVML_GPU_FABRIC_STATE_*), in order: 0 .. 3
+FABRIC_STATES = ("not_supported", "not_started", "in_progress", "completed")
+
+
+class Fabric(Strict):
+    """A GPU's registration with the NVLink fabric as nvmlDeviceGetGpuFabricInfoV reports
+    it, on the GPUs that answer it (Hopper and later SXM on an NVSwitch board; the others
+    answer NOT_SUPPORTED). `status` is the nvmlReturn_t the registration ended with, which
+    nvml.h says to read only once the state is completed."""
+
+    state: Literal[FABRIC_STATES] = "completed"  # type: ignore[valid-type]
+    status: str = "NVML_SUCCESS"
+
+    @model_validator(mode="after")
+    def _known_status(self) -> Fabric:
+        import pynvml  # the binding's names are nvml.h's
+
+        name = self.status
+        if not (name == "NVML_SUCCESS" or name.startswith("NVML_ERROR_")) or not isinstance(
+            getattr(pynvml, name, None), int
+        ):
+            raise ValueError(
+                f"status: expected an nvmlReturn_t name (NVML_SUCCESS or NVML_ERROR_*, e.g. "
+                f"NVML_ERROR_UNKNOWN), got {name!r}"
+            )
+        return self
+
+
 class GpuValues(Strict):
     """Everything a phase can set or ramp on a GPU, in human units (the fakes convert)."""
 
@@ -71,6 +99,7 @@ class GpuValues(Strict):
     row_remap_failed: bool | None = None
     persistence_mode: bool | None = None
     nvlink_down: list[int] | None = None  # link indices that are inactive
+    fabric: Fabric | None = None  # NVLink fabric registration (NVSwitch boards, Hopper+)
     # DCGM profiling activity, ratios 0-1 (fields 1001-1008) and NVLink traffic (1011/1012)
     gr_engine_active: float | None = Field(None, ge=0, le=1)
     sm_active: float | None = Field(None, ge=0, le=1)

@@ -44,6 +44,8 @@ IDLE_DEFAULTS = dict(
     row_remap_failed=False,
     persistence_mode=True,
     nvlink_down=[],
+    # registered with the NVLink fabric (read only where the GPU has one: fake_nvml_fabric)
+    fabric={"state": "completed", "status": "NVML_SUCCESS"},
     processes=[],
     lost=False,
     hung=False,

@@ -17,8 +17,8 @@ driver. Per GPU and poll:
 - one call each for what has no field (`READS`): utilization, memory, SM clock,
   P-state, clock event reasons and the running compute processes;
 - slow facts (`SLOW`: temperature, memory clock, PCIe link generation and width,
-  persistence mode, power limit, the graphics processes) every `SLOW_EVERY` polls, kept
-  in between;
+  persistence mode, power limit, the graphics processes, the NVLink fabric registration)
+  every `SLOW_EVERY` polls, kept in between;
 - static facts (identity, NVLink count, maximum clocks and link) once, and once per
   GPU what its first active NVLink reaches (nvmlDeviceGetNvLinkRemoteDeviceType);
 - one event wait that drains pending Xid events without blocking.
@@ -34,7 +34,9 @@ instead of asking NVML again.
 Errors, per GPU and per call (or field):
 - NOT_SUPPORTED / FUNCTION_NOT_FOUND: the series is dropped for that GPU and the call
   is never made again on it (logged once). A read with an older alternative (clock
-  event reasons -> throttle reasons) falls back to it on FUNCTION_NOT_FOUND instead.
+  event reasons -> throttle reasons, the versioned fabric call -> the first one) falls
+  back to it on FUNCTION_NOT_FOUND instead, or on ARGUMENT_VERSION_MISMATCH (a binding
+  whose struct version the driver does not know yet).
 - GPU_IS_LOST: this poll reports only `gpu_lost 1`, `gpu_info` and the Xid counters
   for that GPU (the Xid 79 drained as it fell off is what explains the loss); other
   GPUs go on.
@@ -49,6 +51,14 @@ calls, leaving the hung GPU alone while its call is in flight: the other GPUs ar
 as before (where the driver lets them; one that blocks too is left alone in turn, so at
 most one thread per GPU is ever stuck). Every other read is made once per poll as
 listed above: no call is added.
+
+The NVLink fabric (`nvmlDeviceGetGpuFabricInfoV`, R550+; `nvmlDeviceGetGpuFabricInfo`
+before): on NVSwitch boards, Hopper and later, the GPU's registration with the fabric,
+as `gpu_fabric_state` (1 not started, 2 in progress, 3 completed) and, where a completed
+registration failed, `gpu_fabric_status{status}` (nvml.h: the status is to be read only
+once completed). Elsewhere the call answers NOT_SUPPORTED (or SUCCESS with the state
+NOT_SUPPORTED, taken alike): asked once, no series. nvml.h's state is an unsigned char
+that pynvml reads as 4 bytes: the low byte is taken.
 
 An NVLink is expected up once it has been seen active since
 the daemon started, or when the board wires every link: a GPU whose active link reaches

@@ -105,6 +105,23 @@ NVLINK_DOWN_PEER = _gpu_gauge(
     "Index of the GPU that an expected but inactive NVLink of this GPU reached (the lowest;"
     " present only while such a link is down, and only for links between GPUs).",
 )
+# The GPU's registration with the NVLink fabric (nvmlDeviceGetGpuFabricInfoV): one series
+# per GPU that has one (NVSwitch boards, Hopper and later), none elsewhere; the status
+# only while a completed registration failed. The cluster UUID and clique id are left
+# out: a single-node HGX board reports a zero UUID and clique 0 (nvidia-smi -q on R590),
+# and no rule reads them (they matter on multi-node NVLink domains, GB200 NVL72)
+FABRIC_STATE = _gpu_gauge(
+    "gpu_fabric_state",
+    "The GPU's registration with the NVLink fabric (NVSwitch systems, Hopper and later): "
+    "1 not started, 2 in progress, 3 completed; absent where the GPU has none.",
+)
+FABRIC_STATUS = _gpu_gauge(
+    "gpu_fabric_status",
+    "The nvmlReturn_t a completed NVLink fabric registration failed with (its name in "
+    "`status`); absent while it succeeded.",
+    ("status",),
+    export="nonzero",
+)
 PROCESSES = _gpu_gauge("gpu_compute_processes", "Compute processes running on the GPU.")
 # a series per pid is a new series per GPU at each job start: the GPU's total is
 # gpu_memory_used_bytes, the main process's name and owner are the processes source's
@@ -174,6 +191,8 @@ SPECS = (
     NVLINK_EXPECTED,
     NVLINK_DOWN,
     NVLINK_DOWN_PEER,
+    FABRIC_STATE,
+    FABRIC_STATUS,
     PROCESSES,
     PROCESS_MEMORY,
     XID,

@@ -10,16 +10,19 @@ identity, cadence, kept samples, counters, Xids, NVLinks and the reader's lock.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwatchd.metrics import Sample
 from gpuwatchd.sources.nvml.metrics import (
     CLOCK_REASON,
     ECC_ERRORS,
     ECC_MODE,
+    FABRIC_STATE,
+    FABRIC_STATUS,
     MEM_CLOCK,
     MEM_CLOCK_MAX,
     MEMORY_TOTAL,
@@ -47,6 +50,7 @@ from gpuwatchd.sources.nvml.metrics import (
     TEMPERATURE,
     UTILIZATION,
 )
+from gpuwatchd.sources.nvmlapi import error_codes
 
 SLOW_EVERY = 10  # polls between two reads of a slow fact
 EVERY_POLL, SLOW, ONCE = 1, SLOW_EVERY, 0  # Read.every
@@ -130,6 +134,54 @@ def _no_samples(gpu: _Gpu, value: Any, out: list[Sample]) -> None:
     """A read for the processes source only (the graphics processes)."""
 
 
+# -- the NVLink fabric ----------------------------------------------------------------
+# nvmlGpuFabricState_t: NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, _NOT_STARTED, _IN_PROGRESS,
+# _COMPLETED
+FABRIC_NOT_SUPPORTED, FABRIC_COMPLETED = 0, 3
+# the struct each call fills, as pynvml declares it (its V constructor sets `version`)
+FABRIC_STRUCTS = {
+    "nvmlDeviceGetGpuFabricInfoV": "c_nvmlGpuFabricInfoV_t",
+    "nvmlDeviceGetGpuFabricInfo": "c_nvmlGpuFabricInfo_t",
+}
+
+
+class FabricInfo(NamedTuple):
+    state: int  # nvmlGpuFabricState_t
+    status: int  # nvmlReturn_t the registration ended with
+    error: str  # its NVML_ERROR_* name
+
+
+def bind_fabric(nv: Any, name: str) -> Callable[[Any], FabricInfo] | None:
+    """The call `name` of FABRIC_STRUCTS as handle -> FabricInfo; None where the binding
+    lacks the function or its struct. A GPU that answers SUCCESS with the state
+    NOT_SUPPORTED (seen on GB200 nodes) is treated as one that answers NOT_SUPPORTED."""
+    function, struct = getattr(nv, name, None), getattr(nv, FABRIC_STRUCTS[name], None)
+    if function is None or struct is None:
+        return None
+    codes = error_codes(nv)
+
+    def read(handle: Any) -> FabricInfo:
+        info = struct()
+        function(handle, ctypes.byref(info))
+        # nvml.h's state is an unsigned char; pynvml reads it as a c_uint, whose other
+        # three bytes are padding the driver need not write
+        state = info.state & 0xFF
+        if state == FABRIC_NOT_SUPPORTED:
+            raise nv.NVMLError(nv.NVML_ERROR_NOT_SUPPORTED)
+        status = int(info.status)
+        return FabricInfo(state, status, codes.get(status, f"code {status}"))
+
+    return read
+
+
+def _emit_fabric(gpu: _Gpu, info: FabricInfo, out: list[Sample]) -> None:
+    """The state, and the status where a completed registration failed (nvml.h: the
+    status is to be read only once the state is completed)."""
+    out.append(Sample(FABRIC_STATE.name, gpu.labels, float(info.state)))
+    if info.state == FABRIC_COMPLETED and info.status != 0:
+        out.append(Sample(FABRIC_STATUS.name, gpu.labels + (info.error,), float(info.status)))
+
+
 @dataclass(frozen=True)
 class Read:
     """One NVML call per GPU and the samples it gives, made every `every` polls (the
@@ -143,6 +195,9 @@ class Read:
     emit: Callable[[_Gpu, Any, list[Sample]], None] | None = None  # other reads
     every: int = EVERY_POLL
     listing: str = ""  # a process list ("compute", "graphics"), read by Direct
+    # builds the call from the binding and a function's name (None: the binding lacks
+    # it), for a call that fills a struct; else the binding's function, called as is
+    bind: Callable[[Any, str], Callable[..., Any] | None] | None = None
 
 
 READS: tuple[Read, ...] = (
@@ -191,6 +246,15 @@ READS: tuple[Read, ...] = (
         metric=POWER_LIMIT.name,
         scale=1e-3,  # mW
         every=SLOW,
+    ),
+    # the GPU's NVLink fabric registration (NVSwitch boards, Hopper and later; elsewhere
+    # NOT_SUPPORTED, asked once); the versioned call from R550, the first one from R525
+    Read(
+        "fabric",
+        tuple(FABRIC_STRUCTS),
+        emit=_emit_fabric,
+        every=SLOW,
+        bind=bind_fabric,
     ),
     Read(
         "graphics_processes",

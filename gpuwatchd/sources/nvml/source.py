@@ -97,6 +97,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         self._nvswitch_links: set[int] = set()  # link counts of GPUs found on NVSwitches
         self._reasons: list[tuple[str, int]] = []
         self._direct: Direct | None = None
+        self._fall_back: set[int] = set()
         self._xid_type = 0
         self._mig_type = 0
         self._wait: Any = None
@@ -127,7 +128,11 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
 
         def bound(read: Read) -> list[tuple[str, Any, tuple[Any, ...]]]:
             args = tuple(getattr(nv, a) for a in read.args)
-            functions = [getattr(nv, f, None) for f in read.functions]
+            bind = read.bind
+            if bind is not None:
+                functions = [bind(nv, f) for f in read.functions]
+            else:
+                functions = [getattr(nv, f, None) for f in read.functions]
             if read.listing:
                 functions = [
                     f and direct.lister(name)
@@ -151,6 +156,10 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         self._xid_type = int(nv.nvmlEventTypeXidCriticalError)
         self._mig_type = int(getattr(nv, "nvmlEventMigConfigChange", 0))  # R450+ pynvml
         self._wait = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
+        # a read falls back to its next call where the driver lacks the call, or does not
+        # know the struct version this binding fills (a binding newer than the driver)
+        codes = ("NVML_ERROR_FUNCTION_NOT_FOUND", "NVML_ERROR_ARGUMENT_VERSION_MISMATCH")
+        self._fall_back = {getattr(nv, code) for code in codes if hasattr(nv, code)}
 
     def close(self) -> None:
         if self._reader is not None:
@@ -320,7 +329,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
                 raise self._nv.NVMLError(self._nv.NVML_ERROR_FUNCTION_NOT_FOUND)
             value = function(gpu.handle, *args)
         except self._nv.NVMLError as e:
-            if e.value == self._nv.NVML_ERROR_FUNCTION_NOT_FOUND and choice + 1 < len(calls):
+            if e.value in self._fall_back and choice + 1 < len(calls):
                 gpu.choice[key] = choice + 1
                 self._log_once(key, name, gpu, f"{self._describe(e)}, using {calls[choice + 1][0]}")
                 return self._read(gpu, read)

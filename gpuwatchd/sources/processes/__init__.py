@@ -132,6 +132,11 @@ processes sharing it with the main one. Node-wide, `desktop_cpu_cores` sums the 
 processes' CPU use; `desktop_process_cpu_cores{name}` splits it by name, a label taken
 only from the fixed list (bounded).
 
+The same scan finds the NVSwitch fabric manager (nv-fabricmanager, comm
+`nv-fabricmanage`), followed on every poll like a desktop process:
+`fabric_manager_processes` counts it, for the nvlink_fabric_not_ready rule to say whether
+it runs (the scan runs whatever `desktop` says).
+
 Errors
 ------
 NVML missing or failing to start fails the poll (SourceError, one line, retried next

@@ -1,4 +1,10 @@
-"""Desktop processes and the /proc scan that finds them.
+"""Desktop processes, the fabric manager, and the /proc scan that finds them.
+
+The scan also finds nvidia-fabricmanager's daemon (comm `nv-fabricmanage`, its name cut
+at 15 bytes); like a desktop process, one found is looked at again on every poll
+(`/proc/PID/comm`) until it exits, and `fabric_manager_processes` counts them. Any user
+may read another's comm, so the unprivileged daemon sees root's fabric manager (unless
+/proc is mounted with hidepid).
 
 Display servers, compositors and desktop indexers (`DESKTOP_PROCESSES`) are never a
 GPU's main process; `DesktopWatch` finds them in a scan of /proc every `scan_every`
@@ -29,7 +35,12 @@ from gpuwatchd.metrics import Sample
 from gpuwatchd.sources import processes as package
 from gpuwatchd.sources.owner.cgroup import parse_cgroup
 from gpuwatchd.sources.owner.process import parse_uid
-from gpuwatchd.sources.processes.metrics import DESKTOP_COUNT, DESKTOP_CPU, DESKTOP_CPU_BY_NAME
+from gpuwatchd.sources.processes.metrics import (
+    DESKTOP_COUNT,
+    DESKTOP_CPU,
+    DESKTOP_CPU_BY_NAME,
+    FABRIC_MANAGER,
+)
 from gpuwatchd.sources.processes.procfs import CLK_TCK, _is_count, parse_stat
 
 # Display servers, compositors, greeters and desktop indexers that use a GPU or CPU on
@@ -64,6 +75,10 @@ DESKTOP_PROCESSES = (
 _DESKTOP_BY_COMM: dict[str, str] = {}
 for _name in DESKTOP_PROCESSES:
     _DESKTOP_BY_COMM.setdefault(_name[:15], _name)
+
+
+# nvidia-fabricmanager's daemon, nv-fabricmanager, as comm shows it (cut at 15 bytes)
+FABRIC_MANAGER_COMM = "nv-fabricmanage"
 
 
 def desktop_name(comm: str) -> str | None:
@@ -120,6 +135,7 @@ class DesktopWatch:
     scans: int
     _proc: str
     _desktop: dict[int, _Desktop]
+    _fabric_managers: set[int]  # pids of nv-fabricmanager found by a scan, while they run
     _consoles: set[int]  # login users with a process on a virtual console (the last scan)
     _children_file: bool
     _ppid_children: dict[int, list[int]]
@@ -137,6 +153,7 @@ class DesktopWatch:
         by_ppid: dict[int, list[int]] = {}
         consoles: set[int] = set()
         named: list[tuple[int, str]] = []
+        managers: set[int] = set()
         for entry in entries:
             if not _is_count(entry):
                 continue
@@ -151,6 +168,9 @@ class DesktopWatch:
                 consoles.add(login)
             if self.settings.desktop and pid not in self._desktop and desktop_name(stat.comm):
                 named.append((pid, stat.comm))
+            if stat.comm == FABRIC_MANAGER_COMM:
+                managers.add(pid)
+        self._fabric_managers = managers
         self._consoles = consoles  # before judging: a compositor may be listed before its X
         for pid, comm in named:
             label = self._desktop_label(pid, comm, graphics=False)
@@ -225,3 +245,16 @@ class DesktopWatch:
             out.append(Sample(DESKTOP_CPU.name, (), total))
         for name, rate in sorted(by_name.items()):
             out.append(Sample(DESKTOP_CPU_BY_NAME.name, (name,), rate))
+
+    def _fabric_manager_samples(self, out: list[Sample]) -> None:
+        """How many fabric managers run: those a scan found that still run under that
+        name (one small read each)."""
+        self._fabric_managers = {pid for pid in self._fabric_managers if self._manager(pid)}
+        out.append(Sample(FABRIC_MANAGER.name, (), float(len(self._fabric_managers))))
+
+    def _manager(self, pid: int) -> bool:
+        try:
+            comm = package._read(f"{self._proc}/{pid}/comm", 4096)
+        except OSError:
+            return False  # exited
+        return comm.decode("utf-8", "replace").rstrip("\n") == FABRIC_MANAGER_COMM

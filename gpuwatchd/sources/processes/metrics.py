@@ -131,6 +131,16 @@ DESKTOP_CPU_BY_NAME = gauge(
     ("name",),
     export="nonzero",
 )
+# The NVSwitch fabric manager (nvidia-fabricmanager's daemon): the nvlink_fabric_not_ready
+# rule says whether it runs. Shown while it does (1 series on an NVSwitch node), never on
+# a node without one
+FABRIC_MANAGER = gauge(
+    "fabric_manager_processes",
+    "nv-fabricmanager processes running on the node (the NVSwitch fabric manager), as the "
+    "/proc scan finds them.",
+    export="nonzero",
+    budget=1,
+)
 
 # A MIG-enabled GPU has no single main process: each GPU instance has its own, whose facts
 # are exported under these forms (the rules read them as the whole-GPU families when they

@@ -54,6 +54,7 @@ from gpuwatchd.sources.processes.metrics import (
     DESKTOP_COUNT,
     DESKTOP_CPU,
     DESKTOP_CPU_BY_NAME,
+    FABRIC_MANAGER,
     INFO,
     INSTANCE_FORMS,
     JOB,
@@ -107,7 +108,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         PROCESSES, DESKTOP, OTHERS, INFO, PID, JOB, LAUNCHED, OWNER, CPU, BUSIEST, THREADS, WORKERS,
         WORKERS_CPU, CPUS_ALLOWED, NUMA_ALIGNED, QUOTA, THROTTLED, THROTTLED_SECONDS,
         MEMORY_PRESSURE, CONTAINER, CUDART, AGE, DESKTOP_CPU, DESKTOP_COUNT, DESKTOP_CPU_BY_NAME,
-        *PROCIO_METRICS, *INSTANCE_FORMS.values(),
+        FABRIC_MANAGER, *PROCIO_METRICS, *INSTANCE_FORMS.values(),
     )  # fmt: skip
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
@@ -132,6 +133,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         self._names: dict[int, str] = {}  # comm of the pids NVML lists
         self._known: dict[int, _Known] = {}  # main processes
         self._desktop: dict[int, _Desktop] = {}
+        self._fabric_managers: set[int] = set()
         self._consoles: set[int] = set()
         self._cgroups: dict[str, tuple[float, int, int]] = {}  # cpu.stat -> (at, periods, thr)
         self._children_file = True  # False: the kernel has no task/*/children
@@ -181,7 +183,6 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             raise not_mounted(self._proc, "procfs", self.context.procfs)
         self.polls += 1
         self._uptime = self._read_uptime()
-        scan = self.settings.desktop or not self._children_file
         scanning = (self.polls - 1) % self.settings.scan_every == 0
 
         # 1. who is on which GPU
@@ -191,10 +192,10 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         listed.update(pid for part in parts for pid in part.memory)
         names = self._names_of(listed)
 
-        # 2. desktop processes: NVML's, and every scan_every polls /proc's
+        # 2. desktop processes and the fabric manager: NVML's, and every scan_every polls
+        # /proc's (a scan finds them, and ppids on kernels without task/*/children)
         if scanning:
             self._online = self._online_cpus()
-        if scan and scanning:
             self._scan()
         graphics = {pid for _, lists in on_gpu for pid in lists.get("graphics", {})}
         desktop: set[int] = set()  # listed pids that are desktop processes (evidence)
@@ -242,6 +243,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             if owner is not None:
                 samples.append(Sample(OWNER.name, gpu.labels + owner.values(), 1.0))
         self._desktop_samples(now, samples)
+        self._fabric_manager_samples(samples)
         return samples
 
     def _owned(
