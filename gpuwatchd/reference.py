@@ -23,11 +23,11 @@ in **detail** only (`detail_metrics: true` in the config: the rules' evidence,
 configuration, constants, what node_exporter has), or never (**internal**: free text the
 rules' summaries quote, the kernel log's lines, which would be unbounded labels; it
 reaches Prometheus only frozen in a firing cause's `gpuwatchd_starvation_info`). The
-rules, the status page and `doctor` read every family either way. The **budget** is the most series the family may
-show on a healthy 8-GPU node with the default config (`healthy-8gpu`), per GPU or per
-node; `tests/test_series_budget.py` fails when a change exceeds one, or the node's total
-of 60 series per GPU. Families labelled by device (disks, IB ports, processes) grow with
-the devices a node has.
+rules, the status page and `doctor` read every family either way. The **budget** is the
+most series the family may show on a healthy 8-GPU node with the default config
+(`healthy-8gpu`), per GPU or per node; `tests/test_series_budget.py` fails when a
+change exceeds one, or the node's total of 60 series per GPU. Families labelled by
+device (disks, IB ports, processes) grow with the devices a node has.
 """
 
 
