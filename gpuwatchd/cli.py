@@ -189,10 +189,11 @@ def run(
     type=click.Choice(["ptrace", "unprivileged"]),
     default="ptrace",
     show_default=True,
-    help="what the daemon may read of other users' processes: ptrace (root, or "
-    "CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH), or unprivileged (the unit and DaemonSet "
-    "as shipped: their environ, maps, io and fd/ refused); --check judges the "
-    "expectations that hold under it",
+    help="what the daemon may read of other users' processes and the kernel log: ptrace "
+    "(root, or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH, and CAP_SYSLOG), or unprivileged "
+    "(the unit and DaemonSet as shipped: their environ, maps, io and fd/ refused, and "
+    "/dev/kmsg where the node's dmesg_restrict holds); --check judges the expectations "
+    "that hold under it",
 )
 @log_option
 def simulate(

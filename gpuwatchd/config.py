@@ -301,6 +301,15 @@ class ProbeConfig(SourceConfig):
     expire_after: Duration = 30.0  # a pid silent this long is forgotten (a dead one at once)
 
 
+class KmsgConfig(SourceConfig):
+    # the kernel log's lines are events: read them within a second of their logging, so
+    # that the rules' evidence has them when NVML's Xid event fires a cause (one read
+    # that finds nothing costs a system call)
+    interval: Interval = 1.0
+    path: Path = Path("/dev/kmsg")
+    max_records: int = Field(1000, ge=1, le=100_000)  # per poll; the rest wait for the next
+
+
 class SourcesConfig(Strict):
     nvml: NvmlConfig = NvmlConfig()
     pcie: PcieConfig = PcieConfig()
@@ -311,6 +320,7 @@ class SourcesConfig(Strict):
     infiniband: InfinibandConfig = InfinibandConfig()
     processes: ProcessesConfig = ProcessesConfig()
     probe: ProbeConfig = ProbeConfig()
+    kmsg: KmsgConfig = KmsgConfig()
 
     def enabled(self) -> dict[str, SourceConfig]:
         return {

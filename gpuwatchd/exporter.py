@@ -42,21 +42,23 @@ SELF_METRICS = (
         "source_up",
         "1 if the source's last poll succeeded and none is overdue",
         ("source",),
-        budget=9,
+        budget=10,
     ),
-    gauge("source_duration_seconds", "How long the source's last poll took", ("source",), budget=9),
+    gauge(
+        "source_duration_seconds", "How long the source's last poll took", ("source",), budget=10
+    ),
     gauge(
         "source_last_success_timestamp_seconds",
         "Unix time of the source's last successful poll",
         ("source",),
-        budget=9,
+        budget=10,
     ),
     MetricSpec(
         "gpuwatchd_source_errors_total",
         "Failed or overdue polls per source",
         ("source",),
         "counter",
-        budget=9,
+        budget=10,
     ),
 )
 

@@ -24,7 +24,10 @@ INSTANCE_LABELS = GPU_LABELS + ("gpu_instance", "profile")
 #   nonzero: the series whose value is not 0: a rare event's counter from its first event,
 #            a flag while it is set (absent reads as 0 where the GPU's other series exist)
 #   detail:  only with `detail_metrics: true` (rule evidence, configuration, constants)
-Export = Literal["always", "nonzero", "detail"]
+#   internal: never: text for the rules' summaries (the kernel log's driver messages),
+#            which would be an unbounded label; it reaches Prometheus only frozen in a
+#            firing cause's starvation_info summary
+Export = Literal["always", "nonzero", "detail", "internal"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class MetricSpec:
 
     def shown(self, detail: bool) -> bool:
         """Whether the exposition shows the family at all."""
+        if self.export == "internal":
+            return False
         return detail or self.export != "detail"
 
 

@@ -131,7 +131,13 @@ def test_every_alert_has_a_severity_and_a_runbook_section():
 def test_pages_are_only_what_a_person_must_act_on_now():
     default_rules = yaml.safe_load((ROOT / "gpuwatchd" / "rules" / "default.yaml").read_text())
     critical = {r["name"] for r in default_rules["rules"] if r["severity"] == "critical"}
-    assert critical == {"gpu_lost", "nccl_stall", "pcie_link_degraded", "nvlink_fabric_not_ready"}
+    assert critical == {
+        "gpu_lost",
+        "nccl_stall",
+        "pcie_link_degraded",
+        "nvlink_fabric_not_ready",
+        "nvswitch_fatal",
+    }
     static = {n for n, a in alerts().items() if a.get("labels", {}).get("severity") == "critical"}
     assert static == {
         "GpuXidResetRequired", "GpuNvmlHung", "GpuJobNcclStall", "GpuNcclStallCulprit"
@@ -142,7 +148,7 @@ def test_cause_alerts_say_where_in_a_short_summary_and_the_evidence_apart():
     causes = [
         r for r in rules(ALERTS) if r["expr"].lstrip("(").startswith("gpuwatchd_starvation_active{")
     ]
-    assert len(causes) == 10
+    assert len(causes) == 12
     for alert in [*causes, alerts()["GpuNcclStallCulprit"]]:
         annotations = alert["annotations"]
         assert "starvation_info" in annotations["description"], alert["alert"]

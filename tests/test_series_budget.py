@@ -58,7 +58,7 @@ def series_by_family(body: bytes) -> Counter[str]:
 
 def test_every_family_declares_what_it_shows():
     for spec in all_specs():
-        assert spec.export in ("always", "nonzero", "detail"), spec.name
+        assert spec.export in ("always", "nonzero", "detail", "internal"), spec.name
         assert spec.series_budget >= 0, spec.name
 
 
@@ -102,6 +102,8 @@ def test_detail_metrics_shows_every_family_the_rules_read():
     held_back = {spec.name for spec in all_specs() if spec.export == "detail"}
     assert held_back & detail.keys() == held_back & set(detail)
     assert not held_back & plain.keys()
+    internal = {spec.name for spec in all_specs() if spec.export == "internal"}
+    assert internal and not internal & detail.keys()  # free text: never exported
     assert sum(detail.values()) > 2 * sum(plain.values())
 
 

@@ -229,6 +229,11 @@ SERIES_MAXIMA: dict[tuple[str, str], int] = {
     (PCIE, "role"): 1,  # a function's
     (PCIE, "severity"): 3,  # AER: correctable, nonfatal, fatal
     (PCIE, "port"): 2,
+    # the kernel log's per-GPU families: an event (a fixed list of 9), an Xid code; the
+    # line a (GPU, event) last logged, whose code, pid, process and text are its attributes
+    (PCIE, "event"): 9,
+    (PCIE, "xid"): 32,
+    **{(PCIE, label): 1 for label in ("code", "pid", "process", "message")},
     (NIC, "device"): 16,  # IB/RoCE devices on the node
     (NIC, "port"): 2,  # ports per device
     **{(NIC, label): 1 for label in ("link_layer", "hca_type", "fw_ver")},

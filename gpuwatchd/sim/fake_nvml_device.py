@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.sim.fakelib import symbol
+from gpuwatchd.sim.scenario.kmsg import NVSWITCHES, nvswitch_bdf
 from gpuwatchd.sim.sysfs import LinkModel
 
 if TYPE_CHECKING:
@@ -45,10 +46,6 @@ FieldReader = Callable[[int, dict[str, Any], int], "int | None"]
 # nvmlFieldValue_t: fieldId, scopeId, timestamp, latencyUsec, valueType, nvmlReturn, value
 _RECORD = struct.Struct("<IIqqIIQ")
 _RECORD_IDS = struct.Struct("<II32x")
-
-# NVSwitch functions as a GPU's NVLinks reach them (made-up addresses beside the GPUs'):
-# HGX A100 boards carry 6 switches (device 0x1AF1), Hopper ones 4 (0x22A3)
-NVSWITCHES = {8: (6, 0x1AF1), 9: (4, 0x22A3)}
 
 
 def nvml_bus_id(bdf: str) -> tuple[str, int, int, int]:
@@ -436,7 +433,7 @@ class DeviceReads:
             fill_pci_info(out._obj, self.timeline.topology.gpu(peer).bdf, self.model.pci_device_id)
             return SUCCESS
         count, device_id = NVSWITCHES.get(self.model.compute_capability[0], NVSWITCHES[9])
-        fill_pci_info(out._obj, f"0000:{0xE0 + index % count:02x}:00.0", device_id)
+        fill_pci_info(out._obj, nvswitch_bdf(index % count), device_id)
         return SUCCESS
 
     def _running_processes(self, gpu: int, kind: str, count: Any, infos: Any) -> int:

@@ -23,6 +23,7 @@ from gpuwatchd.sim.writers.cpufreq import CpufreqWriter
 from gpuwatchd.sim.writers.disks import DiskstatsWriter
 from gpuwatchd.sim.writers.infiniband import InfinibandWriter
 from gpuwatchd.sim.writers.interrupts import InterruptsWriter
+from gpuwatchd.sim.writers.kmsg import SimKmsg
 from gpuwatchd.sim.writers.processes import ProcessesWriter
 from gpuwatchd.sim.writers.procio import ProcIoWriter
 from gpuwatchd.sources.base import Context
@@ -77,6 +78,10 @@ class SimNode:
         # CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH); False models the shipped unit and
         # DaemonSet (docs/deploy.md)
         processes = ProcessesWriter(proc, sys, self.timeline, ptrace=ptrace)
+        # /dev/kmsg: refused to the daemon without CAP_SYSLOG (as shipped) where
+        # kernel.dmesg_restrict=1; the opt-in privileges (ptrace) include CAP_SYSLOG
+        permitted = ptrace or not scenario.node.dmesg_restrict
+        self.kmsg = SimKmsg(proc, self.timeline, permitted=permitted)
         # in tick order (/proc/stat's intr line sums what the interrupts writer wrote),
         # each with the sources that read its files and whether it keeps counters (rising
         # between writes: SysfsWriter's files only show the state at the time)
@@ -90,6 +95,8 @@ class SimNode:
             (processes, frozenset({"processes"}), True),
             # after the processes writer: it makes (and removes) the pid directories
             (ProcIoWriter(proc, self.timeline, processes), frozenset({"processes"}), True),
+            # its lines wait in the ring until the source reads: written when it is due
+            (self.kmsg, frozenset({"kmsg"}), False),
         ]
         self._written: dict[int, float] = {}  # writer (its index) -> when it last wrote
         self._ticker: threading.Thread | None = None  # start(): the real-time tick thread
@@ -107,6 +114,7 @@ class SimNode:
                 "now": self.clock.now,
                 "clock": self.clock.elapsed,
                 "probe_receiver": self.probe,  # the kernel's side of the probe socket
+                "kmsg_open": self.kmsg.open,  # the node's /dev/kmsg
                 "user_name": self.scenario.node.host.user_name,  # the node's user database
                 # virtual time: the nvml source stops waiting for a call that blocks at once
                 **({"nvml_wait": fake.wait_for} if self.clock.virtual else {}),

@@ -12,6 +12,7 @@ from gpuwatchd.sources.base import Context, Source, SourceError
 
 BUILTIN = (
     "nvml", "dcgm", "pcie", "interrupts", "cpu", "disks", "infiniband", "processes", "probe",
+    "kmsg",
 )  # fmt: skip
 
 REGISTRY: dict[str, type[Source]] = {}

@@ -15,14 +15,15 @@ from gpuwatchd.config import Duration
 from gpuwatchd.sim.host import HostHardware, HostValues, check_host_ramp
 from gpuwatchd.sim.models import BUILTIN_MODELS, GpuModel
 from gpuwatchd.sim.scenario.base import GpuProcess, Strict
+from gpuwatchd.sim.scenario.kmsg import NVSWITCHES, KmsgLine, placeholder_problem
 from gpuwatchd.sim.scenario.mig import MigConfig, resolve
 from gpuwatchd.sim.scenario.noise import _amplitude
 from gpuwatchd.sim.scenario.subjects import Subjects, named_subjects
 from gpuwatchd.sim.scenario.topology import Topology
 
-# What the daemon may read of other users' processes: ptrace (root, or CAP_SYS_PTRACE with
-# CAP_DAC_READ_SEARCH: their environ, maps, io and fd/), or unprivileged (the unit and
-# DaemonSet as shipped)
+# What the daemon may read: ptrace (the opt-in privileges of docs/deploy.md: root, or
+# CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH for other users' environ, maps, io and fd/, and
+# CAP_SYSLOG for the kernel log), or unprivileged (the unit and DaemonSet as shipped)
 Privileges = Literal["ptrace", "unprivileged"]
 PRIVILEGES: tuple[Privileges, ...] = ("ptrace", "unprivileged")
 
@@ -185,11 +186,19 @@ class Phase(Strict):
     bridges: dict[str, LinkValues] = {}  # bridge name (see Topology) -> link state
     host: HostValues = HostValues()
     host_ramp: dict[str, tuple[float, float]] = {}  # dotted host path: [from, to]
+    kmsg: list[KmsgLine] = []  # lines the kernel logs during the phase (scenario/kmsg.py)
 
     @model_validator(mode="after")
     def _rampable(self) -> Phase:
         _check_ramp(self.ramp)
         check_host_ramp(self.host_ramp)
+        for i, line in enumerate(self.kmsg):
+            last = line.at + (line.repeat - 1) * line.every
+            if last >= self.duration:
+                raise ValueError(
+                    f"kmsg.{i}: logged until {last:g}s into the phase: expected before its "
+                    f"end ({self.duration:g}s)"
+                )
         return self
 
     def all_changes(self) -> list[Change]:
@@ -226,6 +235,9 @@ class Node(Strict):
     # mig/monitor, world-readable on a host; a container gets it only if given it), else
     # they answer NO_PERMISSION
     mig_monitor: bool = True
+    # kernel.dmesg_restrict (Debian's and Ubuntu's default 1): reading /dev/kmsg needs
+    # CAP_SYSLOG, which only `simulate --privileges ptrace` plays (docs/deploy.md)
+    dmesg_restrict: bool = True
 
     def nvlink_fabric(self) -> str:
         """nvswitch | direct | bridge | none, with auto resolved."""
@@ -421,6 +433,21 @@ class Scenario(Strict):
                         f"expect.{i}.gpus: GPU {gpu} is not on the node: expected indexes "
                         f"below node.gpu_count ({count})"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _kmsg_on_the_node(self) -> Scenario:
+        """A kernel line's placeholders name GPUs and NVSwitches the node has."""
+        model = self.node.model()
+        on_switches = self.node.nvlink_fabric() == "nvswitch"
+        switches = NVSWITCHES.get(model.compute_capability[0], NVSWITCHES[9])[0]
+        for i, phase in enumerate(self.phases):
+            for j, line in enumerate(phase.kmsg):
+                why = placeholder_problem(
+                    line.text, self.node.gpu_count, switches if on_switches else 0
+                )
+                if why:
+                    raise ValueError(f"phases.{i}.kmsg.{j}.text: {why}")
         return self
 
     @model_validator(mode="after")

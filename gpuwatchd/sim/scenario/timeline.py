@@ -16,6 +16,7 @@ from typing import Any
 
 from gpuwatchd.sim.host import HOST_DEFAULTS, deep_merge, host_path_keys, set_path
 from gpuwatchd.sim.models import GpuModel
+from gpuwatchd.sim.scenario import kmsg
 from gpuwatchd.sim.scenario.mig import mig_values
 from gpuwatchd.sim.scenario.noise import _host_field, _Jitter
 from gpuwatchd.sim.scenario.schema import Change, GpuValues, Phase, Scenario
@@ -59,6 +60,13 @@ class XidEvent:
     time: float  # seconds since scenario start
     gpu: int
     xid: int
+
+
+@dataclass(frozen=True)
+class KernelLine:
+    time: float  # seconds since scenario start
+    level: int
+    text: str
 
 
 @dataclass
@@ -143,6 +151,7 @@ class Timeline:
             for xid in change.set.xid or []
         ]
         self._starts_at: list[_Start] = self._phase_starts()
+        self._kernel_lines: list[KernelLine] | None = None  # kernel_lines(), when first asked
         self._host_cache: tuple[float, dict[str, Any]] | None = None
         self._cache: tuple[float, list[dict[str, Any]], dict[str, dict[str, int]]] | None = None
         noise = scenario.noise
@@ -383,6 +392,49 @@ class Timeline:
                     set_path(host, path, jitter.apply(value, self._seed, 0, slot))
         self._host_cache = (t, host)
         return host
+
+    def kernel_lines(self, t0: float, t1: float) -> list[KernelLine]:
+        """The lines the kernel logs in (t0, t1], in absolute (unlooped) seconds, in order:
+        the phases' `kmsg` lines and the driver's line of each Xid (scenario/kmsg.py)."""
+        if self._kernel_lines is None:
+            self._kernel_lines = self._compile_kernel_lines()
+        lines: list[KernelLine] = []
+        period = self.duration if self.loop and self.duration > 0 else None
+        if t1 <= t0:
+            return lines
+        for cycle in range(
+            int(t0 // period) if period else 0, (int(t1 // period) if period else 0) + 1
+        ):
+            offset = cycle * period if period else 0.0
+            lines += [
+                KernelLine(offset + line.time, line.level, line.text)
+                for line in self._kernel_lines
+                if t0 < offset + line.time <= t1
+            ]
+        return lines
+
+    def _compile_kernel_lines(self) -> list[KernelLine]:
+        gpu_bdf = lambda i: self.topology.gpu(i).bdf  # noqa: E731
+        lines = []
+        for start, phase in self.phases():
+            for line in phase.kmsg:
+                text = kmsg.render(line.text, gpu_bdf, kmsg.nvswitch_bdf)
+                lines += [
+                    KernelLine(start + line.at + k * line.every, line.level, text)
+                    for k in range(line.repeat)
+                ]
+            logged = kmsg.explicit_xids(phase.kmsg)
+            for change in phase.all_changes():
+                for xid in change.set.xid or []:
+                    for gpu in self._gpus(change):
+                        if (gpu, xid) in logged:
+                            continue
+                        processes = self.state(start)[0][gpu]["processes"]
+                        first = (processes[0]["pid"], processes[0]["name"]) if processes else None
+                        pci = gpu_bdf(gpu).rsplit(".", 1)[0]
+                        text = kmsg.xid_line(pci, xid, gpu, first)
+                        lines.append(KernelLine(start, kmsg.ERR, text))
+        return sorted(lines, key=lambda line: line.time)
 
     def xid_events(self, t0: float, t1: float) -> list[XidEvent]:
         """Xid events raised in (t0, t1], in absolute (unlooped) seconds."""

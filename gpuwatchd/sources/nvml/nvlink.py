@@ -6,7 +6,9 @@ links), or where the config's `expected_nvlinks` names it (see the package docst
 What a link reaches is asked once, when it is first seen active
 (nvmlDeviceGetNvLinkRemotePciInfo: the driver knows the far end of a trained link only):
 where an expected link is down, `gpu_nvlink_down_peer_gpu` names the GPU it reached
-(4-GPU boards and bridged pairs; NVSwitch boards' links reach switches).
+(4-GPU boards and bridged pairs; NVSwitch boards' links reach switches, whose addresses
+go to the shared `ties.SwitchTable`: the kmsg source ties an NVSwitch's SXid to the
+GPUs behind it with them).
 `NvLinks` is a mixin of NvmlSource, which sets the state it declares.
 """
 
@@ -21,6 +23,7 @@ from gpuwatchd.metrics import Sample
 from gpuwatchd.sources.nvml.metrics import NVLINK, NVLINK_DOWN, NVLINK_DOWN_PEER, NVLINK_EXPECTED
 from gpuwatchd.sources.nvml.reads import _Entry, _Gpu, _GpuLost
 from gpuwatchd.sources.nvmlapi import Direct, sysfs_bus_id, text
+from gpuwatchd.sources.ties import SwitchTable
 
 log = logging.getLogger("gpuwatchd.sources.nvml")
 
@@ -33,6 +36,7 @@ class NvLinks:
     _nv: Any
     _direct: Direct | None
     _nvswitch_links: set[int]
+    _switches: SwitchTable
     _describe: Callable[[Any], str]
 
     def _links(self, gpu: _Gpu, count_field: int) -> int:
@@ -55,12 +59,12 @@ class NvLinks:
         link = entry.scope
         if active:
             gpu.nvlink_seen.add(link)
-            if link not in gpu.nvlink_peer:
-                gpu.nvlink_peer[link] = self._remote_gpu(gpu, link)
             if gpu.nvlink_remote is None:
                 gpu.nvlink_remote = self._remote_type(gpu, link)
-                if gpu.nvlink_remote == getattr(self._nv, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2):
+                if gpu.nvlink_remote == self._switch_type:
                     self._nvswitch_links.add(gpu.nvlinks)
+            if link not in gpu.nvlink_peer:
+                gpu.nvlink_peer[link] = self._remote_gpu(gpu, link)
         configured = self.config.expected_nvlinks if isinstance(self.config, NvmlConfig) else ()
         expected = (
             active
@@ -102,7 +106,14 @@ class NvLinks:
                 raise _GpuLost from e
             log.debug("nvml: GPU %d: NVLink %d remote: %s", gpu.index, link, self._describe(e))
             return None
-        return next((g.index for g in self._gpus if g.bus_id == remote and g is not gpu), None)
+        peer = next((g.index for g in self._gpus if g.bus_id == remote and g is not gpu), None)
+        if peer is None and gpu.nvlink_remote == self._switch_type and gpu.bus_id:
+            self._switches.link(remote, gpu.bus_id)  # the kmsg source ties SXids with it
+        return peer
+
+    @property
+    def _switch_type(self) -> int:
+        return int(getattr(self._nv, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2))
 
     def _remote_type(self, gpu: _Gpu, link: int) -> int:
         """What an active link reaches (NVML_NVLINK_DEVICE_TYPE_*); UNKNOWN (0xFF) if the

@@ -59,6 +59,7 @@ from gpuwatchd.sources.nvmlapi import (
     sm_count,
     start_nvml,
 )
+from gpuwatchd.sources.ties import switch_table
 
 log = logging.getLogger("gpuwatchd.sources.nvml")
 
@@ -95,6 +96,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         self._fields: list[tuple[int, Field]] = []
         self._nvlink: tuple[int, int] = (0, 0)  # (state field id, count field id); 0: none
         self._nvswitch_links: set[int] = set()  # link counts of GPUs found on NVSwitches
+        self._switches = switch_table(context.extras)  # NVSwitch -> GPUs, for the kmsg source
         self._reasons: list[tuple[str, int]] = []
         self._direct: Direct | None = None
         self._fall_back: set[int] = set()

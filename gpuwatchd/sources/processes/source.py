@@ -75,6 +75,7 @@ from gpuwatchd.sources.processes.metrics import (
 from gpuwatchd.sources.processes.procfs import _is_count, parse_cpulist, version_number
 from gpuwatchd.sources.procio import METRICS as PROCIO_METRICS
 from gpuwatchd.sources.procio import JobIo
+from gpuwatchd.sources.ties import PidOnGpu, pid_table
 
 log = logging.getLogger("gpuwatchd.sources.processes")
 
@@ -123,6 +124,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         self._sys = os.fspath(context.sysfs)
         self._cgroup_root = os.path.join(self._sys, "fs", "cgroup")
         self._table = process_table(context)  # the nvml source's lists, when it runs
+        self._pids = pid_table(context.extras)  # what it finds, for the kmsg source
         self._nv: Any = None
         self._codes: dict[int, str] = {}
         self._gpus: list[_Gpu] = []  # as NVML counts them, when this source asks it itself
@@ -221,6 +223,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         self._io.end()
         for gone in [p for p in self._known if p not in facts]:
             del self._known[gone]
+        self._pids.publish(now, self._on_gpus(on_gpu, mains))
         read = {r.stat_path for r in memo.values() if r is not None}
         for path in [p for p in self._cgroups if p not in read]:
             del self._cgroups[path]
@@ -245,6 +248,21 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         self._desktop_samples(now, samples)
         self._fabric_manager_samples(samples)
         return samples
+
+    def _on_gpus(
+        self, on_gpu: list[tuple[_Gpu, dict[str, dict[int, float]]]], mains: dict[int, int | None]
+    ) -> list[tuple[int, PidOnGpu]]:
+        """Each whole GPU's main process and its children (DataLoader workers): the pids
+        the kmsg source ties the OOM killer's kills to (ties.PidTable)."""
+        found: list[tuple[int, PidOnGpu]] = []
+        for gpu, _ in on_gpu:
+            main = mains.get(gpu.index)
+            known = None if main is None else self._known.get(main)
+            if main is None or known is None or not gpu.bus_id:
+                continue
+            found.append((main, PidOnGpu(gpu.bus_id, "main")))
+            found += [(child, PidOnGpu(gpu.bus_id, "worker")) for child in known.children]
+        return found
 
     def _owned(
         self,
