@@ -46,6 +46,28 @@ class IbPort(Strict):
     numa_node: int | None = Field(None, ge=0)
 
 
+class NfsMount(Strict):
+    """An NFS mount of the node (and of its jobs' namespaces): a dataset's `reads_from`
+    names it. A `reads_from` that is neither a disk nor declared here is one with the
+    defaults (server 10.0.0.2, export /<name>, on /mnt/<name>)."""
+
+    name: str
+    server: str = "10.0.0.2"
+    export: str | None = None  # default: /<name>
+    mountpoint: str | None = None  # default: /mnt/<name>
+    version: Literal["3", "4.0", "4.1", "4.2"] = "4.1"
+    rsize: int = Field(1_048_576, ge=4096)  # bytes a READ carries at most
+    # the daemon's own mount namespace has it (the host's, the systemd unit's); false: only
+    # the jobs' (a pod's volume seen from a DaemonSet's container)
+    daemon_sees: bool = True
+
+    def export_path(self) -> str:
+        return self.export or f"/{self.name}"
+
+    def point(self) -> str:
+        return self.mountpoint or f"/mnt/{self.name}"
+
+
 class SlurmOwner(Strict):
     """A Slurm step's cgroup, as the task/cgroup plugin makes it: v1 `/slurm/uid_U/job_J/
     step_S[/task_T]` (freezer, cpuset, devices, memory; `cpu` stays at slurmd's), or the
@@ -141,6 +163,7 @@ class HostHardware(Strict):
     disks: list[Disk] = [Disk(name="nvme0n1"), Disk(name="nvme1n1")]
     nics: list[Nic] = []
     ib_ports: list[IbPort] = []
+    nfs_mounts: list[NfsMount] = []
     processes: list[HostProcess] = []
     # the node's user database (getpwuid): uid -> name; root is "root", any other uid has
     # no name (the daemon shows the number), whatever the machine running the simulator has
@@ -203,6 +226,21 @@ class IbPortValues(Strict):
     link_downed_total: float | None = Field(None, ge=0)
     link_error_recovery_total: float | None = Field(None, ge=0)
     port_rcv_errors_total: float | None = Field(None, ge=0)
+
+
+class NfsValues(Strict):
+    """An NFS mount's client statistics (/proc/PID/mountstats per-op READ/WRITE lines)."""
+
+    # READ payload from the server, 10^6 bytes/s; default: what the processes reading from
+    # the mount read (their read_mb_s / worker_read_mb_s)
+    read_mb_s: float | None = Field(None, ge=0)
+    read_ops_per_second: float | None = Field(None, ge=0)  # default: read bytes / rsize
+    read_rtt_ms: float | None = Field(None, ge=0)  # sent to reply; default 1
+    read_queue_ms: float | None = Field(None, ge=0)  # waiting to be sent; default 0
+    write_mb_s: float | None = Field(None, ge=0)
+    write_ops_per_second: float | None = Field(None, ge=0)  # default: write bytes / wsize
+    write_rtt_ms: float | None = Field(None, ge=0)
+    write_queue_ms: float | None = Field(None, ge=0)
 
 
 class ProcessValues(Strict):
@@ -276,6 +314,7 @@ class HostValues(Strict):
     interrupts: dict[str, InterruptValues] | None = None  # IRQ action name -> rate
     disks: dict[str, DiskValues] | None = None
     ib_ports: dict[str, IbPortValues] | None = None  # "mlx5_0/1"
+    nfs: dict[str, NfsValues] | None = None  # NFS mount name -> its client statistics
     processes: dict[int, ProcessValues] | None = None
     probe: dict[int, ProbeValues] | None = None  # pid -> its in-process probe's reports
     dcgm_hostengine_up: bool | None = None  # nv-hostengine running (false: stopped/restarting)
@@ -302,6 +341,7 @@ HOST_DEFAULTS: dict[str, Any] = dict(
     interrupts={},
     disks={},
     ib_ports={},
+    nfs={},
     processes={},
     probe={},
     dcgm_hostengine_up=True,
@@ -345,6 +385,7 @@ _NESTED: dict[str, type[BaseModel]] = {
     "interrupts": InterruptValues,
     "disks": DiskValues,
     "ib_ports": IbPortValues,
+    "nfs": NfsValues,
     "processes": ProcessValues,
     "probe": ProbeValues,
 }

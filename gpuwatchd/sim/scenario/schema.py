@@ -395,6 +395,32 @@ class Scenario(Strict):
         return self
 
     @model_validator(mode="after")
+    def _nfs_values_name_mounts(self) -> Scenario:
+        """`nfs` host values are a mount's: declared, or a `reads_from` naming no disk."""
+        host = self.node.host
+        disks = {d.name for d in host.disks}
+        values = [("node.initial_host", self.node.initial_host)] + [
+            (f"phases.{i}.host", phase.host) for i, phase in enumerate(self.phases)
+        ]
+        names = {m.name for m in host.nfs_mounts} | {
+            p.reads_from
+            for _, v in values
+            for p in (v.processes or {}).values()
+            if p.reads_from is not None and p.reads_from not in disks
+        }
+        if len(host.nfs_mounts) != len({m.name for m in host.nfs_mounts}):
+            raise ValueError("node.host.nfs_mounts: a name is declared twice")
+        for where, v in values:
+            for name in v.nfs or {}:
+                if name not in names:
+                    raise ValueError(
+                        f"{where}.nfs.{name}: no such NFS mount (node.host.nfs_mounts "
+                        f"names, or a process's reads_from that is no disk: "
+                        f"{', '.join(sorted(names)) or 'none'})"
+                    )
+        return self
+
+    @model_validator(mode="after")
     def _mig_fits_the_model(self) -> Scenario:
         """Every `mig:` value resolves on the node's model (profiles, placements)."""
         model = self.node.model()
