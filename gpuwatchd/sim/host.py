@@ -169,6 +169,9 @@ class HostHardware(Strict):
     # no name (the daemon shows the number), whatever the machine running the simulator has
     users: dict[int, str] = {}
     memory_total_mib: float = Field(1_048_576, gt=0)  # 1 TiB
+    # swap space (meminfo SwapTotal); None: 32 GiB where the scenario swaps (swap_in_mb_s
+    # or swap_out_mb_s above 0 anywhere), else none (0), as most GPU nodes
+    swap_total_mib: float | None = Field(None, ge=0)
     # cpufreq (sysfs cpuN/cpufreq): every core's fastest clock; None: no cpufreq (a VM)
     cpu_max_mhz: float | None = Field(3500, gt=0)
 
@@ -310,6 +313,8 @@ class HostValues(Strict):
     # threads' CPU together (percent of one core), reclaiming memory in the background
     swap_in_mb_s: float | None = Field(None, ge=0)
     swap_out_mb_s: float | None = Field(None, ge=0)
+    # meminfo SwapFree; default: SwapTotal less what was swapped out and not back in
+    swap_free_mib: float | None = Field(None, ge=0)
     kswapd_cpu_percent: float | None = Field(None, ge=0)
     interrupts: dict[str, InterruptValues] | None = None  # IRQ action name -> rate
     disks: dict[str, DiskValues] | None = None
@@ -337,6 +342,7 @@ HOST_DEFAULTS: dict[str, Any] = dict(
     mem_available_mib=None,
     swap_in_mb_s=0.0,
     swap_out_mb_s=0.0,
+    swap_free_mib=None,
     kswapd_cpu_percent=0.0,
     interrupts={},
     disks={},
