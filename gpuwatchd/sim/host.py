@@ -229,6 +229,10 @@ class IbPortValues(Strict):
     link_downed_total: float | None = Field(None, ge=0)
     link_error_recovery_total: float | None = Field(None, ge=0)
     port_rcv_errors_total: float | None = Field(None, ge=0)
+    # the link's error rate crossed its LocalPhyErrors threshold (4-bit PMA counter)
+    local_link_integrity_errors_total: float | None = Field(None, ge=0)
+    # packets the port dropped on transmit, down or congested (HOQ lifetime expired)
+    port_xmit_discards_total: float | None = Field(None, ge=0)
 
 
 class NfsValues(Strict):
