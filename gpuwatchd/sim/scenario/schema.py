@@ -56,6 +56,10 @@ class GpuValues(Strict):
     pcie_width: int | None = Field(None, ge=1, le=32)
     pcie_tx_mb_s: float | None = Field(None, ge=0)  # MB/s, 10^6 bytes
     pcie_rx_mb_s: float | None = Field(None, ge=0)
+    # DCGM's own PCIe bytes (fields 1009/1010: TLP headers included, so above NVML's
+    # payload, most for small transfers); default: pcie_tx_mb_s / pcie_rx_mb_s
+    dcgm_pcie_tx_mb_s: float | None = Field(None, ge=0)
+    dcgm_pcie_rx_mb_s: float | None = Field(None, ge=0)
     pcie_replay_count: float | None = Field(None, ge=0)  # a counter: ramp it to make it rise
     ecc_corrected_total: float | None = Field(None, ge=0)
     ecc_uncorrected_total: float | None = Field(None, ge=0)
