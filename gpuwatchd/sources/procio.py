@@ -267,6 +267,7 @@ class _Proc:
     major_faults: int | None = None
     disks: tuple[str, ...] | None = None
     nfs: tuple[MountRow, ...] = ()  # NFS mounts of its open files (or its namespace)
+    scanned: bool = False  # its fds looked at once (refused: again only at scans)
 
 
 class JobIo:
@@ -343,8 +344,9 @@ class JobIo:
                     rate += max(0, value - proc.read_bytes) / (self._now - proc.at)
                     rated = True
                 proc.read_bytes, proc.at = value, self._now
-            if proc.disks is None or rescan:
-                proc.disks, proc.nfs = self._open_disks(base)
+            if not proc.scanned or rescan:
+                proc.disks, proc.nfs = self._open_disks(base, pid == main)
+                proc.scanned = True
             nfs.update((row.device, row) for row in proc.nfs)
             by_namespace |= proc.disks is None and bool(proc.nfs)
             if proc.disks is not None:
@@ -406,9 +408,12 @@ class JobIo:
 
     # -- disks -------------------------------------------------------------------------
 
-    def _open_disks(self, base: str) -> tuple[tuple[str, ...] | None, tuple[MountRow, ...]]:
+    def _open_disks(
+        self, base: str, main: bool
+    ) -> tuple[tuple[str, ...] | None, tuple[MountRow, ...]]:
         """Whole disks under the files the process has open (None if unreadable), and
-        the NFS mounts they are on (where fd/ is refused: its namespace's NFS mounts)."""
+        the NFS mounts they are on (where fd/ is refused: the NFS mounts of the main
+        process's namespace, which its workers share)."""
         try:
             fds = os.listdir(f"{base}/fd")
         except OSError as e:
@@ -416,7 +421,7 @@ class JobIo:
                 return None, ()
             why = "needs root, or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH"
             self._complain("fd", f"{base}/fd: {e} ({why})")
-            rows = self._mounts(base)
+            rows = self._mounts(base) if main else None
             return None, tuple(r for r in rows or () if r.fstype in NFS_TYPES)
         mount_ids: set[int] = set()
         for fd in fds[:MAX_FDS]:
