@@ -165,6 +165,8 @@ def test_first_poll_gives_memory_pressure_and_core_count(tmp_path: Path) -> None
     assert got[("cpu_cores", ())] == 8
     assert got[("memory_total_bytes", ())] == 3742148 * 1024
     assert ("memory_available_bytes", ()) not in got  # the fixture predates MemAvailable
+    assert got[("memory_swap_total_bytes", ())] == 4194300 * 1024
+    assert got[("memory_swap_free_bytes", ())] == 3155360 * 1024
     assert got[("pressure_ratio", ("io", "some", "60s"))] == pytest.approx(0.0034)
     assert got[("pressure_ratio", ("io", "full", "300s"))] == pytest.approx(0.001)
     assert got[("pressure_stalled_seconds_total", ("io", "some"))] == 159.886802
@@ -291,7 +293,8 @@ def test_missing_files_are_source_errors(tmp_path: Path) -> None:
 
 def test_samples_match_the_declared_specs(tmp_path: Path) -> None:
     root = tree(tmp_path)
-    (root / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable: 50 kB\n")
+    meminfo = "MemTotal: 100 kB\nMemAvailable: 50 kB\nSwapTotal: 0 kB\nSwapFree: 0 kB\n"
+    (root / "meminfo").write_text(meminfo)
     shutil.copy(RECLAIM / "vmstat", root / "vmstat")  # swap-ins and kswapd: reclaim.py
     (root / "47").mkdir()
     shutil.copy(RECLAIM / "kswapd0.stat", root / "47" / "stat")
@@ -386,6 +389,26 @@ def test_simulated_stat_reads_back_as_the_scenario_said(tmp_path: Path) -> None:
     assert got[("cpu_steal_ratio", ())] == 0
     assert got[("memory_available_bytes", ())] == 1000 * 2**20
     assert got[("memory_total_bytes", ())] == 4096 * 2**20
+
+
+def test_simulated_swap_fills_with_what_is_swapped_out(tmp_path: Path) -> None:
+    """SwapTotal and SwapFree (issue 39's format): a node that swaps has 32 GiB unless it
+    says otherwise; what is swapped out and not read back is in use; a node that never
+    swaps has none; swap_free_mib sets it outright."""
+    swapping = {"swap_out_mb_s": 100, "swap_in_mb_s": 40}
+    for host, values, total, free in (
+        ({}, swapping, 32768 << 20, (32768 << 20) - 60e6 * 10),
+        ({"swap_total_mib": 1024}, {**swapping, "swap_free_mib": 100}, 1 << 30, 100 << 20),
+        ({}, {}, 0, 0),
+    ):
+        root = tmp_path / str(total + free)
+        writer = CpuWriter(root, Timeline(scenario(values, host=host)))
+        source = source_for(root)
+        writer.write(0.0)
+        writer.write(10.0)
+        got = by_key(source.collect())
+        assert got[("memory_swap_total_bytes", ())] == total
+        assert got[("memory_swap_free_bytes", ())] == pytest.approx(free, abs=4096)
 
 
 def test_simulated_iowait_per_core(tmp_path: Path) -> None:

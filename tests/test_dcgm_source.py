@@ -122,6 +122,19 @@ def test_values_in_base_units_with_gpu_and_uuid_first(make):
     assert {name for name, _, _ in m.samples} <= declared
 
 
+def test_dcgm_s_own_pcie_bytes_may_differ_from_nvml_s(make):
+    """Issue 39's format: DCGM's PCIe bytes (1009/1010, headers included) as the scenario
+    gives them, apart from NVML's payload rate (200/201 and the NVML fields)."""
+    run = {"name": "run", "duration": 3600,
+           "set": {"utilization_gpu": 100, "pcie_tx_mb_s": 2, "pcie_rx_mb_s": 2}}
+    own = {**run, "set": {**run["set"], "dcgm_pcie_tx_mb_s": 11, "dcgm_pcie_rx_mb_s": 9}}
+    m = make(scenario([own])).collect()
+    assert m.value("gpu_dcgm_pcie_tx_bytes_per_second", 0) == 11e6
+    assert m.value("gpu_dcgm_pcie_rx_bytes_per_second", 0) == 9e6
+    m = make(scenario([run])).collect()  # not given: DCGM shows NVML's rate
+    assert m.value("gpu_dcgm_pcie_tx_bytes_per_second", 0) == 2e6
+
+
 def test_the_default_fields_are_the_issues(make):
     assert set(DEFAULT_FIELDS) == {
         *range(1001, 1013),

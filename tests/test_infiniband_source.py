@@ -453,11 +453,13 @@ def test_simulated_traffic_waits_and_errors(tmp_path: Path) -> None:
                                 "tx_mb_s": 30_000,
                                 "xmit_wait_ratio": 0.4,
                                 "link_downed_total": 300,
+                                "local_link_integrity_errors_total": 20,
                             },
                             "mlx5_1/1": {"tx_mb_s": 12_500, "xmit_wait_ratio": 0.05},
                         }
                     },
-                    "host_ramp": {"ib_ports.mlx5_0/1.symbol_error_total": [0, 600]},
+                    "host_ramp": {"ib_ports.mlx5_0/1.symbol_error_total": [0, 600],
+                                  "ib_ports.mlx5_1/1.port_xmit_discards_total": [0, 1200]},
                 }
             ],
         )
@@ -472,6 +474,9 @@ def test_simulated_traffic_waits_and_errors(tmp_path: Path) -> None:
     assert port["ib_port_transmit_wait_ticks_per_second"] == pytest.approx(0.4 * 50e9 / 8)
     assert got[("ib_port_errors_total", ("mlx5_0", "1", "link_downed"))] == 255  # saturated
     assert got[("ib_port_errors_total", ("mlx5_0", "1", "symbol_error"))] == 5
+    # issue 39's format: integrity errors (4-bit: stops at 15) and transmit discards
+    assert got[("ib_port_errors_total", ("mlx5_0", "1", "local_link_integrity_errors"))] == 15
+    assert got[("ib_port_errors_total", ("mlx5_1", "1", "port_xmit_discards"))] == 10
     assert port_metrics(got, "mlx5_1")["ib_port_transmit_wait_ratio"] == pytest.approx(0.05)
     assert got[("ib_port_info", ("mlx5_1", "1", "Ethernet", "MT4123", "28.39.1002"))] == 1
 

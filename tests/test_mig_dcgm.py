@@ -153,6 +153,22 @@ def test_the_source_exports_each_gpu_instance_s_activity_as_the_instance_form(ma
     assert P + "gpu_instance_sm_active_ratio" in text
 
 
+def test_an_instance_s_own_activity_apart_from_its_utilization(make):
+    """Issue 39's format: an instance's SMs, tensor pipes and DRAM as the scenario gives
+    them (a hung kernel: engine 100 %, the rest idle), not derived from its utilization;
+    the whole GPU's are the instances' weighted by their compute slices."""
+    sim = make("mig-instance-hang-busy-neighbour-a100")
+    samples = poll_until(sim, 240.0)  # GI 1 hung since 180 s
+    got = {name: instances(samples, f"gpu_instance_{name}_ratio")
+           for name in ("utilization", "sm_active", "tensor_active", "dram_active")}  # fmt: skip
+    assert got["utilization"] == pytest.approx({("1", "3g.40gb"): 1.0, ("2", "3g.40gb"): 0.95})
+    assert got["sm_active"] == pytest.approx({("1", "3g.40gb"): 0.03, ("2", "3g.40gb"): 0.45})
+    assert got["tensor_active"][("1", "3g.40gb")] == 0.0
+    assert got["dram_active"] == pytest.approx({("1", "3g.40gb"): 0.002, ("2", "3g.40gb"): 0.6})
+    whole = instances(samples, "gpu_dram_active_ratio")[()]
+    assert whole == pytest.approx((3 * 0.002 + 3 * 0.6) / 7)
+
+
 def test_dcgm_3_bindings_without_entity_level_read_the_instances(make):
     """DCGM 3.x's bindings (to 3.3.9) have no entityLevel in c_dcgm_field_meta_t: the
     level comes from DCGM's field table, and the source (non-MIG GPUs too) stays up."""

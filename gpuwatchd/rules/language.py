@@ -214,6 +214,7 @@ SERIES_MAXIMA: dict[tuple[str, str], int] = {
     (GPU, "pid"): 1024,  # processes on one GPU
     (GPU, "name"): 1024,  # a process's name (gpu_process_info)
     (GPU, "cudart"): 1,
+    **{(GPU, label): 1 for label in ("mountpoint", "tie")},  # an NFS mount's (device's)
     (GPU, "job_id"): 1024,  # an owner per process at most (gpu_owner_info)
     **{(GPU, label): 1 for label in ("scheduler", "step", "rank", "user")},
     **{(GPU, label): 1 for label in ("namespace", "pod", "container")},

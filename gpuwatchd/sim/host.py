@@ -46,6 +46,28 @@ class IbPort(Strict):
     numa_node: int | None = Field(None, ge=0)
 
 
+class NfsMount(Strict):
+    """An NFS mount of the node (and of its jobs' namespaces): a dataset's `reads_from`
+    names it. A `reads_from` that is neither a disk nor declared here is one with the
+    defaults (server 10.0.0.2, export /<name>, on /mnt/<name>)."""
+
+    name: str
+    server: str = "10.0.0.2"
+    export: str | None = None  # default: /<name>
+    mountpoint: str | None = None  # default: /mnt/<name>
+    version: Literal["3", "4.0", "4.1", "4.2"] = "4.1"
+    rsize: int = Field(1_048_576, ge=4096)  # bytes a READ carries at most
+    # the daemon's own mount namespace has it (the host's, the systemd unit's); false: only
+    # the jobs' (a pod's volume seen from a DaemonSet's container)
+    daemon_sees: bool = True
+
+    def export_path(self) -> str:
+        return self.export or f"/{self.name}"
+
+    def point(self) -> str:
+        return self.mountpoint or f"/mnt/{self.name}"
+
+
 class SlurmOwner(Strict):
     """A Slurm step's cgroup, as the task/cgroup plugin makes it: v1 `/slurm/uid_U/job_J/
     step_S[/task_T]` (freezer, cpuset, devices, memory; `cpu` stays at slurmd's), or the
@@ -141,11 +163,15 @@ class HostHardware(Strict):
     disks: list[Disk] = [Disk(name="nvme0n1"), Disk(name="nvme1n1")]
     nics: list[Nic] = []
     ib_ports: list[IbPort] = []
+    nfs_mounts: list[NfsMount] = []
     processes: list[HostProcess] = []
     # the node's user database (getpwuid): uid -> name; root is "root", any other uid has
     # no name (the daemon shows the number), whatever the machine running the simulator has
     users: dict[int, str] = {}
     memory_total_mib: float = Field(1_048_576, gt=0)  # 1 TiB
+    # swap space (meminfo SwapTotal); None: 32 GiB where the scenario swaps (swap_in_mb_s
+    # or swap_out_mb_s above 0 anywhere), else none (0), as most GPU nodes
+    swap_total_mib: float | None = Field(None, ge=0)
     # cpufreq (sysfs cpuN/cpufreq): every core's fastest clock; None: no cpufreq (a VM)
     cpu_max_mhz: float | None = Field(3500, gt=0)
 
@@ -203,6 +229,25 @@ class IbPortValues(Strict):
     link_downed_total: float | None = Field(None, ge=0)
     link_error_recovery_total: float | None = Field(None, ge=0)
     port_rcv_errors_total: float | None = Field(None, ge=0)
+    # the link's error rate crossed its LocalPhyErrors threshold (4-bit PMA counter)
+    local_link_integrity_errors_total: float | None = Field(None, ge=0)
+    # packets the port dropped on transmit, down or congested (HOQ lifetime expired)
+    port_xmit_discards_total: float | None = Field(None, ge=0)
+
+
+class NfsValues(Strict):
+    """An NFS mount's client statistics (/proc/PID/mountstats per-op READ/WRITE lines)."""
+
+    # READ payload from the server, 10^6 bytes/s; default: what the processes reading from
+    # the mount read (their read_mb_s / worker_read_mb_s)
+    read_mb_s: float | None = Field(None, ge=0)
+    read_ops_per_second: float | None = Field(None, ge=0)  # default: read bytes / rsize
+    read_rtt_ms: float | None = Field(None, ge=0)  # sent to reply; default 1
+    read_queue_ms: float | None = Field(None, ge=0)  # waiting to be sent; default 0
+    write_mb_s: float | None = Field(None, ge=0)
+    write_ops_per_second: float | None = Field(None, ge=0)  # default: write bytes / wsize
+    write_rtt_ms: float | None = Field(None, ge=0)
+    write_queue_ms: float | None = Field(None, ge=0)
 
 
 class ProcessValues(Strict):
@@ -272,10 +317,13 @@ class HostValues(Strict):
     # threads' CPU together (percent of one core), reclaiming memory in the background
     swap_in_mb_s: float | None = Field(None, ge=0)
     swap_out_mb_s: float | None = Field(None, ge=0)
+    # meminfo SwapFree; default: SwapTotal less what was swapped out and not back in
+    swap_free_mib: float | None = Field(None, ge=0)
     kswapd_cpu_percent: float | None = Field(None, ge=0)
     interrupts: dict[str, InterruptValues] | None = None  # IRQ action name -> rate
     disks: dict[str, DiskValues] | None = None
     ib_ports: dict[str, IbPortValues] | None = None  # "mlx5_0/1"
+    nfs: dict[str, NfsValues] | None = None  # NFS mount name -> its client statistics
     processes: dict[int, ProcessValues] | None = None
     probe: dict[int, ProbeValues] | None = None  # pid -> its in-process probe's reports
     dcgm_hostengine_up: bool | None = None  # nv-hostengine running (false: stopped/restarting)
@@ -298,10 +346,12 @@ HOST_DEFAULTS: dict[str, Any] = dict(
     mem_available_mib=None,
     swap_in_mb_s=0.0,
     swap_out_mb_s=0.0,
+    swap_free_mib=None,
     kswapd_cpu_percent=0.0,
     interrupts={},
     disks={},
     ib_ports={},
+    nfs={},
     processes={},
     probe={},
     dcgm_hostengine_up=True,
@@ -345,6 +395,7 @@ _NESTED: dict[str, type[BaseModel]] = {
     "interrupts": InterruptValues,
     "disks": DiskValues,
     "ib_ports": IbPortValues,
+    "nfs": NfsValues,
     "processes": ProcessValues,
     "probe": ProbeValues,
 }

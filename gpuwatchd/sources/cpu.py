@@ -26,7 +26,8 @@ avg60=0.34 avg300=0.10 total=159886802` and a `full` line. avgN / 100 becomes
 booted without `psi=1`: the directory is missing or reading gives EOPNOTSUPP) means no
 pressure series, and is not an error; it is logged once.
 
-/proc/meminfo: `MemAvailable` (kernel >= 3.14) and `MemTotal`, in bytes.
+/proc/meminfo: `MemAvailable` (kernel >= 3.14), `MemTotal`, `SwapTotal` and `SwapFree`,
+in bytes.
 
 /proc/vmstat's swap-ins and the kswapd threads' CPU: `reclaim.py`; the busy cores' clock
 (sysfs cpufreq): `cpufreq.py`.
@@ -249,6 +250,8 @@ class CpuSource(Source):
             export="detail",
         ),
         gauge("memory_total_bytes", "MemTotal: usable physical memory.", export="detail"),
+        gauge("memory_swap_total_bytes", "SwapTotal: swap space (0: none).", export="detail"),
+        gauge("memory_swap_free_bytes", "SwapFree: swap space unused.", export="detail"),
         *reclaim.METRICS,
         *cpufreq.METRICS,
         *numa.METRICS,
@@ -289,6 +292,9 @@ class CpuSource(Source):
             samples.append(
                 Sample("gpuwatchd_memory_available_bytes", (), float(meminfo["MemAvailable"]))
             )
+        for key, name in (("SwapTotal", "swap_total"), ("SwapFree", "swap_free")):
+            if key in meminfo:  # (CONFIG_SWAP=n kernels print neither)
+                samples.append(Sample(f"gpuwatchd_memory_{name}_bytes", (), float(meminfo[key])))
         if self.cfg.pressure:
             samples += self._pressure_samples()
         samples += self._reclaim.samples()

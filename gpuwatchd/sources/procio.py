@@ -19,6 +19,10 @@ NIC whose interrupts land on CPUs the job never runs on does not starve it. The
   per process;
 * those disks' `%util` and await (iostat's, from `/proc/diskstats` read once per poll
   for every job, only when some job has a disk);
+* the NFS mount the job waits on (`nfsio.py`): of the NFS mounts its open files are on
+  (where `fd/` is refused: of its mount namespace's), the one with the most READs in
+  flight, named by server:/export and mount point, with its READs' mean round trip and
+  total time, READs in flight and bytes read, from the client's `mountstats`;
 * the share of the job's processes in uninterruptible sleep (`D`: waiting for I/O) at
   the poll, from `/proc/PID/stat`, which also gives the CPU each last ran on and the
   major page faults (`majflt`: a fault that waited for a read, from swap or of a
@@ -50,6 +54,8 @@ from gpuwatchd.sources.disks import (
     parse_diskstats,
     whole_disks,
 )
+from gpuwatchd.sources.mountstats import NFS_TYPES, MountRow, parse_mounts
+from gpuwatchd.sources.nfsio import NfsRates, NfsReads
 
 MAX_FDS = 1024  # fds looked at per process and scan (a loader keeps few files open)
 MAX_DISKS = 16  # disks remembered per process
@@ -90,6 +96,34 @@ DISK_BUSIEST = gauge(
     (*GPU_LABELS, "device"),
     "detail",
 )
+NFS_MOUNT = gauge(
+    "gpu_process_nfs_mount",
+    "1 on the NFS mount the job waits on (of those its open files are on; where fd/ is "
+    "refused, of its mount namespace): the most READs in flight, named by `device` "
+    "(server:/export) and `mountpoint` (as the job sees it); `tie` says which: `open "
+    "files` or `mount namespace`.",
+    (*GPU_LABELS, "device", "mountpoint", "tie"),
+    "detail",
+)
+NFS_RTT = _gpu(
+    "gpu_process_nfs_read_rtt_seconds",
+    "Mean READ round trip (sent to reply: server and network) on the job's NFS mount "
+    "since the last poll (mountstats).",
+)
+NFS_EXECUTE = _gpu(
+    "gpu_process_nfs_read_execute_seconds",
+    "Mean time a READ took in all on the job's NFS mount (the client's queueing "
+    "included) since the last poll (mountstats).",
+)
+NFS_IN_FLIGHT = _gpu(
+    "gpu_process_nfs_reads_in_flight",
+    "READs outstanding on average on the job's NFS mount since the last poll (READ "
+    "time per second, every reader of the mount).",
+)
+NFS_READ_BYTES = _gpu(
+    "gpu_process_nfs_read_bytes_per_second",
+    "Bytes the job's NFS mount received in READ replies (every reader of the mount).",
+)
 CPU_IOWAIT = _gpu(
     "gpu_process_cpu_iowait_ratio",
     "iowait share of the CPUs the main process and its children last ran on.",
@@ -106,7 +140,7 @@ CPU_IRQ = _gpu(
 )
 METRICS = (
     READ_BYTES, BLOCKED, MAJOR_FAULTS, DISKS, DISK_UTIL, DISK_AWAIT, DISK_BUSIEST, CPU_IOWAIT,
-    CPU_IRQ,
+    CPU_IRQ, NFS_MOUNT, NFS_RTT, NFS_EXECUTE, NFS_IN_FLIGHT, NFS_READ_BYTES,
 )  # fmt: skip
 
 
@@ -142,15 +176,7 @@ def read_bytes_of(data: bytes) -> int:
 
 def parse_mountinfo(data: bytes) -> dict[int, tuple[int, int]]:
     """/proc/PID/mountinfo as {mount id: (major, minor)} (proc_pid_mountinfo(5))."""
-    mounts: dict[int, tuple[int, int]] = {}
-    for line in data.split(b"\n"):
-        fields = line.split(b" ", 3)
-        if len(fields) < 4 or not fields[0].isdigit():
-            continue
-        major, colon, minor = fields[2].partition(b":")
-        if colon and major.isdigit() and minor.isdigit() and len(fields[0]) < 12:
-            mounts[int(fields[0])] = (int(major), int(minor))
-    return mounts
+    return {row.mount_id: row.device for row in parse_mounts(data)}
 
 
 def fdinfo_mount(data: bytes) -> int | None:
@@ -225,6 +251,8 @@ class JobIoFacts:
     disks: tuple[str, ...] | None = None  # None: not resolved (unreadable)
     disk: IostatRates | None = None  # the busiest of `disks`
     disk_name: str | None = None  # ... its name
+    nfs: tuple[MountRow, NfsReads] | None = None  # the NFS mount it waits on, its READs
+    nfs_tie: str = "open files"  # how it was tied to the job: or "mount namespace"
     cpus: frozenset[int] = frozenset()
     iowait_ratio: float | None = None
     interrupt_ratio: float | None = None
@@ -238,6 +266,8 @@ class _Proc:
     faults_at: float = 0.0
     major_faults: int | None = None
     disks: tuple[str, ...] | None = None
+    nfs: tuple[MountRow, ...] = ()  # NFS mounts of its open files (or its namespace)
+    scanned: bool = False  # its fds looked at once (refused: again only at scans)
 
 
 class JobIo:
@@ -254,6 +284,7 @@ class JobIo:
         self._stat: StatReading | None = None
         self._stat_before: StatReading | None = None
         self._stat_read = False
+        self._nfs = NfsRates(procfs, self._complain)
         self._disk_last: dict[str, tuple[float, DiskStat]] = {}
         self._disk_rates: dict[str, IostatRates] | None = None
         self._now = 0.0
@@ -266,6 +297,7 @@ class JobIo:
         self._disk_rates = None
         self._seen = set()
         self.facts = {}
+        self._nfs.begin(now)
 
     def end(self) -> None:
         """Forget processes not read this poll."""
@@ -280,6 +312,8 @@ class JobIo:
         rated = faults_rated = False
         blocked = counted = 0
         disks: set[str] = set()
+        nfs: dict[tuple[int, int], MountRow] = {}
+        by_namespace = False
         resolved = False
         cpus: set[int] = set()
         for pid in [main, *children]:
@@ -310,8 +344,11 @@ class JobIo:
                     rate += max(0, value - proc.read_bytes) / (self._now - proc.at)
                     rated = True
                 proc.read_bytes, proc.at = value, self._now
-            if proc.disks is None or rescan:
-                proc.disks = self._open_disks(base)
+            if not proc.scanned or rescan:
+                proc.disks, proc.nfs = self._open_disks(base, pid == main)
+                proc.scanned = True
+            nfs.update((row.device, row) for row in proc.nfs)
+            by_namespace |= proc.disks is None and bool(proc.nfs)
             if proc.disks is not None:
                 resolved = True
                 disks.update(proc.disks)
@@ -325,6 +362,9 @@ class JobIo:
         if resolved:
             facts.disks = tuple(sorted(disks))
             facts.disk_name, facts.disk = self._busiest(facts.disks)
+        if nfs:
+            facts.nfs = self._nfs.busiest(main, nfs.values())
+            facts.nfs_tie = "mount namespace" if by_namespace else "open files"
         if cpus:
             self._read_stat()
             if self._stat is not None:
@@ -353,18 +393,36 @@ class JobIo:
                 out.append(Sample(spec.name, labels, float(value)))
         if facts.disk_name is not None:
             out.append(Sample(DISK_BUSIEST.name, (*labels, facts.disk_name), 1.0))
+        if facts.nfs is not None:
+            row, reads = facts.nfs
+            names = (*labels, row.source, row.mountpoint, facts.nfs_tie)
+            out.append(Sample(NFS_MOUNT.name, names, 1.0))
+            for spec, value in (
+                (NFS_RTT, reads.rtt_seconds),
+                (NFS_EXECUTE, reads.execute_seconds),
+                (NFS_IN_FLIGHT, reads.in_flight),
+                (NFS_READ_BYTES, reads.bytes_per_second),
+            ):
+                if value is not None:
+                    out.append(Sample(spec.name, labels, value))
 
     # -- disks -------------------------------------------------------------------------
 
-    def _open_disks(self, base: str) -> tuple[str, ...] | None:
-        """Whole disks under the files the process has open; None if unreadable."""
+    def _open_disks(
+        self, base: str, main: bool
+    ) -> tuple[tuple[str, ...] | None, tuple[MountRow, ...]]:
+        """Whole disks under the files the process has open (None if unreadable), and
+        the NFS mounts they are on (where fd/ is refused: the NFS mounts of the main
+        process's namespace, which its workers share)."""
         try:
             fds = os.listdir(f"{base}/fd")
         except OSError as e:
-            if not isinstance(e, FileNotFoundError):
-                why = "needs root, or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH"
-                self._complain("fd", f"{base}/fd: {e} ({why})")
-            return None
+            if isinstance(e, FileNotFoundError):
+                return None, ()
+            why = "needs root, or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH"
+            self._complain("fd", f"{base}/fd: {e} ({why})")
+            rows = self._mounts(base) if main else None
+            return None, tuple(r for r in rows or () if r.fstype in NFS_TYPES)
         mount_ids: set[int] = set()
         for fd in fds[:MAX_FDS]:
             try:
@@ -376,25 +434,37 @@ class JobIo:
             if mount is not None:
                 mount_ids.add(mount)
         if not mount_ids:
-            return ()
-        try:
-            mounts = parse_mountinfo(read_file(f"{base}/mountinfo", 4 << 20))
-        except OSError as e:
-            self._complain("mountinfo", f"{base}/mountinfo: {e}")
-            return None
+            return (), ()
+        rows = self._mounts(base)
+        if rows is None:
+            return None, ()
+        by_id = {row.mount_id: row for row in rows}
         disks: set[str] = set()
+        nfs: list[MountRow] = []
         for mount in mount_ids:
-            device = mounts.get(mount)
-            if device is None or device[0] == 0:
+            row = by_id.get(mount)
+            if row is None:
+                continue
+            if row.fstype in NFS_TYPES:
+                nfs.append(row)
+            if row.device[0] == 0:
                 continue  # anonymous device: NFS, overlay upper, tmpfs
-            names = self._devices.get(device)
+            names = self._devices.get(row.device)
             if names is None:
-                names = whole_disks(self._sys, *device)
+                names = whole_disks(self._sys, *row.device)
                 if len(self._devices) > 4096:
                     self._devices.clear()
-                self._devices[device] = names
+                self._devices[row.device] = names
             disks.update(names)
-        return tuple(sorted(disks))[:MAX_DISKS]
+        return tuple(sorted(disks))[:MAX_DISKS], tuple(nfs[:MAX_DISKS])
+
+    def _mounts(self, base: str) -> list[MountRow] | None:
+        try:
+            return parse_mounts(read_file(f"{base}/mountinfo", 4 << 20))
+        except OSError as e:
+            if not isinstance(e, FileNotFoundError):
+                self._complain("mountinfo", f"{base}/mountinfo: {e}")
+            return None
 
     def _busiest(self, disks: Sequence[str]) -> tuple[str | None, IostatRates | None]:
         """The busiest of `disks` by %util: its name and rates (None, None: none known)."""

@@ -676,6 +676,15 @@ class SimHostengine:
         def rate(key: str, scale: float) -> Callable[[int, dict[str, Any], float], Any]:
             return lambda gpu, v, t: (v.get(key) or 0.0) * scale
 
+        def dcgm_pcie(way: str) -> Callable[[int, dict[str, Any], float], Any]:
+            """DCGM's own PCIe bytes where the scenario gives them, else NVML's rate."""
+
+            def get(gpu: int, v: dict[str, Any], t: float) -> Any:
+                own = v.get(f"dcgm_pcie_{way}_mb_s")
+                return (v.get(f"pcie_{way}_mb_s") or 0.0 if own is None else own) * 1e6
+
+            return get
+
         def violation(fid: int) -> Callable[[int, dict[str, Any], float], Any]:
             return lambda gpu, v, t: integrals.violation_s(gpu, fid, t) * 1e9  # ns
 
@@ -722,8 +731,8 @@ class SimHostengine:
             312: lambda gpu, v, t: v["ecc_corrected_total"] if ecc else None,
             313: lambda gpu, v, t: v["ecc_uncorrected_total"] if ecc else None,
             449: lambda gpu, v, t: integrals.nvlink_bytes(gpu, t) / 1024 if nvlinks else None,
-            1009: rate("pcie_tx_mb_s", 1e6),  # bytes per second
-            1010: rate("pcie_rx_mb_s", 1e6),
+            1009: dcgm_pcie("tx"),  # bytes per second, headers included
+            1010: dcgm_pcie("rx"),
             1011: rate("nvlink_tx_mb_s", 1e6),
             1012: rate("nvlink_rx_mb_s", 1e6),
             1013: lambda gpu, v, t: 0.0,  # no integer tensor work in the scenarios

@@ -17,9 +17,10 @@ GPU_I_PROFILE with); an entity that is not (or no longer) an instance
 DCGM_ST_INSTANCE_NOT_FOUND.
 
 The activity comes from the scenario's MIG devices (`utilization_gpu` per compute
-instance): a GPU instance's GR engine activity is its compute instances' utilization
-weighted by their compute slices; the other ratios follow it as `profiling_defaults`
-derives them (no DRAM or pipe activity per instance). The whole GPU's profiling ratios,
+instance, and its own `sm_active`, `tensor_active`, `dram_active`, ... where given): a
+GPU instance's ratios are its compute instances' weighted by their compute slices; the
+graphics engine's is their utilization, any ratio a device does not give follows it as
+`profiling_defaults` derives them. The whole GPU's profiling ratios,
 while MIG is on, are its instances' weighted by their share of the GPU's compute slices.
 """
 
@@ -77,11 +78,16 @@ def gpu_instances(gpu_id: int, gpu: int, layout: MigLayout | None) -> list[GpuIn
 
 
 def instance_activity(devices: tuple[MigDevice, ...]) -> dict[str, float]:
-    """A GPU instance's profiling ratios: its compute instances' utilization, weighted by
-    their compute slices over the GPU instance's."""
+    """A GPU instance's profiling ratios: its compute instances', each its own where the
+    scenario gives them, else derived from its utilization, weighted by their compute
+    slices over the GPU instance's."""
     slices = devices[0].profile.slices
-    busy = sum(d.utilization_gpu * d.compute_slices for d in devices) / slices
-    return profiling_defaults({"utilization_gpu": busy})
+    total = dict.fromkeys(profiling_defaults({}), 0.0)
+    for d in devices:
+        ratios = {**profiling_defaults({"utilization_gpu": d.utilization_gpu}), **dict(d.activity)}
+        for key in total:
+            total[key] += ratios[key] * d.compute_slices / slices
+    return total
 
 
 def gpu_activity(layout: MigLayout) -> dict[str, float]:

@@ -104,6 +104,11 @@ def profiles_of(model: GpuModel) -> dict[str, GiProfile]:
     return PROFILES.get(model.name, {}) if model.mig else {}
 
 
+# an instance's own profiling ratios (MigInstance), as GPU values name them
+ACTIVITY = ("sm_active", "sm_occupancy", "tensor_active", "dram_active", "fp64_active",
+            "fp32_active", "fp16_active")  # fmt: skip
+
+
 class MigInstance(Strict):
     """One MIG device: a compute instance of a GPU instance, and what runs on it."""
 
@@ -119,6 +124,17 @@ class MigInstance(Strict):
     # what runs on it: NVML reads memory and processes per instance; utilization is what
     # DCGM's per-instance activity would show (NVML has none on MIG)
     utilization_gpu: float = Field(0, ge=0, le=100)
+    # DCGM's profiling ratios of the instance (fields 1002-1008), apart from its
+    # utilization (1001, the graphics engine); default: derived from utilization as the
+    # whole GPU's are (SMs 90 % of it, tensor and DRAM idle). An instance-local hang: a
+    # kernel that never ends keeps utilization at 100 % with its SMs, pipes and DRAM idle
+    sm_active: float | None = Field(None, ge=0, le=1)
+    sm_occupancy: float | None = Field(None, ge=0, le=1)
+    tensor_active: float | None = Field(None, ge=0, le=1)
+    dram_active: float | None = Field(None, ge=0, le=1)
+    fp64_active: float | None = Field(None, ge=0, le=1)
+    fp32_active: float | None = Field(None, ge=0, le=1)
+    fp16_active: float | None = Field(None, ge=0, le=1)
     memory_used_mib: float = Field(0, ge=0)
     processes: list[GpuProcess] = []
     # Xid codes of the GPU's own (a phase's `xid`) that the driver reports on this
@@ -159,6 +175,7 @@ class MigDevice:
     processes: tuple[dict[str, Any], ...]
     xids: tuple[int, ...] = ()  # the GPU's Xids that land on it (MigInstance.xid)
     index: int = 0  # its MIG device index (MigInstance.index)
+    activity: tuple[tuple[str, float], ...] = ()  # profiling ratios the scenario set
 
     @property
     def name(self) -> str:
@@ -212,6 +229,7 @@ def resolve(config: MigConfig, model: GpuModel) -> MigLayout:
             inst.gpu_instance, inst.compute_instance, profile, placed[inst.gpu_instance],
             slices, inst.utilization_gpu, inst.memory_used_mib,
             tuple(p.model_dump() for p in inst.processes), tuple(inst.xid),
+            activity=tuple((k, float(v)) for k in ACTIVITY if (v := getattr(inst, k)) is not None),
         ))  # fmt: skip
     indexes = _indexes(config.instances, devices)
     devices = [replace(d, index=indexes[(d.gpu_instance, d.compute_instance)]) for d in devices]

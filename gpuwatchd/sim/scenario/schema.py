@@ -85,6 +85,10 @@ class GpuValues(Strict):
     pcie_width: int | None = Field(None, ge=1, le=32)
     pcie_tx_mb_s: float | None = Field(None, ge=0)  # MB/s, 10^6 bytes
     pcie_rx_mb_s: float | None = Field(None, ge=0)
+    # DCGM's own PCIe bytes (fields 1009/1010: TLP headers included, so above NVML's
+    # payload, most for small transfers); default: pcie_tx_mb_s / pcie_rx_mb_s
+    dcgm_pcie_tx_mb_s: float | None = Field(None, ge=0)
+    dcgm_pcie_rx_mb_s: float | None = Field(None, ge=0)
     pcie_replay_count: float | None = Field(None, ge=0)  # a counter: ramp it to make it rise
     ecc_corrected_total: float | None = Field(None, ge=0)
     ecc_uncorrected_total: float | None = Field(None, ge=0)
@@ -448,6 +452,32 @@ class Scenario(Strict):
                 )
                 if why:
                     raise ValueError(f"phases.{i}.kmsg.{j}.text: {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _nfs_values_name_mounts(self) -> Scenario:
+        """`nfs` host values are a mount's: declared, or a `reads_from` naming no disk."""
+        host = self.node.host
+        disks = {d.name for d in host.disks}
+        values = [("node.initial_host", self.node.initial_host)] + [
+            (f"phases.{i}.host", phase.host) for i, phase in enumerate(self.phases)
+        ]
+        names = {m.name for m in host.nfs_mounts} | {
+            p.reads_from
+            for _, v in values
+            for p in (v.processes or {}).values()
+            if p.reads_from is not None and p.reads_from not in disks
+        }
+        if len(host.nfs_mounts) != len({m.name for m in host.nfs_mounts}):
+            raise ValueError("node.host.nfs_mounts: a name is declared twice")
+        for where, v in values:
+            for name in v.nfs or {}:
+                if name not in names:
+                    raise ValueError(
+                        f"{where}.nfs.{name}: no such NFS mount (node.host.nfs_mounts "
+                        f"names, or a process's reads_from that is no disk: "
+                        f"{', '.join(sorted(names)) or 'none'})"
+                    )
         return self
 
     @model_validator(mode="after")

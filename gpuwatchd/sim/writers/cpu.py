@@ -25,7 +25,10 @@
   integrates the percent. Averages print as the kernel does, truncated to 2 decimals.
 * `meminfo` (fs/proc/meminfo.c, `%-16s%8lu kB` rows): MemTotal from
   `node.host.memory_total_mib`, MemAvailable from `mem_available_mib` (default 90 % of
-  the total), the other rows derived from those two.
+  the total), SwapTotal from `node.host.swap_total_mib` (default: 32 GiB where the
+  scenario swaps, else 0) and SwapFree from `swap_free_mib` (default: SwapTotal less the
+  pages swapped out and not read back, pswpout - pswpin, within 0..SwapTotal), the
+  other rows derived from those.
 * `vmstat` (mm/vmstat.c, `name value` rows, a subset in the kernel's order): `pswpin` /
   `pswpout` count pages (the host's page size) at `swap_in_mb_s` / `swap_out_mb_s`, each
   swapped-in page also a page of `pgpgin` (KiB read from block devices); `pgmajfault`
@@ -127,8 +130,9 @@ def vmstat_text(counters: Mapping[Any, float]) -> str:
     )
 
 
-def meminfo_text(total_kb: int, available_kb: int) -> str:
+def meminfo_text(total_kb: int, available_kb: int, swap_kb: int = 0, swap_free_kb: int = 0) -> str:
     """A 5.x x86-64 /proc/meminfo for a node with this much memory and availability."""
+    swap_free_kb = max(0, min(swap_free_kb, swap_kb))
     available_kb = max(0, min(available_kb, total_kb))
     used_kb = total_kb - available_kb
     free_kb = available_kb * 6 // 10
@@ -142,7 +146,7 @@ def meminfo_text(total_kb: int, available_kb: int) -> str:
         ("MemAvailable", available_kb, True),
         ("Buffers", buffers_kb, True),
         ("Cached", cached_kb, True),
-        ("SwapCached", 0, True),
+        ("SwapCached", (swap_kb - swap_free_kb) // 50, True),
         ("Active", anon_kb // 2 + cached_kb // 2, True),
         ("Inactive", anon_kb - anon_kb // 2 + cached_kb - cached_kb // 2, True),
         ("Active(anon)", anon_kb // 2, True),
@@ -151,8 +155,8 @@ def meminfo_text(total_kb: int, available_kb: int) -> str:
         ("Inactive(file)", cached_kb - cached_kb // 2, True),
         ("Unevictable", 0, True),
         ("Mlocked", 0, True),
-        ("SwapTotal", 0, True),
-        ("SwapFree", 0, True),
+        ("SwapTotal", swap_kb, True),
+        ("SwapFree", swap_free_kb, True),
         ("Dirty", 1024, True),
         ("Writeback", 0, True),
         ("AnonPages", anon_kb, True),
@@ -217,6 +221,18 @@ def core_split(
     return columns
 
 
+def swap_total_kb(timeline: Timeline) -> int:
+    """SwapTotal: the node's `swap_total_mib`, else 32 GiB where the scenario swaps."""
+    scenario = timeline.scenario
+    total = scenario.node.host.swap_total_mib
+    if total is None:
+        values = [scenario.node.initial_host, *(p.host for p in scenario.phases)]
+        swaps = any((v.swap_in_mb_s or 0) > 0 or (v.swap_out_mb_s or 0) > 0 for v in values)
+        swaps |= any(k.startswith("swap_") for p in scenario.phases for k in p.host_ramp)
+        total = 32768 if swaps else 0
+    return int(total * 1024)
+
+
 class CpuWriter:
     """Writes and updates `<root>/stat`, `<root>/pressure/*` and `<root>/meminfo`."""
 
@@ -230,6 +246,7 @@ class CpuWriter:
         self.ncpus = node.cpus
         self.numa_nodes = node.numa_nodes
         self.memory_total_kb = int(node.host.memory_total_mib * 1024)
+        self.swap_total_kb = swap_total_kb(timeline)
         self._jiffies = Integrator()
         self._counters = Integrator()  # ctxt, processes, softirqs, PSI totals
         self._avgs: dict[tuple[str, str], tuple[float, float, float]] = {}  # avg60, avg300, value
@@ -284,9 +301,14 @@ class CpuWriter:
         available_kb = (
             self.memory_total_kb * 9 // 10 if available is None else int(available * 1024)
         )
-        self.files.put(
-            os.path.join(self.root, "meminfo"), meminfo_text(self.memory_total_kb, available_kb)
-        )
+        swap_free = host.get("swap_free_mib")
+        if swap_free is None:  # what was swapped out and not read back is in use
+            pages = counters.get(("vm", "pswpout"), 0.0) - counters.get(("vm", "pswpin"), 0.0)
+            swap_free_kb = self.swap_total_kb - int(pages * PAGE / 1024)
+        else:
+            swap_free_kb = int(swap_free * 1024)
+        meminfo = meminfo_text(self.memory_total_kb, available_kb, self.swap_total_kb, swap_free_kb)
+        self.files.put(os.path.join(self.root, "meminfo"), meminfo)
         self.files.put(os.path.join(self.root, "vmstat"), vmstat_text(counters))
         self._kswapd(counters, host)
         return self.writes - before
@@ -458,6 +480,7 @@ __all__ = [
     "CpuWriter",
     "core_split",
     "meminfo_text",
+    "swap_total_kb",
     "psi_fixed",
     "psi_line",
     "vmstat_text",

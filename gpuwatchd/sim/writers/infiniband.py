@@ -34,8 +34,10 @@ Values come from `timeline.host_state(t)["ib_ports"]["<dev>/<port>"]`:
   per second, the inverse of the infiniband source's conversion. All three are 0 while
   the port is not ACTIVE.
 * `symbol_error_total`, `link_downed_total`, `link_error_recovery_total`,
-  `port_rcv_errors_total` are written as they are (ramp them to make them rise),
-  saturating at their PMA width (255 for the 8-bit link_downed) as the hardware's do.
+  `port_rcv_errors_total`, `local_link_integrity_errors_total` and
+  `port_xmit_discards_total` are written as they are (ramp them to make them rise),
+  saturating at their PMA width (255 for the 8-bit link_downed, 15 for the 4-bit
+  local_link_integrity_errors) as the hardware's do.
 
 One deliberate difference from real hardware: port_xmit_wait is a saturating 32-bit
 PMA counter, which a congested fast port fills within seconds; here it is written
@@ -88,6 +90,8 @@ ERROR_VALUES = {
     "link_downed_total": "link_downed",
     "link_error_recovery_total": "link_error_recovery",
     "port_rcv_errors_total": "port_rcv_errors",
+    "local_link_integrity_errors_total": "local_link_integrity_errors",
+    "port_xmit_discards_total": "port_xmit_discards",
 }
 ERROR_KEYS = {counter: key for key, counter in ERROR_VALUES.items()}
 ERROR_MAX = {name: (1 << bits) - 1 for name, bits in ERROR_COUNTERS}

@@ -9,8 +9,12 @@ process the `ProcessesWriter` `processes` writes, and for each of its workers:
   10^6; `rchar` is read_bytes plus 1 MB/s of page-cache reads, `syscr` one per 128 KiB;
 * `mountinfo` (fs/proc_namespace.c `show_mountinfo`): `/` on the first disk's
   partition 1, each other disk's partition 1 on `/mnt/<disk>`, proc, sysfs, devtmpfs
-  and /dev/shm; a `reads_from` that names no disk of the node is an NFS mount on
-  `/mnt/<name>` (an anonymous device `0:N`, as network filesystems have);
+  and /dev/shm, then the NFS mounts (`node.host.nfs_mounts`, and a `reads_from` that
+  names no disk of the node: `10.0.0.2:/<name>` on `/mnt/<name>`), on anonymous devices
+  `0:N`, as network filesystems have;
+* `mountstats` (`nfs.py`): of each main process (0400: refused to the unprivileged
+  daemon), and the daemon's own `self/mountinfo` and `self/mountstats` (the host's
+  namespace: the NFS mounts with `daemon_sees`), when the node has NFS mounts;
 * `fd/N`: symlinks as the kernel shows them (`/dev/null`, `pipe:[…]`, `socket:[…]`,
   `anon_inode:[eventfd]`, `/dev/nvidiactl`, the main process's `/dev/nvidia0` and its
   log on the first disk (write-only: `flags` 0102001)), then two files of the
@@ -35,6 +39,7 @@ from gpuwatchd.sim.counters import Integrator
 from gpuwatchd.sim.files import Files
 from gpuwatchd.sim.scenario import Timeline
 from gpuwatchd.sim.writers.disks import device_numbers, partition_name
+from gpuwatchd.sim.writers.nfs import NfsStats, Row, mount_names, nfs_options
 from gpuwatchd.sim.writers.processes import ProcessesWriter, worker_pid
 
 CACHE_READ_BYTES = 1_000_000.0  # rchar beyond read_bytes per second: page-cache hits
@@ -72,55 +77,67 @@ class ProcIoWriter:
         # pid -> (workers, reads_from) as last written
         self._shape: dict[int, tuple[int, str]] = {}
         self._mounts: dict[str, tuple[int, str]] = {}  # reads_from -> (mount id, path)
-        self._mountinfo, extra = self._mount_table()
-        self._extra_mounts = extra
+        self.nfs = NfsStats(timeline, mount_names(timeline, self.disks), self.disks)
+        self._rows = self._mount_table()
+        self._mountinfo = "".join(row.mountinfo() for row in self._rows)
+        # the daemon's own namespace: the host's, less what only the jobs mount
+        self._own = [r for r in self._rows if r.nfs is None or r.nfs.daemon_sees]
 
     @property
     def writes(self) -> int:
         return self.files.writes
 
-    def _mount_table(self) -> tuple[str, list[str]]:
-        lines = []
-        mount_id = 24
-        root_parent = 1
+    def _mount_table(self) -> list[Row]:
+        rows: list[Row] = []
         for i, disk in enumerate(self.disks):
             part = partition_name(disk)
             major, minor = self.numbers[part]
+            mount_id = 24 if i == 0 else 29 + i
             point = "/" if i == 0 else f"/mnt/{disk}"
-            parent = root_parent if i == 0 else 24
             fs = "ext4" if i == 0 else "xfs"
             options = "rw,errors=remount-ro" if i == 0 else "rw,attr2,inode64,noquota"
-            lines.append(
-                f"{mount_id} {parent} {major}:{minor} / {point} rw,relatime shared:{i + 1} "
-                f"- {fs} /dev/{part} {options}\n"
-            )
+            parent = 1 if i == 0 else 24
+            row = Row(mount_id, parent, f"{major}:{minor}", point, "rw,relatime",
+                      f"shared:{i + 1}", fs, f"/dev/{part}", options)  # fmt: skip
+            rows.append(row)
             self._mounts[disk] = (mount_id, point)
-            mount_id += 1
             if i == 0:
-                lines += [
-                    "25 24 0:22 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw\n",
-                    "26 24 0:23 / /proc rw,nosuid,nodev,noexec,relatime shared:13 - proc proc rw\n",
-                    "27 24 0:5 / /dev rw,nosuid,relatime shared:2 - devtmpfs udev "
-                    "rw,size=528275416k,nr_inodes=132068854,mode=755\n",
-                    "28 27 0:25 / /dev/shm rw,nosuid,nodev shared:4 - tmpfs tmpfs rw\n",
-                ]
-                mount_id = 30
-        return "".join(lines), []
+                rows += [
+                    Row(25, 24, "0:22", "/sys", "rw,nosuid,nodev,noexec,relatime",
+                        "shared:7", "sysfs", "sysfs", "rw"),
+                    Row(26, 24, "0:23", "/proc", "rw,nosuid,nodev,noexec,relatime",
+                        "shared:13", "proc", "proc", "rw"),
+                    Row(27, 24, "0:5", "/dev", "rw,nosuid,relatime", "shared:2", "devtmpfs",
+                        "udev", "rw,size=528275416k,nr_inodes=132068854,mode=755"),
+                    Row(28, 27, "0:25", "/dev/shm", "rw,nosuid,nodev", "shared:4", "tmpfs",
+                        "tmpfs", "rw"),
+                ]  # fmt: skip
+        for i, mount in enumerate(self.nfs.mounts):
+            mount_id = 100 + i
+            fstype = "nfs" if mount.version == "3" else "nfs4"
+            rows.append(Row(mount_id, 24, f"0:{NFS_MINOR + i}", mount.point(), "rw,relatime",
+                            f"shared:{mount_id}", fstype, f"{mount.server}:{mount.export_path()}",
+                            nfs_options(mount), mount))  # fmt: skip
+            self._mounts[mount.name] = (mount_id, mount.point())
+        return rows
 
     def _mount_of(self, reads_from: str) -> tuple[int, str]:
         """(mount id, mount point) of the filesystem a dataset on `reads_from` is on."""
-        known = self._mounts.get(reads_from)
-        if known is None:  # not a disk of the node: a network filesystem
-            mount_id = 100 + len(self._extra_mounts)
-            point = f"/mnt/{reads_from}"
-            self._extra_mounts.append(
-                f"{mount_id} 24 0:{NFS_MINOR + len(self._extra_mounts)} / {point} "
-                f"rw,relatime shared:{mount_id} - nfs4 10.0.0.2:/{reads_from} "
-                "rw,vers=4.1,rsize=1048576,wsize=1048576,hard,proto=tcp,timeo=600,"
-                "retrans=2,sec=sys\n"
-            )
-            known = self._mounts[reads_from] = (mount_id, point)
-        return known
+        return self._mounts.get(reads_from, (0, "/"))
+
+    def _write_mountstats(self, t: float, mains: list[int]) -> None:
+        """The NFS client's statistics: the daemon's own namespace (/proc/self: the
+        host's, without the mounts it does not see) and each main process's (0400, its
+        owner's: refused to the unprivileged daemon)."""
+        self.nfs.advance(t)
+        self.files.put(f"{self.proc}/self/mountinfo", "".join(r.mountinfo() for r in self._own))
+        self.files.put(f"{self.proc}/self/mountstats", self.nfs.mountstats(self._own, t))
+        text = self.nfs.mountstats(self._rows, t) if self.processes.ptrace else ""
+        for pid in mains:
+            if self.processes.ptrace:
+                self.files.put(f"{self.proc}/{pid}/mountstats", text)
+            else:
+                self.files.deny(f"{self.proc}/{pid}/mountstats")
 
     def write(self, t: float) -> int:
         before = self.writes
@@ -168,12 +185,14 @@ class ProcIoWriter:
                 else:
                     self.files.deny(f"{base}/io")
             self._shape[pid] = (workers, reads_from)
+        if self.nfs.mounts:
+            self._write_mountstats(t, list(plans))
         return self.writes - before
 
     def _write_static(self, base: str, pid: int, reads_from: str, main: bool) -> None:
         mount, point = self._mount_of(reads_from)
         prefix = point.rstrip("/")
-        self.files.put(f"{base}/mountinfo", self._mountinfo + "".join(self._extra_mounts))
+        self.files.put(f"{base}/mountinfo", self._mountinfo)
         fds: list[tuple[str, int, str]] = [
             ("/dev/null", 27, "0100000"),
             (f"pipe:[{pid % 100000 + 41000}]", PIPEFS, "01"),
