@@ -17,9 +17,19 @@ from gpuwatchd.sim.detection import corpus as corpus_pairs
 CORPUS_FILES = {"test_detection.py", "test_scenario_corpus.py"}
 
 
+@pytest.hookimpl(trylast=True)  # after -k, -m and --deselect have taken their tests out
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     corpus = [item for item in items if item.path.name in CORPUS_FILES]
     if corpus:
-        # the CPU the real-time tests leave; both privileges (test_scenario_corpus.py)
-        play_pairs_ahead(corpus_pairs(EVERYTHING), nice=19)
+        # the CPU the real-time tests leave; both privileges (test_scenario_corpus.py);
+        # only the pairs of the scenario tests selected, unless a test of the whole
+        # corpus (the detection table) is
+        pairs = corpus_pairs(EVERYTHING)
+        if all("name" in getattr(item, "callspec", _NONE).params for item in corpus):
+            pairs = [(i.callspec.params["name"], i.callspec.params["privileges"]) for i in corpus]
+        play_pairs_ahead(pairs, nice=19)
         items[:] = [item for item in items if item.path.name not in CORPUS_FILES] + corpus
+
+
+class _NONE:
+    params: dict[str, object] = {}
