@@ -25,13 +25,18 @@ HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()  # cost 4: f
 
 
 class FakeDcgm(Source):
-    """A `dcgm` source whose profiling pause records its calls; `series` sets /metrics' size."""
+    """A `dcgm` source whose profiling pause records its calls; `series` sets /metrics' size.
+
+    Polled by hand (`serving` polls it once), so its interval is an hour: its series stay
+    as polled for a test's life, as those of a source the daemon keeps polling do. (At
+    1 s they went stale 3 s after the poll: on a loaded machine, polling and rendering
+    60,000 series took longer, and /metrics answered ~900 bytes instead of ~4 MB.)"""
 
     name = "dcgm"
     metrics = (gauge("gpu_test_value", "A test series", ("gpu", "uuid", "i")),)
 
     def __init__(self, series: int = 10) -> None:
-        super().__init__(SourceConfig(interval=1, timeout=1), Context())
+        super().__init__(SourceConfig(interval=3600, timeout=1), Context())
         self.series = series
         self.pauses: list[float] = []
 
