@@ -207,8 +207,18 @@ class CpuSource(Source):
             ("cpu",),
             budget=0,
         ),
-        gauge("cpu_busy_ratio_avg", "Share of the last interval the node's CPUs were busy."),
-        gauge("cpu_busy_ratio_max", "Busy ratio of the busiest core over the last interval."),
+        # what node_exporter's node_cpu_seconds_total and node_pressure_* say: kept for the
+        # rules and detail_metrics (issue 46)
+        gauge(
+            "cpu_busy_ratio_avg",
+            "Share of the last interval the node's CPUs were busy.",
+            export="detail",
+        ),
+        gauge(
+            "cpu_busy_ratio_max",
+            "Busy ratio of the busiest core over the last interval.",
+            export="detail",
+        ),
         gauge(
             "cpu_cores_saturated",
             "Cores busier than the saturation threshold (default 0.9) over the last interval.",
@@ -228,8 +238,16 @@ class CpuSource(Source):
             "interrupt handlers over the last interval.",
             export="detail",
         ),
-        gauge("cpu_iowait_ratio", "Share of the node's CPU time in iowait over the last interval."),
-        gauge("cpu_steal_ratio", "Share of the node's CPU time stolen by the hypervisor."),
+        gauge(
+            "cpu_iowait_ratio",
+            "Share of the node's CPU time in iowait over the last interval.",
+            export="detail",
+        ),
+        gauge(
+            "cpu_steal_ratio",
+            "Share of the node's CPU time stolen by the hypervisor.",
+            export="detail",
+        ),
         gauge(
             "pressure_ratio",
             "PSI: share of time some or all tasks stalled on the resource, averaged over the "
@@ -241,7 +259,7 @@ class CpuSource(Source):
             "pressure_stalled_seconds_total",
             "PSI: total time some or all tasks stalled on the resource.",
             ("resource", "kind"),
-            budget=6,
+            export="detail",
         ),
         gauge(
             "memory_available_bytes",
