@@ -38,7 +38,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", help="write the first scenario's profile here")
     args = parser.parse_args()
-    print("| scenario | simulated s | CPU s (best of %d) | ms per simulated s |" % args.repeat)
+    print(f"| scenario | simulated s | CPU s (best of {args.repeat}) | ms per simulated s |")
     print("|---|---|---|---|")
     for name in args.scenarios:
         runs = [cpu_of(name) for _ in range(args.repeat)]

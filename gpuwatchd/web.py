@@ -74,6 +74,7 @@ from aiohttp import web
 from aiohttp.http import HttpRequestParser
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+
 from gpuwatchd.exposition import OPENMETRICS_TYPE, gzip_accepted, gzip_body
 from gpuwatchd.status_page import StatusPage
 from gpuwatchd.webconfig import BasicAuth, WebConfig, load_web_config, peer_sans, ssl_context

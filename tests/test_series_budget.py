@@ -1,8 +1,8 @@
 """What a node costs the fleet's Prometheus (issue 24): the series each family shows on a
 healthy 8-GPU node with the default config stay within its declared budget
 (MetricSpec.budget, docs/metrics.md), the node within dcgm-exporter's default set (24
-series per GPU, issue 46) and 30 KB a scrape; the families held back (`nonzero`, `detail`) show when they matter, and
-`detail_metrics` shows every family the store holds.
+series per GPU, issue 46) and 30 KB a scrape; the families held back (`nonzero`,
+`detail`) show when they matter, and `detail_metrics` shows every family the store holds.
 """
 
 from __future__ import annotations
