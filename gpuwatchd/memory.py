@@ -10,7 +10,6 @@ back. Elsewhere (musl, macOS) these are no-ops.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import logging
 
@@ -22,7 +21,7 @@ ARENAS = 2
 
 def _libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols: libc's among them
     except OSError:
         return None
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
