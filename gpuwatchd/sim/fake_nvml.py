@@ -337,6 +337,8 @@ class FakeNvmlLib(DeviceReads, MigReads):
         }
         # (gpu, "tx" | "rx") -> (bytes so far, the clock's time they were counted to)
         self._pcie: dict[tuple[int, str], tuple[float, float]] = {}
+        # "tx" | "rx" -> ((from, to), every GPU's MB over that span): the last integral
+        self._pcie_integrals: dict[str, tuple[tuple[float, float], list[float]]] = {}
         self._field_t = 0.0  # the time of the field values being read
         self._field_handlers = self._build_field_handlers()
         record = pynvml.c_nvmlFieldValue_t

@@ -125,6 +125,7 @@ class DeviceReads:
         _field_handlers: dict[int, tuple[str, FieldReader]]
         _field_plans: dict[tuple[int, tuple[tuple[int, int], ...]], _FieldPlan]
         _pcie: dict[tuple[int, str], tuple[float, float]]
+        _pcie_integrals: dict[str, tuple[tuple[float, float], list[float]]]
         _field_t: float
 
         def _gpu_values(self, gpu: int) -> dict[str, Any]: ...
@@ -604,8 +605,12 @@ class DeviceReads:
         t = self._field_t
         counted, at = self._pcie.get((gpu, direction), (0.0, 0.0))
         if t > at:
-            added = self.timeline.integral(f"pcie_{direction}_mb_s", at, t)[gpu]
-            counted, at = counted + added * 1e6, t
+            # every GPU's integral over the same span: a poll of 8 GPUs computes it once
+            last = self._pcie_integrals.get(direction)
+            if last is None or last[0] != (at, t):
+                last = (at, t), self.timeline.integral(f"pcie_{direction}_mb_s", at, t)
+                self._pcie_integrals[direction] = last
+            counted, at = counted + last[1][gpu] * 1e6, t
             self._pcie[(gpu, direction)] = (counted, at)
         return int(counted)
 
