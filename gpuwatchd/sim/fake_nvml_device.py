@@ -85,6 +85,7 @@ class _FieldPlan:
     # (field id, scope, code, reader or None, NVML_VALUE_TYPE_*, the value's modulus)
     fields: list[tuple[int, int, int, Any, int, int]]
     counted: list[tuple[int, int]]  # (field id, gpu) of each, for field_calls
+    records: struct.Struct  # all of the request's records, packed at once
 
 
 def _value(arg: Any) -> int:
@@ -628,9 +629,10 @@ class DeviceReads:
         self.field_calls.update(plan.counted)
         stamp = int((self.clock.start_wall + self.clock.elapsed()) * 1e6)  # µs since the epoch
         self._field_t = stamp / 1e6 - self.clock.start_wall  # the time the values are of
-        pack, state = _RECORD.pack, self._gpu_values(gpu)
+        state = self._gpu_values(gpu)
         refused = self._mig_refused_fields(gpu, state)  # a MIG-enabled GPU's, per call
-        out = []
+        out: list[int] = []
+        add = out.extend
         for field_id, scope, code, read, kind, modulus in plan.fields:
             value = 0
             if refused and field_id in refused and read is not None:
@@ -638,8 +640,8 @@ class DeviceReads:
             if read is not None:
                 got = read(gpu, state, scope)
                 code, value = (ERROR_INVALID_ARGUMENT, 0) if got is None else (SUCCESS, got)
-            out.append(pack(field_id, scope, stamp, 0, kind, code, value % modulus))
-        memoryview(values._obj).cast("B")[: len(asked) * _RECORD.size] = b"".join(out)
+            add((field_id, scope, stamp, 0, kind, code, value % modulus))
+        plan.records.pack_into(values._obj, 0, *out)
         return SUCCESS
 
     def _plan(self, gpu: int, asked: tuple[tuple[int, int], ...]) -> _FieldPlan:
@@ -663,7 +665,7 @@ class DeviceReads:
             )
             fields.append((field_id, scope, code or 0, read, int(kind), 1 << bits))
         counted = [(field_id, gpu) for field_id, _ in asked]
-        return _FieldPlan(fields, counted)
+        return _FieldPlan(fields, counted, struct.Struct("<" + _RECORD.format[1:] * len(asked)))
 
 
 def fill_processes(
