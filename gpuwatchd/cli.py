@@ -12,8 +12,6 @@ import logging
 import signal
 import ssl
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,9 +133,11 @@ def run(
 ) -> None:
     """Run the daemon: sample this node and serve Prometheus metrics."""
     signals.catch(signal.SIGTERM, signal.SIGINT)  # acted on once the daemon runs
+    from gpuwatchd import memory
     from gpuwatchd.daemon import Daemon
     from gpuwatchd.webconfig import WebConfigError
 
+    memory.limit_arenas()  # before any thread starts
     _setup_logging(log_level)
     overrides: dict[str, Any] = dict(listen=listen, web_config_file=web_config_file)
     config = _load(config_file, **overrides)
@@ -157,6 +157,7 @@ def run(
     except OSError as e:
         raise click.ClickException(f"cannot listen on {config.listen}: {e.strerror}") from e
     daemon.start()
+    memory.release_startup_garbage()
     host, port = daemon.address
     what = f"simulated node {scenario.name!r}" if scenario else "this node"
     url = f"{daemon.server.scheme}://{host}:{port}/metrics"
@@ -346,6 +347,9 @@ def dcgm_pause(
     host engine, other DCGM clients (dcgm-exporter) included. The daemon refuses it
     unless its web config has basic_auth_users (docs/security.md).
     """
+    import urllib.error  # a client's: `run` never loads urllib.request (issue 46: memory)
+    import urllib.request
+
     address = f"{url.rstrip('/')}/api/dcgm/pause?seconds={seconds:g}"
     request = urllib.request.Request(address, data=b"", method="POST")
     if user is not None:

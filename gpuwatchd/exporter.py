@@ -44,13 +44,20 @@ SELF_METRICS = (
         ("source",),
         budget=10,
     ),
+    # the node's freshness in one series, each source's with detail_metrics (issue 46)
+    gauge("last_success_timestamp_seconds", "Unix time of the last successful poll of any source"),
     gauge(
-        "source_duration_seconds", "How long the source's last poll took", ("source",), budget=10
+        "source_duration_seconds",
+        "How long the source's last poll took",
+        ("source",),
+        export="detail",
+        budget=10,
     ),
     gauge(
         "source_last_success_timestamp_seconds",
         "Unix time of the source's last successful poll",
         ("source",),
+        export="detail",
         budget=10,
     ),
     MetricSpec(
@@ -58,6 +65,7 @@ SELF_METRICS = (
         "Failed or overdue polls per source",
         ("source",),
         "counter",
+        export="nonzero",
         budget=10,
     ),
 )
@@ -182,6 +190,11 @@ class Exporter:
                 for series in self.store.source_latest(source)
             )
             rows[SELF_METRICS[0].name].append(((__version__,), 1.0))
+            successes = [p.health.last_success for p in self.pollers if p.health.last_success]
+            if successes:
+                rows["gpuwatchd_last_success_timestamp_seconds"].append(
+                    ((), self.to_wall(max(successes)))
+                )
             for poller in self.pollers:
                 health, source = poller.health, (poller.name,)
                 rows["gpuwatchd_source_up"].append((source, float(health.up)))

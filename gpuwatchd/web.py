@@ -74,10 +74,8 @@ from aiohttp import web
 from aiohttp.http import HttpRequestParser
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
-from prometheus_client.exposition import gzip_accepted
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 
-from gpuwatchd.exposition import gzip_body
+from gpuwatchd.exposition import OPENMETRICS_TYPE, gzip_accepted, gzip_body
 from gpuwatchd.status_page import StatusPage
 from gpuwatchd.webconfig import BasicAuth, WebConfig, load_web_config, peer_sans, ssl_context
 from gpuwatchd.weblimits import ClientBuckets, FairTurns, NoRoom, TokenBucket, client_group

@@ -27,7 +27,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import bcrypt
 import yaml
 from pydantic import (
     BaseModel,
@@ -40,6 +39,15 @@ from pydantic import (
 )
 
 from gpuwatchd.config import FileError, parse_duration, read_text_file
+
+
+def __getattr__(name: str) -> Any:
+    """`bcrypt`, loaded on first use: a node without basic auth never holds it (issue 46)."""
+    if name == "bcrypt":
+        import bcrypt
+
+        return bcrypt
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class WebConfigError(Exception):
@@ -407,10 +415,14 @@ def _cost(hashed: str) -> int:
 def _dummy(cost: int) -> str:
     """A hash of `cost` that no password matches (a fresh salt, a zero digest): checking
     a password against it costs what a real hash of that cost does, making it nothing."""
+    import bcrypt
+
     return bcrypt.gensalt(cost).decode() + "." * 31
 
 
 def _verify(password: str, hashed: str) -> bool:
+    import bcrypt
+
     try:
         return bcrypt.checkpw(password.encode(), hashed.encode())
     except ValueError:  # over bcrypt's 72 bytes: no hash can match it (as in Go)

@@ -54,6 +54,7 @@ BITS_PER_S = "bps"
 SECONDS = "s"
 PER_S = "cps"  # counts per second
 COUNT = "short"
+HERTZ = "hertz"
 GPU_HOURS = "suffix:GPU-h"
 GPU_HOURS_PER_H = "suffix:GPU-h/h"
 
@@ -720,24 +721,15 @@ def node_causes() -> dash.Row:
 def node_pcie() -> dash.Row:
     return row("PCIe", [
         grid(
-            "PCIe links: generation and width vs maximum", """Each GPU's own PCIe link:
-            its current generation and width next to the most the GPU and slot support,
-            and how many functions on its path to the CPU (the GPU, the switch and root
-            ports above it) run below what both ends of their link support (degraded). A
-            degraded bridge slows every GPU behind it; idle GPUs train down on purpose.""",
-            [query(per_gpu(m), instant=True) for m in (
-                "gpu_pcie_link_generation", "gpu_pcie_link_generation_max",
-                "gpu_pcie_link_width", "gpu_pcie_link_width_max")]
-            + [query(f"{pcie('pcie_link_degraded', 'gpu', 'sum')} or {per_gpu('gpu_info')}"
-                     " * 0", instant=True)],
+            "PCIe links degraded per GPU", """How many functions on each GPU's path to
+            the CPU (the GPU, the switch and root ports above it) run below what both ends
+            of their link support (degraded): 0 on a healthy node. A degraded bridge slows
+            every GPU behind it. Each link's generation and width, current and maximum,
+            with detail_metrics (gpuwatchd_gpu_pcie_link_*).""",
+            [query(f"{pcie('pcie_link_degraded', 'gpu', 'sum')} or {per_gpu('gpu_info')}"
+                   " * 0", instant=True)],
             columns=["gpu"],
-            display={
-                "Value #A": ("Generation", "none"),
-                "Value #B": ("Max generation", "none"),
-                "Value #C": ("Width (lanes)", "none"),
-                "Value #D": ("Max width", "none"),
-                "Value #E": ("Degraded functions", "none"),
-            },
+            display={"Value": ("Degraded functions", "none")},
             width=12, height=8,
         ),
         grid(
@@ -751,17 +743,6 @@ def node_pcie() -> dash.Row:
             display={"Value": ("Degraded", "none")},
             width=12, height=8,
         ),
-        graph(
-            "PCIe link generation per GPU", """Current PCIe generation of each GPU's
-            link (gpuwatchd_gpu_pcie_link_generation). A step down under load is a link
-            that retrained lower (the table gives the maximum); idle GPUs train down on
-            purpose.""",
-            [query(per_gpu("gpu_pcie_link_generation"), "GPU {{gpu}}")], COUNT),
-        graph(
-            "PCIe link width per GPU", """Current PCIe lanes of each GPU's link
-            (gpuwatchd_gpu_pcie_link_width); below the maximum in the table means a
-            narrowed link (a bad slot, riser or seating).""",
-            [query(per_gpu("gpu_pcie_link_width"), "GPU {{gpu}}")], COUNT),
         graph(
             "PCIe throughput per GPU", """Bytes per second over each GPU's PCIe link as
             NVML measures it: host to GPU (input batches, weights) and GPU to host. A GPU
@@ -801,11 +782,11 @@ def node_compute() -> dash.Row:
              query(per_gpu("gpu_dram_active_ratio"), "GPU {{gpu}} DRAM")],
             RATIO, max_val=1),
         graph(
-            "SM clock, share of maximum", """Each GPU's SM clock over its maximum. Under
-            load it should sit near 100 %; lower with a clock event reason active (next
-            panel) is throttling.""",
-            [query(f"{per_gpu('gpu_sm_clock_hertz')} / {per_gpu('gpu_sm_clock_max_hertz')}",
-                   "GPU {{gpu}}")], RATIO, max_val=1),
+            "SM clock per GPU", """Each GPU's SM clock. Under load it should sit at the
+            GPU's maximum (gpuwatchd_gpu_sm_clock_max_hertz with detail_metrics) or its
+            power-capped design point; lower with a clock event reason active (next panel)
+            is throttling.""",
+            [query(per_gpu("gpu_sm_clock_hertz"), "GPU {{gpu}}")], HERTZ),
         graph(
             "Clock event reasons active", """How many of the selected GPUs each clock event
             reason holds down (gpuwatchd_gpu_clock_event_reason_active): thermal, power
@@ -838,23 +819,12 @@ def node_input() -> dash.Row:
                    "GPU {{gpu}} busiest thread")],
             RATIO),
         graph(
-            "GPU process CPU (cores)", """CPU used by each GPU's main process and by its
-            child processes (DataLoader workers), in cores, next to the cgroup limit where
-            there is one.""",
+            "GPU process CPU (cores)", """CPU used by each GPU's main process, in cores,
+            next to the cgroup limit where there is one (its DataLoader workers' with
+            detail_metrics: gpuwatchd_gpu_process_workers_cpu_cores).""",
             [query(per_gpu("gpu_process_cpu_cores"), "GPU {{gpu}} main process"),
-             query(per_gpu("gpu_process_workers_cpu_cores"), "GPU {{gpu}} workers"),
              query(per_gpu("gpu_process_cpu_quota_cpus"), "GPU {{gpu}} limit")],
             COUNT),
-        graph(
-            "Disk utilization", """Share of time each disk had I/O in flight (iostat
-            %util). A disk near 100 % while GPUs wait is storage-bound input.""",
-            [query(host("disk_utilization_ratio", "device"), "{{device}}")], RATIO, max_val=1),
-        graph(
-            "Disk await", """Average time an I/O took on each disk, queueing included
-            (iostat await; r_await and w_await with detail_metrics). Rising await with high
-            utilization is a saturated disk.""",
-            [query(host("disk_await_seconds", "device"), "{{device}}")],
-            SECONDS),
     ])
 
 
@@ -937,10 +907,11 @@ def node_communication() -> dash.Row:
              query(per_gpu("gpu_nvlink_rx_bytes_per_second"), "GPU {{gpu}} rx")],
             BYTES_PER_S),
         graph(
-            "NVLinks active per GPU", """Active NVLinks of each GPU
-            (gpuwatchd_gpu_nvlinks_active). A drop means links went down and traffic
-            falls back to fewer links or PCIe.""",
-            [query(per_gpu("gpu_nvlinks_active"), "GPU {{gpu}}")], COUNT),
+            "NVLinks down per GPU", """NVLinks of each GPU that should be active and are
+            not (gpuwatchd_gpu_nvlink_down; 0 while none is). Traffic falls back to fewer
+            links or PCIe. The active count with detail_metrics.""",
+            [query(f"count by (gpu) (gpuwatchd_gpu_nvlink_down{{{GPU}}}) or "
+                   f"{per_gpu('gpu_info')} * 0", "GPU {{gpu}}")], COUNT),
         timeline(
             "InfiniBand port state", """Logical state of each InfiniBand/RoCE port: ACTIVE
             (green) carries traffic; DOWN, INIT or ARMED cut the node off its peers.""",
@@ -992,31 +963,16 @@ def node_driver() -> dash.Row:
 def node_system() -> dash.Row:
     return row("System", [
         graph(
-            "Node CPU: busy, iowait, steal", """The node's CPUs: average busy share, the
-            busiest core, time in iowait, and time stolen by the hypervisor. A core at
-            100 % can starve a single-threaded loader while the average looks fine; steal
-            above a few percent is a noisy VM neighbour.""",
-            [query(host("cpu_busy_ratio_avg", "job"), "busy (average)"),
-             query(host("cpu_busy_ratio_max", "job"), "busiest core"),
-             query(host("cpu_iowait_ratio", "job"), "iowait"),
-             query(host("cpu_steal_ratio", "job"), "steal")],
+            "CPU busy per NUMA node", """Share of each NUMA node's CPUs that was busy. A
+            GPU's loader on a saturated NUMA node starves while the node's average looks
+            fine. Per-core figures, iowait, steal, disks and pressure (PSI): node_exporter,
+            or detail_metrics.""",
+            [query(host("cpu_numa_busy_ratio", "numa_node"), "NUMA {{numa_node}}")],
             RATIO, max_val=1),
         graph(
             "Interrupts per second by device class", """Interrupt rate summed per device
             class (nvidia, nvme, nic, usb, other; system = timer and IPI rows).""",
             [query(host("interrupts_per_second", "class", "sum"), "{{class}}")], PER_S),
-        graph(
-            "Busiest IRQ line per class", """Rate of the busiest single IRQ line of each
-            device class; one line far above the storm threshold (10000/s by default) pins
-            a core.""",
-            [query(host("interrupt_max_line_per_second", "class"), "{{class}}")], PER_S),
-        graph(
-            "Pressure stall (PSI)", """Share of time some task stalled waiting for CPU,
-            I/O or memory (Linux PSI, the rate of its stall time). Rising I/O pressure while
-            GPUs wait points at storage; CPU pressure at too few cores.""",
-            [query("sum by (resource) (rate(gpuwatchd_pressure_stalled_seconds_total"
-                   f'{{{NODE}, kind="some"}}[$__rate_interval]))', "{{resource}}")],
-            RATIO, max_val=1),
     ])
 
 

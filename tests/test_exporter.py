@@ -71,7 +71,8 @@ def test_renders_samples_self_metrics_and_build_info(setup):
     assert xid.type == "counter"
     assert xid.samples[0].name == "gpuwatchd_gpu_xid_errors_total"
     assert got["gpuwatchd_source_up"].samples[0].value == 1.0
-    assert got["gpuwatchd_source_last_success_timestamp_seconds"].samples[0].value == 1000.0
+    assert "gpuwatchd_source_last_success_timestamp_seconds" not in got  # detail_metrics
+    assert got["gpuwatchd_last_success_timestamp_seconds"].samples[0].value == 1000.0
     assert got["gpuwatchd_build_info"].samples[0].labels["version"]
 
 

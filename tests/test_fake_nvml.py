@@ -438,6 +438,7 @@ def test_calls_cost_what_the_settings_say(monkeypatch):
     spent.clear()
     nv.nvmlDeviceGetUtilizationRates(h)
     assert spent == [] and fake.overshoot == pytest.approx(70e-6)  # beyond the 30 µs
+    assert fake.python == pytest.approx(100e-6)  # the fake's own work, all of it
 
 
 def test_free_costs_nothing_and_run_simulate_costs_what_a_driver_does(monkeypatch):
@@ -474,8 +475,9 @@ def test_call_counts_are_written_for_a_benchmark(tmp_path, monkeypatch):
     monkeypatch.setenv(fake_nvml.STATS_ENV, str(path))
     nv, fake, _, _ = start("healthy-8gpu")
     nv.nvmlDeviceGetCount()
-    at, calls, overshoot = path.read_text().split()
+    at, calls, overshoot, python = path.read_text().split()
     assert float(at) > 0 and 1 <= int(calls) <= fake.calls_total and float(overshoot) >= 0
+    assert float(python) >= float(overshoot)
 
 
 def xid_scenario() -> Scenario:

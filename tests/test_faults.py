@@ -71,10 +71,11 @@ class Scrape:
         return {name for name, have in self.values if want <= have}
 
     def source(self, name: str) -> tuple[float | None, float | None, float | None]:
-        """(source_up, errors_total, last_success_timestamp) of source `name`."""
+        """(source_up, errors_total, last_success_timestamp) of source `name` (errors_total
+        is shown once not 0)."""
         return (
             self.get("source_up", source=name),
-            self.get("source_errors_total", source=name),
+            self.get("source_errors_total", source=name) or 0.0,
             self.get("source_last_success_timestamp_seconds", source=name),
         )
 
@@ -96,7 +97,8 @@ class Node:
                 "phases": phases,
             }
         )
-        (tmp_path / "gpuwatchd.yaml").write_text(config or "{}\n")
+        # every family: each source's health is detail_metrics (issue 46)
+        (tmp_path / "gpuwatchd.yaml").write_text("detail_metrics: true\n" + config)
         self.config: Config = load_config(tmp_path / "gpuwatchd.yaml")
         self.sim = SimNode(scenario, virtual=True)
         self.clock = self.sim.clock
@@ -340,7 +342,7 @@ def test_probe_socket_on_a_full_filesystem_is_down_then_back(tmp_path, monkeypat
     source = probe.ProbeSource(config, Context(procfs=tmp_path))
     store = Store()
     poller = Poller(source, store, clock)
-    exporter = Exporter(store, [poller], source.metrics, clock)
+    exporter = Exporter(store, [poller], source.metrics, clock, detail=True)
     try:
         for _ in range(3):
             poller.poll()

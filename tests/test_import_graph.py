@@ -10,6 +10,8 @@ Issue 42 item 8 untangled the MIG work's two: the DCGM session and its MIG part 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -126,3 +128,27 @@ def test_the_rules_engine_imports_no_simulator():
         if name == "gpuwatchd.sim" or name.startswith(simulator)
     }
     assert sorted(found) == []
+
+
+# What the daemon's run path must not load (issue 46: its resident memory): basic auth's
+# bcrypt only where a web config asks for it, no prometheus_client (its exposition module
+# brings http.server, wsgiref and urllib.request), the kubelet's gRPC only where the
+# processes source asks a pod resources socket, DCGM's bindings only once DCGM is found,
+# and no simulator.
+NOT_ON_THE_RUN_PATH = ("bcrypt", "prometheus_client", "grpc", "dcgm_agent", "pydcgm")
+RUN_PATH = (
+    "import sys, gpuwatchd.cli, gpuwatchd.daemon, gpuwatchd.web;"
+    "from gpuwatchd.sources import load_builtin_sources; load_builtin_sources();"
+    "print(' '.join(sys.modules))"
+)
+
+
+def test_the_run_path_leaves_what_a_plain_node_never_uses_unloaded():
+    out = subprocess.run(
+        [sys.executable, "-c", RUN_PATH], capture_output=True, text=True, check=True
+    )
+    loaded = set(out.stdout.split())
+    assert "gpuwatchd.daemon" in loaded and "gpuwatchd.sources.dcgm.source" in loaded
+    unwanted = {m for m in loaded if m.split(".")[0] in NOT_ON_THE_RUN_PATH}
+    assert sorted(unwanted) == []
+    assert sorted(m for m in loaded if m.startswith("gpuwatchd.sim")) == []

@@ -22,8 +22,8 @@ def test_prometheus_scrapes_every_gpu(tmp_path: Path):
                 60,
             )
             assert prometheus.query('up{job="gpuwatchd"}')[0]["value"][1] == "1"
-            gens = prometheus.query("gpuwatchd_gpu_pcie_link_generation_max")
-            assert {r["metric"]["gpu"] for r in gens} == {str(i) for i in range(8)}
+            clocks = prometheus.query("gpuwatchd_gpu_sm_clock_hertz")
+            assert {r["metric"]["gpu"] for r in clocks} == {str(i) for i in range(8)}
             joined = prometheus.query(
                 "gpuwatchd_gpu_power_watts * on(gpu, uuid) group_left(model) gpuwatchd_gpu_info"
             )

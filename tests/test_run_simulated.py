@@ -144,7 +144,7 @@ def test_healthz_and_openmetrics(daemon):
 def test_at_starts_the_simulated_node_at_its_fault():
     """`run --simulate pcie-gen3-under-load --at 400`: GPU 3's link is at Gen3 from the
     first scrape (it drops at 300 s), not after five minutes of waiting."""
-    with running_daemon("pcie-gen3-under-load", "--at", "400") as url:
+    with running_daemon("pcie-gen3-under-load", "--at", "400", *DETAIL) as url:
         deadline = time.monotonic() + 30
         while True:
             got = scrape(url).get("gpuwatchd_gpu_pcie_link_generation", [])

@@ -92,7 +92,9 @@ RELOAD_OK = gauge(
     "rules_last_reload_successful", "1 if the last load of the rule file succeeded, else 0."
 )
 RELOAD_TIME = gauge(
-    "rules_last_reload_success_timestamp_seconds", "When the rule file was last loaded."
+    "rules_last_reload_success_timestamp_seconds",
+    "When the rule file was last loaded.",
+    export="detail",
 )
 RULES = gauge("rules", "Rules in use (the last good rule file).")
 DURATION = gauge(

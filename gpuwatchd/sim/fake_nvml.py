@@ -28,11 +28,12 @@ per field; `nvmlDeviceGetPcieThroughput` blocking for its 21 ms sample), so benc
 and `run --simulate` see what a node would;
 `FREE` (the default, and virtual-time `simulate`) spends nothing. The fake's own Python
 work counts towards a call's cost; where it takes longer, the excess is counted in
-`overshoot` (CPU seconds), what the simulator costs beyond a real driver. `stats_path` (or
-the environment variable GPUWATCHD_SIM_NVML_STATS) names a file the fake rewrites about
-once a second with "<monotonic seconds> <calls so far> <overshoot so far>", so a
-benchmark can count the calls per second of a process it runs and leave the overshoot
-out of its CPU.
+`overshoot` (CPU seconds), what the simulator costs beyond a real driver; `python` counts
+all of the fake's own work, within a call's cost or beyond it. `stats_path` (or the
+environment variable GPUWATCHD_SIM_NVML_STATS) names a file the fake rewrites about once a
+second with "<monotonic seconds> <calls so far> <overshoot so far> <python so far>", so a
+benchmark can count the calls per second of a process it runs, leave the overshoot out of
+its CPU (its CPU on a real driver's terms) and say what the fake's Python was.
 """
 
 from __future__ import annotations
@@ -309,6 +310,7 @@ class FakeNvmlLib(DeviceReads, MigReads, FabricReads):
         }
         self.calls_total = 0
         self.overshoot = 0.0  # CPU seconds the fake's own work spent beyond `costs`
+        self.python = 0.0  # CPU seconds of the fake's own work (within `costs` or not)
         self._stats_path = stats_path or os.environ.get(STATS_ENV) or None
         self._stats_due = 0.0
         self.calls: Counter[str] = Counter()  # symbol -> calls
@@ -343,6 +345,8 @@ class FakeNvmlLib(DeviceReads, MigReads, FabricReads):
         }
         # (gpu, "tx" | "rx") -> (bytes so far, the clock's time they were counted to)
         self._pcie: dict[tuple[int, str], tuple[float, float]] = {}
+        # "tx" | "rx" -> ((from, to), every GPU's MB over that span): the last integral
+        self._pcie_integrals: dict[str, tuple[tuple[float, float], list[float]]] = {}
         self._field_t = 0.0  # the time of the field values being read
         self._field_handlers = self._build_field_handlers()
         record = pynvml.c_nvmlFieldValue_t
@@ -367,22 +371,27 @@ class FakeNvmlLib(DeviceReads, MigReads, FabricReads):
         return sorted(name for name, v in vars(self).items() if isinstance(v, Symbol))
 
     def _invoke(self, name: str, impl: Callable[..., int], kind: str, args: tuple) -> int:
+        cost = self.costs.calls.get(name, self.costs.per_call) if kind != "noinit" else 0.0
+        if not cost:
+            self.calls[name] += 1
+            self.calls_total += 1
+            if self._stats_path is not None:
+                self._write_stats()
+            return self._call(name, impl, kind, args)
+        since = time.thread_time()  # from here the fake's own work, bookkeeping included
         self.calls[name] += 1
         self.calls_total += 1
         if self._stats_path is not None:
             self._write_stats()
-        cost = self.costs.calls.get(name, self.costs.per_call) if kind != "noinit" else 0.0
-        if not cost:
-            return self._call(name, impl, kind, args)
         if name == "nvmlDeviceGetFieldValues":
             cost += self._fields_cost(args[1], args[2])
-        since = time.thread_time()
         try:
             return self._call(name, impl, kind, args)
         finally:
-            over = time.thread_time() - since - cost
-            if over > 0:  # the fake's own work took longer than the driver it plays
-                self.overshoot += over
+            own = time.thread_time() - since
+            self.python += own
+            if own > cost:  # the fake's own work took longer than the driver it plays
+                self.overshoot += own - cost
             else:
                 _spend(cost, since)
 
@@ -444,7 +453,7 @@ class FakeNvmlLib(DeviceReads, MigReads, FabricReads):
         self._stats_due = now + 1.0
         tmp = f"{self._stats_path}.tmp"
         with open(tmp, "w") as f:
-            f.write(f"{now:.6f} {self.calls_total} {self.overshoot:.6f}\n")
+            f.write(f"{now:.6f} {self.calls_total} {self.overshoot:.6f} {self.python:.6f}\n")
         os.replace(tmp, self._stats_path)
 
     def _gpu_of(self, handle: Any) -> int | None:

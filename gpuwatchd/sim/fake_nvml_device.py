@@ -82,6 +82,7 @@ class _FieldPlan:
     # (field id, scope, code, reader or None, NVML_VALUE_TYPE_*, the value's modulus)
     fields: list[tuple[int, int, int, Any, int, int]]
     counted: list[tuple[int, int]]  # (field id, gpu) of each, for field_calls
+    records: struct.Struct  # all of the request's records, packed at once
 
 
 def _value(arg: Any) -> int:
@@ -122,6 +123,7 @@ class DeviceReads:
         _field_handlers: dict[int, tuple[str, FieldReader]]
         _field_plans: dict[tuple[int, tuple[tuple[int, int], ...]], _FieldPlan]
         _pcie: dict[tuple[int, str], tuple[float, float]]
+        _pcie_integrals: dict[str, tuple[tuple[float, float], list[float]]]
         _field_t: float
 
         def _gpu_values(self, gpu: int) -> dict[str, Any]: ...
@@ -601,8 +603,12 @@ class DeviceReads:
         t = self._field_t
         counted, at = self._pcie.get((gpu, direction), (0.0, 0.0))
         if t > at:
-            added = self.timeline.integral(f"pcie_{direction}_mb_s", at, t)[gpu]
-            counted, at = counted + added * 1e6, t
+            # every GPU's integral over the same span: a poll of 8 GPUs computes it once
+            last = self._pcie_integrals.get(direction)
+            if last is None or last[0] != (at, t):
+                last = (at, t), self.timeline.integral(f"pcie_{direction}_mb_s", at, t)
+                self._pcie_integrals[direction] = last
+            counted, at = counted + last[1][gpu] * 1e6, t
             self._pcie[(gpu, direction)] = (counted, at)
         return int(counted)
 
@@ -620,9 +626,10 @@ class DeviceReads:
         self.field_calls.update(plan.counted)
         stamp = int((self.clock.start_wall + self.clock.elapsed()) * 1e6)  # µs since the epoch
         self._field_t = stamp / 1e6 - self.clock.start_wall  # the time the values are of
-        pack, state = _RECORD.pack, self._gpu_values(gpu)
+        state = self._gpu_values(gpu)
         refused = self._mig_refused_fields(gpu, state)  # a MIG-enabled GPU's, per call
-        out = []
+        out: list[int] = []
+        add = out.extend
         for field_id, scope, code, read, kind, modulus in plan.fields:
             value = 0
             if refused and field_id in refused and read is not None:
@@ -630,8 +637,8 @@ class DeviceReads:
             if read is not None:
                 got = read(gpu, state, scope)
                 code, value = (ERROR_INVALID_ARGUMENT, 0) if got is None else (SUCCESS, got)
-            out.append(pack(field_id, scope, stamp, 0, kind, code, value % modulus))
-        memoryview(values._obj).cast("B")[: len(asked) * _RECORD.size] = b"".join(out)
+            add((field_id, scope, stamp, 0, kind, code, value % modulus))
+        plan.records.pack_into(values._obj, 0, *out)
         return SUCCESS
 
     def _plan(self, gpu: int, asked: tuple[tuple[int, int], ...]) -> _FieldPlan:
@@ -655,7 +662,7 @@ class DeviceReads:
             )
             fields.append((field_id, scope, code or 0, read, int(kind), 1 << bits))
         counted = [(field_id, gpu) for field_id, _ in asked]
-        return _FieldPlan(fields, counted)
+        return _FieldPlan(fields, counted, struct.Struct("<" + _RECORD.format[1:] * len(asked)))
 
 
 def fill_processes(

@@ -295,7 +295,9 @@ _RATE_METRICS = (
         "Share of time the device had I/O in flight (iostat %util / 100).",
     ),
 )
-_SHOWN = ("disk_utilization_ratio", "disk_await_seconds")
+# node_exporter's diskstats say what iostat does: every family for the rules and
+# detail_metrics only (issue 46)
+_SHOWN: tuple[str, ...] = ()
 _FULL_NAMES = tuple(("gpuwatchd_" + name, attr) for name, attr, _ in _RATE_METRICS)
 
 

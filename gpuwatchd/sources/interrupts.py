@@ -393,7 +393,7 @@ class InterruptsSource(Source):
             "interrupt_max_line_per_second",
             "Interrupts per second of the busiest IRQ row of the device class.",
             ("class",),
-            budget=5,
+            export="detail",
         ),
         gauge(
             "interrupt_storm_lines",

@@ -160,7 +160,7 @@ STATE = gauge(
     export="nonzero",
     budget=1,
 )
-INFO = gauge("dcgm_info", "DCGM in use; always 1.", ("version",))
+INFO = gauge("dcgm_info", "DCGM in use; always 1.", ("version",), export="detail")
 LOSSES = counter(
     "dcgm_connection_losses_total",
     "Times a connected DCGM session broke (host engine restarts).",
@@ -175,8 +175,7 @@ PROFILING_STATE = _gpu(
     "gpu_dcgm_profiling_state",
     "1 for the GPU's DCGM profiling state (active, paused, unsupported, refused), else 0.",
     ("state",),
-    export="nonzero",
-    budget=1,
+    export="detail",
 )
 GENERIC = _gpu(
     "gpu_dcgm_field_value", "A configured DCGM field without a gpuwatchd name, raw.", ("field",)
@@ -196,18 +195,24 @@ class FieldMap:
     compat_help: str = ""
 
 
-def _ratio(name: str, help: str) -> MetricSpec:
-    return _gpu(name, help + " (0-1, DCGM profiling).")
+def _ratio(name: str, help: str, export: Export = "always") -> MetricSpec:
+    return _gpu(name, help + " (0-1, DCGM profiling).", export=export)
 
 
-GR_ENGINE = _ratio("gpu_gr_engine_active_ratio", "Fraction of time the graphics engine was busy")
+# what NVML's utilization, sm_active and tensor_active already say, and the pipes no rule
+# names: kept for the rules and detail_metrics (issue 46: ~24 series a GPU)
+GR_ENGINE = _ratio(
+    "gpu_gr_engine_active_ratio", "Fraction of time the graphics engine was busy", "detail"
+)
 SM_ACTIVE = _ratio("gpu_sm_active_ratio", "Fraction of cycles an SM had at least one warp")
-SM_OCCUPANCY = _ratio("gpu_sm_occupancy_ratio", "Resident warps per SM over the maximum")
+SM_OCCUPANCY = _ratio(
+    "gpu_sm_occupancy_ratio", "Resident warps per SM over the maximum", "detail"
+)
 TENSOR = _ratio("gpu_tensor_active_ratio", "Fraction of cycles a tensor pipe was active")
 DRAM = _ratio("gpu_dram_active_ratio", "Fraction of cycles device memory was sending or receiving")
-FP64 = _ratio("gpu_fp64_active_ratio", "Fraction of cycles the FP64 pipe was active")
-FP32 = _ratio("gpu_fp32_active_ratio", "Fraction of cycles the FP32 pipe was active")
-FP16 = _ratio("gpu_fp16_active_ratio", "Fraction of cycles the FP16 pipe was active")
+FP64 = _ratio("gpu_fp64_active_ratio", "Fraction of cycles the FP64 pipe was active", "detail")
+FP32 = _ratio("gpu_fp32_active_ratio", "Fraction of cycles the FP32 pipe was active", "detail")
+FP16 = _ratio("gpu_fp16_active_ratio", "Fraction of cycles the FP16 pipe was active", "detail")
 PCIE_TX = _gpu(
     "gpu_dcgm_pcie_tx_bytes_per_second",
     "PCIe transmit rate, headers included (DCGM).",
@@ -222,7 +227,7 @@ NVLINK_TX = _gpu("gpu_nvlink_tx_bytes_per_second", "NVLink transmit rate, all li
 NVLINK_RX = _gpu("gpu_nvlink_rx_bytes_per_second", "NVLink receive rate, all links (DCGM).")
 POWER = _gpu("gpu_dcgm_power_watts", "Power draw (DCGM).", export="detail")
 ENERGY = _gpu_counter(
-    "gpu_dcgm_energy_joules_total", "Energy used since the driver loaded.", export="always"
+    "gpu_dcgm_energy_joules_total", "Energy used since the driver loaded.", export="detail"
 )
 REPLAYS = _gpu_counter("gpu_dcgm_pcie_replay_errors_total", "PCIe replays (DCGM).")
 LAST_XID = _gpu(

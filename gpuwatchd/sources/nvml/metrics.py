@@ -15,7 +15,9 @@ LOST = _gpu_gauge(
 )
 UTILIZATION = _gpu_gauge("gpu_utilization_ratio", "Fraction of time a kernel was running.")
 MEMORY_UTILIZATION = _gpu_gauge(
-    "gpu_memory_utilization_ratio", "Fraction of time device memory was read or written."
+    "gpu_memory_utilization_ratio",
+    "Fraction of time device memory was read or written.",
+    export="detail",
 )
 MEMORY_USED = _gpu_gauge("gpu_memory_used_bytes", "Device memory in use.")
 MEMORY_TOTAL = _gpu_gauge("gpu_memory_total_bytes", "Device memory in total.")
@@ -33,8 +35,8 @@ SM_COUNT = _gpu_gauge(
     export="detail",
 )
 SM_CLOCK = _gpu_gauge("gpu_sm_clock_hertz", "Current SM clock.")
-SM_CLOCK_MAX = _gpu_gauge("gpu_sm_clock_max_hertz", "Maximum SM clock.")
-MEM_CLOCK = _gpu_gauge("gpu_memory_clock_hertz", "Current memory clock.")
+SM_CLOCK_MAX = _gpu_gauge("gpu_sm_clock_max_hertz", "Maximum SM clock.", export="detail")
+MEM_CLOCK = _gpu_gauge("gpu_memory_clock_hertz", "Current memory clock.", export="detail")
 MEM_CLOCK_MAX = _gpu_gauge("gpu_memory_clock_max_hertz", "Maximum memory clock.", export="detail")
 PSTATE = _gpu_gauge(
     "gpu_performance_state", "Performance state, 0 (max) to 15 (min).", export="detail"
@@ -46,12 +48,21 @@ CLOCK_REASON = _gpu_gauge(
     export="nonzero",
     budget=1,
 )
-PCIE_GEN = _gpu_gauge("gpu_pcie_link_generation", "Current PCIe link generation.")
-PCIE_GEN_MAX = _gpu_gauge(
-    "gpu_pcie_link_generation_max", "Highest PCIe generation this GPU and slot support."
+# a link below what both its ends support shows as gpuwatchd_pcie_link_degraded (issue 46)
+PCIE_GEN = _gpu_gauge(
+    "gpu_pcie_link_generation", "Current PCIe link generation.", export="detail"
 )
-PCIE_WIDTH = _gpu_gauge("gpu_pcie_link_width", "Current PCIe link width (lanes).")
-PCIE_WIDTH_MAX = _gpu_gauge("gpu_pcie_link_width_max", "Maximum PCIe link width (lanes).")
+PCIE_GEN_MAX = _gpu_gauge(
+    "gpu_pcie_link_generation_max",
+    "Highest PCIe generation this GPU and slot support.",
+    export="detail",
+)
+PCIE_WIDTH = _gpu_gauge(
+    "gpu_pcie_link_width", "Current PCIe link width (lanes).", export="detail"
+)
+PCIE_WIDTH_MAX = _gpu_gauge(
+    "gpu_pcie_link_width_max", "Maximum PCIe link width (lanes).", export="detail"
+)
 # the driver's byte counters are 32 bits on an H200: exact while under 2**32 bytes a poll
 PCIE_TX = _gpu_gauge(
     "gpu_pcie_tx_bytes_per_second",
@@ -87,7 +98,9 @@ REMAP_FAILED = _gpu_gauge(
 )
 # NVLinks per GPU as counts (a series per link and family cost 18 x 2 per H100), and the
 # links down by index only while they are (issue 24)
-NVLINK = _gpu_gauge("gpu_nvlinks_active", "NVLinks of the GPU that are active.")
+NVLINK = _gpu_gauge(
+    "gpu_nvlinks_active", "NVLinks of the GPU that are active.", export="detail"
+)
 NVLINK_EXPECTED = _gpu_gauge(
     "gpu_nvlinks_expected",
     "NVLinks of the GPU that should be active: seen active since the daemon started, or "
@@ -122,7 +135,9 @@ FABRIC_STATUS = _gpu_gauge(
     ("status",),
     export="nonzero",
 )
-PROCESSES = _gpu_gauge("gpu_compute_processes", "Compute processes running on the GPU.")
+PROCESSES = _gpu_gauge(
+    "gpu_compute_processes", "Compute processes running on the GPU.", export="detail"
+)
 # a series per pid is a new series per GPU at each job start: the GPU's total is
 # gpu_memory_used_bytes, the main process's name and owner are the processes source's
 PROCESS_MEMORY = _gpu_gauge(
@@ -153,8 +168,11 @@ STALE = _gpu_gauge(
     "are the last read.",
     export="nonzero",
 )
-CUDA_VERSION = gauge("cuda_driver_version", "CUDA version the driver supports, e.g. 12.4.")
-DEVICES = gauge("nvml_devices", "GPUs NVML reports on this node.")
+# constants: gpu_info carries the CUDA version, and a series per GPU
+CUDA_VERSION = gauge(
+    "cuda_driver_version", "CUDA version the driver supports, e.g. 12.4.", export="detail"
+)
+DEVICES = gauge("nvml_devices", "GPUs NVML reports on this node.", export="detail")
 
 # every family the nvml source exports, in the order it documents them
 SPECS = (

@@ -34,6 +34,7 @@ INFO = _gpu(
     "The GPU's main process (most GPU memory): its name and CUDA runtime; always 1. "
     "Absent on a MIG-enabled GPU, which has one per GPU instance (gpu_instance_process_info).",
     ("name", "cudart"),
+    export="detail",
 )
 PID = _gpu("gpu_process_pid", "Process id of the GPU's main process.")
 JOB = _gpu(
@@ -73,6 +74,7 @@ WORKERS = _gpu(
 WORKERS_CPU = _gpu(
     "gpu_process_workers_cpu_cores",
     "CPU used by the main process's children, summed, in cores.",
+    export="detail",
 )
 CPUS_ALLOWED = _gpu(
     "gpu_process_cpus_allowed", "CPUs the main process may run on (its affinity).", export="detail"
