@@ -96,7 +96,8 @@ RELOAD_TIME = gauge(
     "When the rule file was last loaded.",
     export="detail",
 )
-RULES = gauge("rules", "Rules in use (the last good rule file).")
+# a constant between reloads (rules_last_reload_successful says a reload took): detail
+RULES = gauge("rules", "Rules in use (the last good rule file).", export="detail")
 DURATION = gauge(
     "rules_evaluation_duration_seconds", "CPU time of the last rules evaluation cycle."
 )

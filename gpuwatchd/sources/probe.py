@@ -80,7 +80,10 @@ REPORTS = counter(
     ("result",),
     export="nonzero",
 )
-PROCESSES = gauge("probe_processes", "Processes whose probe reports are current")
+# 0 on every node whose jobs run no probe: shown once one reports
+PROCESSES = gauge(
+    "probe_processes", "Processes whose probe reports are current", export="nonzero"
+)
 UNPLACED = gauge(
     "probe_unplaced_processes",
     "Processes reporting that NVML lists on no GPU (a pid namespace other than the host's?)",
