@@ -19,8 +19,8 @@ log restarted can): the source follows it from there.
 Privileges. With kernel.dmesg_restrict=1 (Debian's and Ubuntu's default) opening the
 device needs CAP_SYSLOG; the shipped unit and DaemonSet grant none (docs/deploy.md has
 the opt-in). Refused, the source is down with the reason and `kmsg_state`
-`not_permitted`, and tries again every RETRY_REFUSED seconds; every rule that reads its series reads them
-as "nothing logged", so no cause becomes not evaluable for want of it.
+`not_permitted`, and tries again every RETRY_REFUSED seconds; every rule that reads its
+series reads them as "nothing logged", so no cause becomes not evaluable for want of it.
 
 Ties. A line names a GPU by PCI address (Xid, fallen off the bus), a function on its
 PCIe path (AER: the GPUs below it), an NVSwitch (the GPUs whose NVLinks reach it, as the

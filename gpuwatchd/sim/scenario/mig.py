@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
-from gpuwatchd.sim.scenario.base import GpuProcess, Strict
+from gpuwatchd.sim.scenario.base import GpuProcess, ProfilingRatios, Strict
 
 if TYPE_CHECKING:
     from gpuwatchd.sim.models import GpuModel
@@ -109,7 +109,7 @@ ACTIVITY = ("sm_active", "sm_occupancy", "tensor_active", "dram_active", "fp64_a
             "fp32_active", "fp16_active")  # fmt: skip
 
 
-class MigInstance(Strict):
+class MigInstance(ProfilingRatios):
     """One MIG device: a compute instance of a GPU instance, and what runs on it."""
 
     gpu_instance: int = Field(ge=0, le=14)  # the GI id (nvidia-smi's "GI ID")
@@ -124,17 +124,10 @@ class MigInstance(Strict):
     # what runs on it: NVML reads memory and processes per instance; utilization is what
     # DCGM's per-instance activity would show (NVML has none on MIG)
     utilization_gpu: float = Field(0, ge=0, le=100)
-    # DCGM's profiling ratios of the instance (fields 1002-1008), apart from its
+    # its profiling ratios (ProfilingRatios: fields 1002-1008), apart from its
     # utilization (1001, the graphics engine); default: derived from utilization as the
     # whole GPU's are (SMs 90 % of it, tensor and DRAM idle). An instance-local hang: a
     # kernel that never ends keeps utilization at 100 % with its SMs, pipes and DRAM idle
-    sm_active: float | None = Field(None, ge=0, le=1)
-    sm_occupancy: float | None = Field(None, ge=0, le=1)
-    tensor_active: float | None = Field(None, ge=0, le=1)
-    dram_active: float | None = Field(None, ge=0, le=1)
-    fp64_active: float | None = Field(None, ge=0, le=1)
-    fp32_active: float | None = Field(None, ge=0, le=1)
-    fp16_active: float | None = Field(None, ge=0, le=1)
     memory_used_mib: float = Field(0, ge=0)
     processes: list[GpuProcess] = []
     # Xid codes of the GPU's own (a phase's `xid`) that the driver reports on this

@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 from gpuwatchd.config import Duration
 from gpuwatchd.sim.host import HostHardware, HostValues, check_host_ramp
 from gpuwatchd.sim.models import BUILTIN_MODELS, GpuModel
-from gpuwatchd.sim.scenario.base import GpuProcess, Strict
+from gpuwatchd.sim.scenario.base import GpuProcess, ProfilingRatios, Strict
 from gpuwatchd.sim.scenario.kmsg import NVSWITCHES, KmsgLine, placeholder_problem
 from gpuwatchd.sim.scenario.mig import MigConfig, resolve
 from gpuwatchd.sim.scenario.noise import _amplitude
@@ -68,7 +68,7 @@ class Fabric(Strict):
         return self
 
 
-class GpuValues(Strict):
+class GpuValues(ProfilingRatios):
     """Everything a phase can set or ramp on a GPU, in human units (the fakes convert)."""
 
     utilization_gpu: float | None = Field(None, ge=0, le=100)  # percent
@@ -107,13 +107,7 @@ class GpuValues(Strict):
     fabric: Fabric | None = None  # NVLink fabric registration (NVSwitch boards, Hopper+)
     # DCGM profiling activity, ratios 0-1 (fields 1001-1008) and NVLink traffic (1011/1012)
     gr_engine_active: float | None = Field(None, ge=0, le=1)
-    sm_active: float | None = Field(None, ge=0, le=1)
-    sm_occupancy: float | None = Field(None, ge=0, le=1)
-    tensor_active: float | None = Field(None, ge=0, le=1)
-    dram_active: float | None = Field(None, ge=0, le=1)
-    fp64_active: float | None = Field(None, ge=0, le=1)
-    fp32_active: float | None = Field(None, ge=0, le=1)
-    fp16_active: float | None = Field(None, ge=0, le=1)
+    # and the profiling ratios (ProfilingRatios)
     nvlink_tx_mb_s: float | None = Field(None, ge=0)  # MB/s, 10^6 bytes
     nvlink_rx_mb_s: float | None = Field(None, ge=0)
     processes: list[GpuProcess] | None = None
