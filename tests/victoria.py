@@ -1,0 +1,197 @@
+"""VictoriaMetrics on loopback, from Debian's victoria-metrics package: the single-node
+store, vmagent (scrapes, remote-writes) and vmalert (evaluates Prometheus rule files
+against the store, sends to Alertmanager, writes recorded series and ALERTS back).
+
+The store answers Prometheus's HTTP API (/api/v1/query, query_range, series), so the
+suite's `Prometheus` client, the dashboards' checks and `gpuwatchd report` read it as
+they read Prometheus. Each server runs as a subprocess with its data in a tmp_path and is
+stopped on exit; waiting is bounded polling of its own API.
+
+The store runs with -search.latencyOffset=0s (by default it hides the last 30 s from
+queries, for samples still in flight from many vmagents: the tests read what was just
+written) and -search.disableCache (a backfill or a replay writes into the past, which
+the rollup cache would not see).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from daemon_process import require_tool
+from servers import Prometheus, _process, free_port, get_json, wait_until
+
+class VictoriaMetrics(Prometheus):
+    """The HTTP API of a running single-node VictoriaMetrics."""
+
+    def flush(self) -> None:
+        """Make every sample received so far visible to queries (the store otherwise
+        searches its in-memory buffers' samples a second or so later)."""
+        with urllib.request.urlopen(f"{self.base}/internal/force_flush", timeout=10):
+            pass
+
+    def import_openmetrics(self, text: str) -> None:
+        """Write samples given as OpenMetrics text with timestamps (backfill.Timeline's):
+        /api/v1/import/prometheus takes the text format, timestamps in milliseconds."""
+        lines = []
+        for line in text.splitlines():
+            if line.startswith("#") or not line:
+                continue
+            head, value, seconds = line.rsplit(" ", 2)
+            lines.append(f"{head} {value} {round(float(seconds) * 1000)}")
+        request = urllib.request.Request(
+            f"{self.base}/api/v1/import/prometheus", data="\n".join(lines).encode() + b"\n"
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 204, response.status
+        self.flush()
+
+    def series_count(self) -> int:
+        return int(get_json(f"{self.base}/api/v1/series/count")["data"][0])
+
+
+@contextmanager
+def running_victoria_metrics(
+    tmp_path: Path, extra_args: Sequence[str] = ()
+) -> Iterator[VictoriaMetrics]:
+    """A single-node store keeping any timestamp (100 years' retention: backfilled
+    timelines lie in the past); returns once it answers queries."""
+    port = free_port()
+    args = [
+        require_tool("victoria-metrics"),
+        f"-storageDataPath={tmp_path / 'victoria-metrics-data'}",
+        f"-httpListenAddr=127.0.0.1:{port}",
+        "-retentionPeriod=100y",
+        "-search.latencyOffset=0s",
+        "-search.disableCache",
+        "-loggerLevel=WARN",
+        *extra_args,
+    ]
+    with _process(args, tmp_path / "victoria-metrics.log"):
+        store = VictoriaMetrics(f"http://127.0.0.1:{port}")
+        wait_until("VictoriaMetrics to answer", lambda: store.query("vector(1)"), 30)
+        yield store
+
+
+@contextmanager
+def running_vmagent(
+    tmp_path: Path,
+    name: str,
+    config: dict[str, Any] | Path,
+    remote_write: str,
+    shard: tuple[int, int] | None = None,
+    extra_args: Sequence[str] = (),
+) -> Iterator[str]:
+    """A vmagent scraping `config` (a Prometheus scrape config, as a dict or a file) and
+    remote-writing to `remote_write`; `shard` = (member number, members count) makes it
+    one of a cluster that splits the targets between them (-promscrape.cluster.*).
+    Yields its base URL once it serves."""
+    if isinstance(config, dict):
+        path = tmp_path / f"{name}.yml"
+        path.write_text(yaml.safe_dump(config))
+        config = path
+    port = free_port()
+    args = [
+        require_tool("vmagent"),
+        f"-promscrape.config={config}",
+        f"-remoteWrite.url={remote_write}/api/v1/write",
+        f"-remoteWrite.tmpDataPath={tmp_path / (name + '-queue')}",
+        "-remoteWrite.flushInterval=100ms",
+        f"-httpListenAddr=127.0.0.1:{port}",
+        "-loggerLevel=WARN",
+        *extra_args,
+    ]
+    if shard is not None:
+        number, count = shard
+        args += [f"-promscrape.cluster.membersCount={count}",
+                 f"-promscrape.cluster.memberNum={number}"]
+    with _process(args, tmp_path / f"{name}.log"):
+        base = f"http://127.0.0.1:{port}"
+        wait_until(f"{name} to serve", lambda: _ok(f"{base}/health"), 30)
+        yield base
+
+
+class VmAlert:
+    """The HTTP API of a running vmalert."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def alerts(self) -> list[dict]:
+        return get_json(f"{self.base}/api/v1/alerts")["data"]["alerts"]
+
+    def groups(self) -> list[dict]:
+        return get_json(f"{self.base}/api/v1/groups")["data"]["groups"]
+
+
+@contextmanager
+def running_vmalert(
+    tmp_path: Path,
+    rule_files: Sequence[Path],
+    store: str,
+    alertmanager: str | None = None,
+    interval: str = "1s",
+    extra_args: Sequence[str] = (),
+) -> Iterator[VmAlert]:
+    """A vmalert evaluating `rule_files` against the store at `store` every `interval`
+    (a group's own `interval` wins), writing recorded series and ALERTS there, and sending
+    alerts to `alertmanager` (host:port). Returns once it serves its API."""
+    port = free_port()
+    args = [
+        require_tool("vmalert"),
+        *(f"-rule={path}" for path in rule_files),
+        f"-datasource.url={store}",
+        f"-remoteWrite.url={store}",
+        "-remoteWrite.flushInterval=100ms",
+        f"-remoteRead.url={store}",  # alerts' `for` state survives a restart, as Prometheus's
+        f"-evaluationInterval={interval}",
+        f"-httpListenAddr=127.0.0.1:{port}",
+        "-external.url=http://vmalert.test",
+        "-loggerLevel=WARN",
+        *extra_args,
+    ]
+    if alertmanager:
+        args.append(f"-notifier.url=http://{alertmanager}")
+    else:
+        args.append("-notifier.blackhole")
+    with _process(args, tmp_path / "vmalert.log"):
+        server = VmAlert(f"http://127.0.0.1:{port}")
+        wait_until("vmalert to serve", lambda: _ok(f"{server.base}/health"), 30)
+        yield server
+
+
+def replay(tmp_path: Path, rule_files: Sequence[Path], store: VictoriaMetrics,
+           start: float, end: float) -> None:
+    """vmalert's replay mode: evaluate `rule_files` over [start, end] as a running vmalert
+    would have, each group at its own interval (as `promtool tsdb create-blocks-from
+    rules` does for Prometheus), writing the recorded series into the store."""
+    args = [
+        require_tool("vmalert"),
+        *(f"-rule={path}" for path in rule_files),
+        f"-datasource.url={store.base}",
+        f"-remoteWrite.url={store.base}",
+        f"-replay.timeFrom={_rfc3339(start)}",
+        f"-replay.timeTo={_rfc3339(end)}",
+        "-replay.disableProgressBar",
+        "-replay.rulesDelay=0s",  # no group here reads another's output
+        "-datasource.queryStep=0s",  # each group's interval, not 5m
+        "-loggerLevel=WARN",
+    ]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"{' '.join(args)}: {done.stderr[-3000:]}"
+    store.flush()
+
+
+def _rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.status == 200
