@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import subprocess
 import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 from daemon_process import require_tool
-from servers import Prometheus, _process, free_port, get_json, wait_until
+from servers import Prometheus, _process, free_port, get_json, scrape_config, wait_until
+
 
 class VictoriaMetrics(Prometheus):
     """The HTTP API of a running single-node VictoriaMetrics."""
@@ -124,10 +126,10 @@ class VmAlert:
         self.base = base
 
     def alerts(self) -> list[dict]:
-        return get_json(f"{self.base}/api/v1/alerts")["data"]["alerts"]
+        return get_json(f"{self.base}/api/v1/alerts")["data"]["alerts"] or []
 
     def groups(self) -> list[dict]:
-        return get_json(f"{self.base}/api/v1/groups")["data"]["groups"]
+        return get_json(f"{self.base}/api/v1/rules")["data"]["groups"]
 
 
 @contextmanager
@@ -156,10 +158,8 @@ def running_vmalert(
         "-loggerLevel=WARN",
         *extra_args,
     ]
-    if alertmanager:
+    if alertmanager:  # (vmalert refuses alerting rules without one)
         args.append(f"-notifier.url=http://{alertmanager}")
-    else:
-        args.append("-notifier.blackhole")
     with _process(args, tmp_path / "vmalert.log"):
         server = VmAlert(f"http://127.0.0.1:{port}")
         wait_until("vmalert to serve", lambda: _ok(f"{server.base}/health"), 30)
@@ -195,3 +195,47 @@ def _rfc3339(t: float) -> str:
 def _ok(url: str) -> bool:
     with urllib.request.urlopen(url, timeout=5) as response:
         return response.status == 200
+
+
+@dataclass
+class ScaleOut:
+    """A store, the vmagent shards that feed it (base URLs) and the vmalert on it."""
+
+    store: VictoriaMetrics
+    agents: list[str]
+    vmalert: VmAlert
+
+    def scraped_by(self) -> dict[str, set[str]]:
+        """{vmagent base URL: the `instance`s of the targets it scrapes}."""
+        return {
+            agent: {t["labels"]["instance"]
+                    for t in get_json(f"{agent}/api/v1/targets")["data"]["activeTargets"]}
+            for agent in self.agents
+        }
+
+
+@contextmanager
+def running_scale_out(
+    tmp_path: Path,
+    targets: dict[str, Sequence[str]],
+    rule_files: Sequence[Path],
+    alertmanager: str | None = None,
+    interval: str = "1s",
+    nodes: Mapping[str, str] | None = None,
+    shards: int = 2,
+) -> Iterator[ScaleOut]:
+    """The scale-out path in one: a VictoriaMetrics store, `shards` vmagents splitting
+    `targets` between them (labelled as servers.scrape_config says, as Prometheus's are),
+    and a vmalert evaluating `rule_files` against the store, sending to `alertmanager`."""
+    tmp_path.mkdir(exist_ok=True)
+    config = scrape_config(targets, interval, nodes)
+    with ExitStack() as stack:
+        store = stack.enter_context(running_victoria_metrics(tmp_path))
+        agents = [
+            stack.enter_context(running_vmagent(
+                tmp_path, f"vmagent-{shard}", config, store.base, shard=(shard, shards)))
+            for shard in range(shards)
+        ]
+        vmalert = stack.enter_context(
+            running_vmalert(tmp_path, rule_files, store.base, alertmanager, interval))
+        yield ScaleOut(store, agents, vmalert)
