@@ -16,6 +16,7 @@ the rollup cache would not see).
 from __future__ import annotations
 
 import subprocess
+import threading
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -27,6 +28,8 @@ from typing import Any
 import yaml
 from daemon_process import require_tool
 from servers import Prometheus, _process, free_port, get_json, scrape_config, wait_until
+
+FLUSH_EVERY = 0.5  # seconds: see _flush_until
 
 
 class VictoriaMetrics(Prometheus):
@@ -78,7 +81,26 @@ def running_victoria_metrics(
     with _process(args, tmp_path / "victoria-metrics.log"):
         store = VictoriaMetrics(f"http://127.0.0.1:{port}")
         wait_until("VictoriaMetrics to answer", lambda: store.query("vector(1)"), 30)
-        yield store
+        stop = threading.Event()
+        flusher = threading.Thread(target=_flush_until, args=(store, stop), daemon=True)
+        flusher.start()
+        try:
+            yield store
+        finally:
+            stop.set()
+            flusher.join()
+
+
+def _flush_until(store: VictoriaMetrics, stop: threading.Event) -> None:
+    """Flush the store every FLUSH_EVERY s until `stop`: it makes a new series searchable
+    only when it flushes its index, up to ~10 s after the series' first sample, and each
+    level of a rule chain (a rule on a recorded series) would wait that long again; a
+    series' new samples are searchable within a second either way."""
+    while not stop.wait(FLUSH_EVERY):
+        try:
+            store.flush()
+        except OSError:  # stopping
+            return
 
 
 @contextmanager
@@ -137,13 +159,14 @@ def running_vmalert(
     tmp_path: Path,
     rule_files: Sequence[Path],
     store: str,
-    alertmanager: str | None = None,
+    notifier: str | None = None,
     interval: str = "1s",
     extra_args: Sequence[str] = (),
 ) -> Iterator[VmAlert]:
     """A vmalert evaluating `rule_files` against the store at `store` every `interval`
     (a group's own `interval` wins), writing recorded series and ALERTS there, and sending
-    alerts to `alertmanager` (host:port). Returns once it serves its API."""
+    alerts to `notifier` (an Alertmanager's URL; it posts to /api/v2/alerts there).
+    Returns once it serves its API."""
     port = free_port()
     args = [
         require_tool("vmalert"),
@@ -158,8 +181,8 @@ def running_vmalert(
         "-loggerLevel=WARN",
         *extra_args,
     ]
-    if alertmanager:  # (vmalert refuses alerting rules without one)
-        args.append(f"-notifier.url=http://{alertmanager}")
+    if notifier:  # (vmalert refuses alerting rules without one)
+        args.append(f"-notifier.url={notifier}")
     with _process(args, tmp_path / "vmalert.log"):
         server = VmAlert(f"http://127.0.0.1:{port}")
         wait_until("vmalert to serve", lambda: _ok(f"{server.base}/health"), 30)
@@ -237,5 +260,46 @@ def running_scale_out(
             for shard in range(shards)
         ]
         vmalert = stack.enter_context(
-            running_vmalert(tmp_path, rule_files, store.base, alertmanager, interval))
+            running_vmalert(tmp_path, rule_files, store.base, f"http://{alertmanager}", interval))
         yield ScaleOut(store, agents, vmalert)
+
+
+@contextmanager
+def running_prometheus_agent(tmp_path: Path, config: dict[str, Any]) -> Iterator[str]:
+    """Prometheus in agent mode (--enable-feature=agent: scrapes and remote-writes, keeps
+    no queryable TSDB) with `config`; yields its base URL once it is ready."""
+    config_file = tmp_path / "agent.yml"
+    config_file.write_text(yaml.safe_dump(config))
+    port = free_port()
+    args = [
+        require_tool("prometheus"),
+        "--enable-feature=agent",
+        f"--config.file={config_file}",
+        f"--storage.agent.path={tmp_path / 'agent-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    with _process(args, tmp_path / "agent.log"):
+        base = f"http://127.0.0.1:{port}"
+        wait_until("the Prometheus agent to be ready", lambda: _ok(f"{base}/-/ready"), 30)
+        yield base
+
+
+def agent_config(shipped: Path, targets: Sequence[str], remote_write: str,
+                 interval: str = "1s") -> dict[str, Any]:
+    """deploy/prometheus/prometheus.yml as an agent's (docs/fleet.md): its scrape configs as
+    shipped but for `targets` in place of the example nodes and `interval` in place of
+    15 s (its timeout too); without rule_files and alerting (an agent refuses them); with
+    a remote_write to `remote_write` (a store's base URL)."""
+    config = yaml.safe_load(shipped.read_text())
+    for key in ("rule_files", "alerting"):
+        config.pop(key)
+    config["global"]["scrape_interval"] = interval
+    (job,) = config["scrape_configs"]
+    job["scrape_timeout"] = interval  # (no longer than the interval)
+    (static,) = job["static_configs"]
+    static["targets"] = list(targets)
+    del job["file_sd_configs"]  # the example inventory's directory is not here
+    # sent within `interval` (5 s by default: the store would lag the scrapes by that)
+    config["remote_write"] = [{"url": f"{remote_write}/api/v1/write",
+                               "queue_config": {"batch_send_deadline": interval}}]
+    return config
