@@ -63,10 +63,11 @@ class VictoriaMetrics(Prometheus):
 
 @contextmanager
 def running_victoria_metrics(
-    tmp_path: Path, extra_args: Sequence[str] = ()
+    tmp_path: Path, extra_args: Sequence[str] = (), flush: bool = True
 ) -> Iterator[VictoriaMetrics]:
     """A single-node store keeping any timestamp (100 years' retention: backfilled
-    timelines lie in the past); returns once it answers queries."""
+    timelines lie in the past), flushed every FLUSH_EVERY s if `flush` (_flush_until);
+    returns once it answers queries."""
     port = free_port()
     args = [
         require_tool("victoria-metrics"),
@@ -83,12 +84,14 @@ def running_victoria_metrics(
         wait_until("VictoriaMetrics to answer", lambda: store.query("vector(1)"), 30)
         stop = threading.Event()
         flusher = threading.Thread(target=_flush_until, args=(store, stop), daemon=True)
-        flusher.start()
+        if flush:
+            flusher.start()
         try:
             yield store
         finally:
             stop.set()
-            flusher.join()
+            if flush:
+                flusher.join()
 
 
 def _flush_until(store: VictoriaMetrics, stop: threading.Event) -> None:
