@@ -16,8 +16,9 @@ parts (flushed; its background merges shrink them further over hours) and its in
 report: a day of the series `gpuwatchd report` reads (up, gpuwatchd_gpu_owner_info,
 the causes' counter, pending and info series) for --nodes 8-GPU nodes scraped every
 15 s, each node running three 8-hour jobs on its 8 GPUs and a cause firing on one GPU for
-20 minutes of each job, imported into a VictoriaMetrics store; then the report of a
-64-GPU job (8 nodes) over the day: its queries, their time, and the samples they return.
+20 minutes of each job, imported into a VictoriaMetrics store and backfilled into a
+Prometheus (promtool); then the report of a 64-GPU job (8 nodes) over the day from each:
+its queries, their time in the store, the whole report's time and the samples returned.
 
 Run by hand, not a test: the numbers depend on the machine and its load.
 """
@@ -29,6 +30,7 @@ import json
 import math
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +38,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 from bench_ingest import exporters_for, scrape_config, serving  # noqa: E402 (sets sys.path)
 from prometheus_client.parser import text_string_to_metric_families
@@ -239,9 +242,13 @@ class CountingPrometheus(report_prometheus.Prometheus):
         return result
 
 
-def report_cost(nodes: int, hours: float, tmp: Path) -> dict[str, float]:
+def report_cost(nodes: int, hours: float, tmp: Path) -> dict[str, dict[str, float]]:
+    """The same day in VictoriaMetrics (imported) and in Prometheus (backfilled with
+    promtool), and the report of job 100000 (nodes 0-7, the first 8 hours) from each."""
     start = float(int(time.time() // 86400 * 86400 - 2 * 86400))  # two days ago, 00:00 UTC
-    with running_victoria_metrics(tmp, flush=False) as store:
+    results = {}
+    (tmp / "v").mkdir()
+    with running_victoria_metrics(tmp / "v", flush=False) as store:
         began = time.perf_counter()
         series = samples = 0
         batch: list[bytes] = []
@@ -253,17 +260,56 @@ def report_cost(nodes: int, hours: float, tmp: Path) -> dict[str, float]:
                 _import(store, batch)
         _import(store, batch)
         store.flush()
-        imported = time.perf_counter() - began
-        job = "100000"  # nodes 0-7 in the first 8-hour slot
-        client = CountingPrometheus(store.base, timeout=600)
-        began = time.perf_counter()
-        report = build_report(client, job, start, start + hours * 3600)
-        took = time.perf_counter() - began
+        results["VictoriaMetrics"] = {"series": series, "samples": samples,
+                                      "load_s": time.perf_counter() - began,
+                                      **_report(store.base, start, hours)}
+    began = time.perf_counter()
+    data = tmp / "p" / "prometheus-data"
+    data.parent.mkdir()
+    _backfill(day_of_series(nodes, start, hours), tmp / "p", data)
+    with running_prometheus(tmp / "p", {}) as prometheus:
+        results["Prometheus"] = {"series": series, "samples": samples,
+                                 "load_s": time.perf_counter() - began,
+                                 **_report(prometheus.base, start, hours)}
+    return results
+
+
+def _report(base: str, start: float, hours: float) -> dict[str, float]:
+    client = CountingPrometheus(base, timeout=600)
+    began = time.perf_counter()
+    report = build_report(client, "100000", start, start + hours * 3600)
+    took = time.perf_counter() - began
     assert report.gpus == 64, report.gpus
-    return {"nodes": nodes, "hours": hours, "series": series, "samples": samples,
-            "import_s": imported, "report_s": took, "queries": client.queries,
-            "query_s": client.seconds, "returned": client.samples,
-            "gpu_hours": report.gpu_hours}
+    return {"report_s": took, "queries": client.queries, "query_s": client.seconds,
+            "returned": client.samples, "gpu_hours": report.gpu_hours}
+
+
+def _backfill(lines: Iterator[dict], tmp: Path, data: Path) -> None:
+    """OpenMetrics, one file a family (a family's samples must be contiguous), then
+    `promtool tsdb create-blocks-from openmetrics`."""
+    files: dict[str, Any] = {}
+    for line in lines:
+        metric = dict(line["metric"])
+        name = metric.pop("__name__")
+        if name not in files:
+            files[name] = (tmp / f"{name}.om").open("w")
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(metric.items()))
+        out = files[name]
+        for value, t in zip(line["values"], line["timestamps"], strict=True):
+            out.write(f"{name}{{{labels}}} {value} {t / 1000:.3f}\n")
+    for out in files.values():
+        out.close()
+    whole = tmp / "day.om"
+    with whole.open("wb") as out:
+        for name in files:
+            with (tmp / f"{name}.om").open("rb") as part:
+                shutil.copyfileobj(part, out)
+            (tmp / f"{name}.om").unlink()
+        out.write(b"# EOF\n")
+    done = subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(whole),
+                           str(data)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    whole.unlink()
 
 
 def _import(store: VictoriaMetrics, batch: list[bytes]) -> None:

@@ -233,11 +233,7 @@ class ScaleOut:
 
     def scraped_by(self) -> dict[str, set[str]]:
         """{vmagent base URL: the `instance`s of the targets it scrapes}."""
-        return {
-            agent: {t["labels"]["instance"]
-                    for t in get_json(f"{agent}/api/v1/targets")["data"]["activeTargets"]}
-            for agent in self.agents
-        }
+        return {agent: _targets(agent) for agent in self.agents}
 
 
 @contextmanager
@@ -265,6 +261,33 @@ def running_scale_out(
         vmalert = stack.enter_context(
             running_vmalert(tmp_path, rule_files, store.base, f"http://{alertmanager}", interval))
         yield ScaleOut(store, agents, vmalert)
+
+
+def split_ports(tmp_path: Path, nodes: Sequence[str], job: str = "gpuwatchd",
+                interval: str = "1s", shards: int = 2, tries: int = 30) -> dict[str, str]:
+    """{127.0.0.1:PORT: node} for `nodes`, on free ports that `shards` vmagent shards split
+    so that each scrapes at least one (vmagent assigns a target to a shard by a hash of
+    its labels, the port among them: two random ports land on one shard half the time).
+    Tried with throwaway shards on the same scrape config, writing nowhere."""
+    for attempt in range(tries):
+        targets = {f"127.0.0.1:{free_port()}": node for node in nodes}
+        config = scrape_config({job: list(targets)}, interval, targets)
+        path = tmp_path / f"split-{attempt}"
+        path.mkdir(parents=True)
+        with ExitStack() as stack:
+            agents = [
+                stack.enter_context(running_vmagent(
+                    path, f"vmagent-{shard}", config, "http://127.0.0.1:9", (shard, shards)))
+                for shard in range(shards)
+            ]
+            if all(_targets(agent) for agent in agents):
+                return targets
+    raise AssertionError(f"no {len(nodes)} ports split over {shards} shards in {tries} tries")
+
+
+def _targets(agent: str) -> set[str]:
+    active = get_json(f"{agent}/api/v1/targets")["data"]["activeTargets"]
+    return {t["labels"]["instance"] for t in active}
 
 
 @contextmanager
