@@ -390,7 +390,10 @@ class _Ledger:
             for cause, rise in rises.items():
                 self.fired[(gpu, cause)] += rise
                 at = max(a, b - rise)
-                if cause not in self.first or at < self.first[cause][0]:
+                # the earliest; of GPUs starting together, the first by name, whatever
+                # order the store returned their series in (VictoriaMetrics: any)
+                first = self.first.get(cause)
+                if first is None or (at, _order(gpu)) < (first[0], _order(first[1])):
                     self.first[cause] = (at, gpu, opening and at == a)
             starved, more = _union(list(rises.values()), b - a)
             self.starved[gpu] += starved
@@ -450,8 +453,13 @@ def _gaps(samples: _Samples, gpus: dict[Key, Gpu], interval: float) -> list[Gap]
     return sorted(gaps, key=lambda g: (g.start, g.node))
 
 
+def _order(gpu: Gpu) -> tuple[str, str, str]:
+    """GPUs by node, then GPU and GPU instance by number."""
+    return gpu.node, gpu.gpu.zfill(4), gpu.gpu_instance.zfill(4)
+
+
 def _assemble(job: str, selector: str, owners: dict, ledger: _Ledger) -> JobReport:
-    gpus = sorted(ledger.held, key=lambda g: (g.node, g.gpu.zfill(4), g.gpu_instance.zfill(4)))
+    gpus = sorted(ledger.held, key=_order)
     held = sum(ledger.held.values()) / 3600
     per_cause: dict[str, float] = defaultdict(float)
     for (_, cause), seconds in ledger.fired.items():
