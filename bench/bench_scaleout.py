@@ -40,11 +40,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench_ingest import exporters_for, scrape_config, serving  # noqa: E402 (sets sys.path)
+from bench_ingest import exporters_for, scrape_config, serving
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests"))  # (bench_ingest does too) the suite's launchers
 from servers import Prometheus, running_prometheus, wait_until  # noqa: E402
 from servers import scrape_config as prometheus_scrape_config  # noqa: E402
 from victoria import VictoriaMetrics, running_victoria_metrics, running_vmagent  # noqa: E402

@@ -7,10 +7,10 @@ suite's `Prometheus` client, the dashboards' checks and `gpuwatchd report` read 
 they read Prometheus. Each server runs as a subprocess with its data in a tmp_path and is
 stopped on exit; waiting is bounded polling of its own API.
 
-The store runs with -search.latencyOffset=0s (by default it hides the last 30 s from
-queries, for samples still in flight from many vmagents: the tests read what was just
-written) and -search.disableCache (a backfill or a replay writes into the past, which
-the rollup cache would not see).
+The store runs with -search.latencyOffset=0s (by default it evaluates a query within
+30 s of now at now - 30 s, for samples still in flight from many vmagents: the tests
+read what was just written) and -search.disableCache (a backfill or a replay writes into
+the past, which the rollup cache would not see).
 """
 
 from __future__ import annotations
