@@ -168,9 +168,8 @@ def build_report(prometheus: Prometheus, job: str, since: float, until: float) -
     check_job(job)
     if until <= since:
         raise ReportError("--until must be after --since")
-    window = f"{max(1, math.ceil(until - since))}s"
     try:
-        selector, owners, owned = _find_gpus(prometheus, job, window, until)
+        selector, owners, owned = _find_gpus(prometheus, job, since, until)
         gpus = {key: _gpu(labels) for key, labels in owners.items()}
         start = min(min(times) for times in owned.values())
         end = max(max(times) for times in owned.values())
@@ -207,11 +206,15 @@ def check_job(job: str) -> None:
 
 
 def _find_gpus(
-    prometheus: Prometheus, job: str, window: str, until: float
+    prometheus: Prometheus, job: str, since: float, until: float
 ) -> tuple[str, dict[Key, dict[str, str]], dict[Key, set[float]]]:
     """The owner selector that names `job`, the owner labels of each GPU (or MIG GPU
-    instance) it held and the times of its owner samples: a job_id first (Slurm job,
-    torchrun run), else a pod ("namespace/pod" or "pod")."""
+    instance) it held and the times of its owner samples from `since` to `until`, both
+    included: a job_id first (Slurm job, torchrun run), else a pod ("namespace/pod" or
+    "pod")."""
+    # a millisecond more, then cut at `since`: Prometheus 2 includes a range's first
+    # instant, VictoriaMetrics (and Prometheus 3) do not
+    window = f"{math.ceil((until - since) * 1000) + 1}ms"
     namespace, _, pod = job.rpartition("/")
     candidates = [f"job_id={string(job)}", f"pod={string(pod)}"]
     if namespace:
@@ -223,10 +226,13 @@ def _find_gpus(
             labels: dict[Key, dict[str, str]] = {}
             owned: dict[Key, set[float]] = defaultdict(set)
             for series in found:  # a GPU whose rank changed has two series: keep one
-                key = _gpu(series["metric"]).key
-                labels.setdefault(key, series["metric"])
-                owned[key] |= {float(t) for t, _ in series["values"]}
-            return selector, labels, owned
+                times = {float(t) for t, _ in series["values"] if float(t) >= since}
+                if times:
+                    key = _gpu(series["metric"]).key
+                    labels.setdefault(key, series["metric"])
+                    owned[key] |= times
+            if owned:
+                return selector, labels, owned
     raise ReportError(
         f"no GPU owned by {job!r} in the window: Prometheus has no {OWNER} or "
         f"{INSTANCE_OWNER} with "
@@ -384,7 +390,10 @@ class _Ledger:
             for cause, rise in rises.items():
                 self.fired[(gpu, cause)] += rise
                 at = max(a, b - rise)
-                if cause not in self.first or at < self.first[cause][0]:
+                # the earliest; of GPUs starting together, the first by name, whatever
+                # order the store returned their series in (VictoriaMetrics: any)
+                first = self.first.get(cause)
+                if first is None or (at, _order(gpu)) < (first[0], _order(first[1])):
                     self.first[cause] = (at, gpu, opening and at == a)
             starved, more = _union(list(rises.values()), b - a)
             self.starved[gpu] += starved
@@ -444,8 +453,13 @@ def _gaps(samples: _Samples, gpus: dict[Key, Gpu], interval: float) -> list[Gap]
     return sorted(gaps, key=lambda g: (g.start, g.node))
 
 
+def _order(gpu: Gpu) -> tuple[str, str, str]:
+    """GPUs by node, then GPU and GPU instance by number."""
+    return gpu.node, gpu.gpu.zfill(4), gpu.gpu_instance.zfill(4)
+
+
 def _assemble(job: str, selector: str, owners: dict, ledger: _Ledger) -> JobReport:
-    gpus = sorted(ledger.held, key=lambda g: (g.node, g.gpu.zfill(4), g.gpu_instance.zfill(4)))
+    gpus = sorted(ledger.held, key=_order)
     held = sum(ledger.held.values()) / 3600
     per_cause: dict[str, float] = defaultdict(float)
     for (_, cause), seconds in ledger.fired.items():

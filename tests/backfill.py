@@ -31,6 +31,7 @@ from pathlib import Path
 
 from daemon_process import require_tool
 from servers import Prometheus, running_prometheus
+from victoria import VictoriaMetrics, replay, running_victoria_metrics
 
 SCRAPE = 15  # seconds between two scrapes of a node
 
@@ -183,3 +184,19 @@ def backfilled_prometheus(tmp_path: Path, timeline: Timeline,
 def _run(args: list[str]) -> None:
     done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"{' '.join(args)}: {done.stderr}"
+
+
+@contextmanager
+def backfilled_victoria_metrics(tmp_path: Path, timeline: Timeline,
+                                rule_files: Sequence[Path] = ()) -> Iterator[VictoriaMetrics]:
+    """A VictoriaMetrics store serving `timeline` (imported with its timestamps), with
+    `rule_files`' recording rules replayed over it by vmalert (-replay.*), each group at
+    its own `interval`: backfilled_prometheus's twin. Its lookback, as that Prometheus's,
+    is just under a scrape interval (-search.maxLookback: VictoriaMetrics' name for
+    Prometheus's lookback delta)."""
+    lookback = [f"-search.maxLookback={SCRAPE * 1000 - 1}ms"]
+    with running_victoria_metrics(tmp_path, extra_args=lookback) as store:
+        store.import_openmetrics(timeline.openmetrics())
+        if rule_files:
+            replay(tmp_path, rule_files, store, timeline.start, timeline.end)
+        yield store

@@ -76,6 +76,33 @@ class Prometheus:
         return sum(r["value"][1] == "1" for r in self.query("up"))
 
 
+def scrape_config(
+    targets: dict[str, Sequence[str]],
+    interval: str = "1s",
+    nodes: Mapping[str, str] | None = None,
+    scrape_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A Prometheus scrape configuration (Prometheus's and vmagent's): `targets`
+    ({job: [host:port, ...]}) every `interval`, each with a `node` label as
+    deploy/prometheus/prometheus.yml's relabelling gives a node's name: `nodes[host:port]`,
+    else the host:port. `scrape_options` go into every scrape config (scheme, tls_config,
+    basic_auth)."""
+    nodes = nodes or {}
+    return {
+        "global": {"scrape_interval": interval},
+        "scrape_configs": [
+            {
+                "job_name": job,
+                "static_configs": [
+                    {"targets": [t], "labels": {"node": nodes.get(t, t)}} for t in hosts
+                ],
+                **(scrape_options or {}),
+            }
+            for job, hosts in targets.items()
+        ],
+    }
+
+
 @contextmanager
 def running_prometheus(
     tmp_path: Path,
@@ -90,25 +117,12 @@ def running_prometheus(
     """A Prometheus scraping `targets` ({job: [host:port, ...]}) every `interval`, with
     `extra_args` on its command line.
 
-    Each target gets a `node` label, as deploy/prometheus/prometheus.yml's relabelling gives
-    a node's name: `nodes[host:port]`, else the host:port. `scrape_options` go into every
-    scrape config (scheme, tls_config, basic_auth). Returns once the server answers queries.
+    The targets are labelled as `scrape_config` says. Returns once the server answers
+    queries.
     """
-    nodes = nodes or {}
-    config: dict[str, Any] = {
-        "global": {"scrape_interval": interval, "evaluation_interval": interval},
-        "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [
-            {
-                "job_name": job,
-                "static_configs": [
-                    {"targets": [t], "labels": {"node": nodes.get(t, t)}} for t in hosts
-                ],
-                **(scrape_options or {}),
-            }
-            for job, hosts in targets.items()
-        ],
-    }
+    config = scrape_config(targets, interval, nodes, scrape_options)
+    config["global"]["evaluation_interval"] = interval
+    config["rule_files"] = [str(p) for p in rule_files]
     if alertmanager:
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
     config_file = tmp_path / "prometheus.yml"

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import grpc
@@ -20,7 +20,13 @@ import pytest
 import yaml
 from daemon_process import require_tool, running_daemon
 from dashboards import DASHBOARDS, REGENERATE, generator, panel_queries, panels, substitute
-from servers import running_prometheus, serving_pod_resources
+from servers import Prometheus, Webhook, running_prometheus, serving_pod_resources
+from victoria import (
+    agent_config,
+    running_prometheus_agent,
+    running_victoria_metrics,
+    running_vmalert,
+)
 
 from gpuwatchd.sim.fake_nvml import gpu_uuid
 from gpuwatchd.sources.owner import LABELS as OWNER_LABELS
@@ -30,6 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 SCENARIO = Path(__file__).resolve().parent / "fixtures" / "scenarios" / "dashboard-evidence.yaml"
 RECORDING_RULES = REPO / "deploy" / "prometheus" / "recording.yaml"
 JOB_RULES = REPO / "deploy" / "prometheus" / "jobs.yaml"
+ALERT_RULES = REPO / "deploy" / "prometheus" / "alerts.yaml"
+SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 FLEET, NODE = DASHBOARDS
 SIM_NODE, GPUS = "sim-dashboards", 4  # SCENARIO's hostname and GPU count
 # the owner the e2e test gives SCENARIO's process (owned_scenario, running_kubelet): a
@@ -257,7 +265,11 @@ def running_kubelet(socket: Path, gpus: list[str]) -> Iterator[None]:
 def test_every_panel_query_returns_data(tmp_path: Path):
     """Every target of both dashboards, variables substituted, returns a non-empty result
     from a real Prometheus scraping `gpuwatchd run --simulate` with the recording rules
-    and the job rules (deploy/prometheus/jobs.yaml).
+    and the job rules (deploy/prometheus/jobs.yaml); and from the scale-out path beside it
+    (docs/fleet.md): Prometheus in agent mode with the shipped scrape config
+    (deploy/prometheus/prometheus.yml as an agent's) remote-writing the same node to
+    VictoriaMetrics, where vmalert evaluates the same rules. Every rule's expression
+    (recording.yaml, jobs.yaml, alerts.yaml) gives the same series on both.
 
     The job view joins on gpuwatchd_gpu_owner_info as the daemon exports it: the node
     runs SCENARIO with its process made a torchrun job in a Kubernetes pod
@@ -272,34 +284,61 @@ def test_every_panel_query_returns_data(tmp_path: Path):
     config.write_text(
         yaml.safe_dump({"sources": {"processes": {"pod_resources_socket": str(socket)}}})
     )
+    vm_path = tmp_path / "victoria-metrics"
+    vm_path.mkdir()
     with (
         running_kubelet(socket, gpus),
         running_daemon(str(scenario), "--config", str(config)) as metrics_url,
+        ExitStack() as stack,
     ):
         target = urllib.parse.urlparse(metrics_url).netloc
-        values = example_values(node=target)  # servers.py labels each target node=host:port
-        queries = [
-            (f"{path.stem}: {title}", expr)
-            for path in DASHBOARDS
-            for title, expr in panel_queries(path, values)
-        ]
-        with running_prometheus(
-            tmp_path, {"gpuwatchd": [target]}, rule_files=[RECORDING_RULES, JOB_RULES]
-        ) as prometheus:
-            empty = queries
-            deadline = time.monotonic() + 45
-            while True:
-                empty = [(title, expr) for title, expr in empty if not prometheus.query(expr)]
-                if not empty or time.monotonic() > deadline:
-                    break
-                time.sleep(1)
-            owners = {
-                s["metric"]["gpu"]: {k: s["metric"].get(k, "") for k in ("uuid", *OWNER_LABELS)}
-                for s in prometheus.query(f'gpuwatchd_gpu_owner_info{{instance="{target}"}}')
-            }
-    assert not empty, f"{len(empty)} of {len(queries)} queries returned no data:\n" + "\n".join(
-        f"  {title}: {expr}" for title, expr in empty
-    )
+        prometheus = stack.enter_context(running_prometheus(
+            tmp_path, {"gpuwatchd": [target]}, rule_files=[RECORDING_RULES, JOB_RULES]))
+        store = stack.enter_context(running_victoria_metrics(vm_path))
+        stack.enter_context(
+            running_prometheus_agent(vm_path, agent_config(SCRAPE_CONFIG, [target], store.base)))
+        webhook = stack.enter_context(Webhook())  # jobs.yaml's alerts go somewhere
+        stack.enter_context(running_vmalert(
+            vm_path, [RECORDING_RULES, JOB_RULES], store.base, webhook.url.rsplit("/", 1)[0]))
+        # servers.py labels each target node=host:port; the shipped relabelling, the host
+        engines = {"Prometheus": (prometheus, target), "VictoriaMetrics": (store, "127.0.0.1")}
+        queries = {
+            engine: [
+                (f"{path.stem}: {title}", expr)
+                for path in DASHBOARDS
+                for title, expr in panel_queries(path, example_values(node=node))
+            ]
+            for engine, (_, node) in engines.items()
+        }
+        # a rule passes once both give it the same series, and some (the scenario's causes
+        # start and stop: the two paths see each change a second or so apart); one that
+        # gives none on Prometheus must give none on VictoriaMetrics either
+        empty, rules = dict(queries), rule_expressions()
+        differ: list[tuple[str, str]] = []
+        deadline = time.monotonic() + 45
+        while True:
+            for engine, (server, _) in engines.items():
+                empty[engine] = [(t, e) for t, e in empty[engine] if not server.query(e)]
+            found = {name: (same_series(prometheus, expr), same_series(store, expr))
+                     for name, expr in rules}
+            rules = [(name, expr) for name, expr in rules if not found[name][0]
+                     or found[name][0] != found[name][1]]
+            differ = [(name, expr) for name, expr in rules if found[name][0] != found[name][1]]
+            if not (any(empty.values()) or differ) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        owners = {
+            s["metric"]["gpu"]: {k: s["metric"].get(k, "") for k in ("uuid", *OWNER_LABELS)}
+            for s in prometheus.query(f'gpuwatchd_gpu_owner_info{{instance="{target}"}}')
+        }
+        shown = {name: {engine: same_series(server, expr)
+                        for engine, (server, _) in engines.items()}
+                 for name, expr in differ}
+    for engine, left in empty.items():
+        assert not left, f"{engine}: {len(left)} of {len(queries[engine])} queries returned " \
+            "no data:\n" + "\n".join(f"  {title}: {expr}" for title, expr in left)
+    assert not differ, "rules whose expression gives other series on VictoriaMetrics:\n" + \
+        "\n".join(f"  {name}: {shown[name]}" for name, _ in differ)
     owner = {
         "scheduler": "kubernetes",
         "job_id": JOB_ID,
@@ -309,6 +348,29 @@ def test_every_panel_query_returns_data(tmp_path: Path):
         **POD,
     }
     assert owners == {str(gpu): {"uuid": uuid, **owner} for gpu, uuid in enumerate(gpus)}
+
+
+def rule_expressions() -> list[tuple[str, str]]:
+    """(name, expr) of every rule of recording.yaml, jobs.yaml and alerts.yaml."""
+    return [
+        (rule.get("record") or rule["alert"], rule["expr"])
+        for path in (RECORDING_RULES, JOB_RULES, ALERT_RULES)
+        for group in yaml.safe_load(path.read_text())["groups"]
+        for rule in group["rules"]
+    ]
+
+
+def same_series(server: Prometheus, expr: str) -> list[str]:
+    """The series `expr` gives now, as sorted label sets without `node` and `cluster` (the
+    two paths label the node differently: servers.py its host:port, the shipped
+    relabelling its host and cluster) and without the metric name (MetricsQL drops it
+    from `x unless x offset 15m`, PromQL keeps it; a recorded series is renamed and an
+    alert's labels have none)."""
+    return sorted(
+        ",".join(f"{k}={v}" for k, v in sorted(s["metric"].items())
+                 if k not in ("node", "cluster", "__name__"))
+        for s in server.query(expr)
+    )
 
 
 # The node dashboard's MIG panels (row "GPUs and MIG GPU instances"): on a non-MIG node

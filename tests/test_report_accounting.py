@@ -28,7 +28,15 @@ from typing import Any
 
 import pytest
 import yaml
-from backfill import SCRAPE, Device, Episode, Owner, Timeline, backfilled_prometheus
+from backfill import (
+    SCRAPE,
+    Device,
+    Episode,
+    Owner,
+    Timeline,
+    backfilled_prometheus,
+    backfilled_victoria_metrics,
+)
 from click.testing import CliRunner
 
 from gpuwatchd.cli import main
@@ -71,14 +79,18 @@ def timeline() -> Timeline:
     return Timeline(T0, T0 + 2400, job + others, episodes, failed={"b": [T0 + 1500]})
 
 
-@pytest.fixture(scope="module")
-def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Any:
+@pytest.fixture(scope="module", params=["prometheus", "victoriametrics"])
+def prometheus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The timeline in a Prometheus, and in a VictoriaMetrics store (its rules replayed by
+    vmalert): every report below must come out the same from both."""
     tmp_path = tmp_path_factory.mktemp("backfill")
     jobs = yaml.safe_load(JOBS.read_text())
     accounting = [g for g in jobs["groups"] if g["name"] == "gpuwatchd.jobs.accounting"]
     rules = tmp_path / "accounting.yaml"
     rules.write_text(yaml.safe_dump({"groups": accounting}))
-    with backfilled_prometheus(tmp_path, timeline(), [rules]) as server:
+    backfilled = {"prometheus": backfilled_prometheus,
+                  "victoriametrics": backfilled_victoria_metrics}[request.param]
+    with backfilled(tmp_path, timeline(), [rules]) as server:
         yield server
 
 
