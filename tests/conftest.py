@@ -9,6 +9,9 @@ last, take the results.
 
 from __future__ import annotations
 
+import importlib.util
+
+import hardware_dry_run
 import pytest
 
 from gpuwatchd.sim.detection import EVERYTHING, play_pairs_ahead
@@ -19,6 +22,9 @@ CORPUS_FILES = {"test_detection.py", "test_scenario_corpus.py"}
 
 @pytest.hookimpl(trylast=True)  # after -k, -m and --deselect have taken their tests out
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    hardware = any(item.path.name == "test_hardware_script.py" for item in items)
+    if hardware and importlib.util.find_spec("torch"):  # else its tests skip
+        hardware_dry_run.start()  # ~30 s of real time, beside the tests before its own
     corpus = [item for item in items if item.path.name in CORPUS_FILES]
     if corpus:
         # the CPU the real-time tests leave; both privileges (test_scenario_corpus.py);
@@ -33,3 +39,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 class _NONE:
     params: dict[str, object] = {}
+
+
+def pytest_sessionfinish() -> None:
+    hardware_dry_run.clean()

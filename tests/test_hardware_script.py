@@ -2,28 +2,25 @@
 
 The script is meant for a lent GPU machine; its dry run does the same steps against the
 simulator with phases of a few seconds and torch on the CPU, so that the orchestration
-is tested here and the GPU minutes go to the real run. One run (~35 s on two cores)
-serves every check below. What is asserted is what the script promises whatever the
-machine's load: the outputs exist, fit the run tool's limits and parse. The dry run's
-verdict depends on its phases keeping in step with the simulated node's timeline, so
-it is checked to be a verdict, not to be PASS.
+is tested here and the GPU minutes go to the real run. One run (~35 s on two cores,
+started at collection: tests/hardware_dry_run.py) serves every check below. What is
+asserted is what the script promises whatever the machine's load: the outputs exist,
+fit the run tool's limits and parse. The dry run's verdict depends on its phases keeping
+in step with the simulated node's timeline, so it is checked to be a verdict, not to be
+PASS.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
+import hardware_dry_run
 import pytest
 
 pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "bench" / "hardware" / "validate.sh"
 TOP = {"summary.txt", "summary.json", "validate.log", "results.tar.gz", "doctor.json", "nvml.json"}
 RAW = {
     "steps.tsv",
@@ -49,18 +46,10 @@ PHASES = ["a-healthy", "b-starved", "c-healthy"]
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("out")
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
-    env.pop("DRY_RUN", None)
-    done = subprocess.run(
-        ["bash", str(SCRIPT), "--dry-run"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,  # the script's own budget in a dry run
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def dry_run() -> Path:
+    """The one dry run, started at collection (tests/hardware_dry_run.py)."""
+    returncode, printed, out = hardware_dry_run.outputs()
+    assert returncode == 0, printed
     return out
 
 
