@@ -4,13 +4,16 @@ test_detection.py and test_scenario_corpus.py read the replays of every built-in
 (`gpuwatchd.sim.detection`), played in worker processes, one per CPU: started at
 collection, they play while the rest of the suite mostly waits on real servers and
 processes (at the lowest priority, so as not to hold those up), and those tests, run
-last, take the results.
+last, take the results. So do the real-time end-to-end runs a test module names `AHEAD`
+(tests/ahead.py) and the hardware script's dry run (tests/hardware_dry_run.py): started
+at collection, their tests run at the end.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+import ahead
 import hardware_dry_run
 import pytest
 
@@ -25,6 +28,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     hardware = any(item.path.name == "test_hardware_script.py" for item in items)
     if hardware and importlib.util.find_spec("torch"):  # else its tests skip
         hardware_dry_run.start()  # ~30 s of real time, beside the tests before its own
+    # real-time end-to-end runs (tests/ahead.py): started now, their tests run last
+    ahead_items = [item for item in items if hasattr(getattr(item, "module", None), "AHEAD")]
+    for item in ahead_items:
+        ahead.start(item.module.__name__, item.module.AHEAD)  # type: ignore[attr-defined]
+    items[:] = [item for item in items if item not in ahead_items] + ahead_items
     corpus = [item for item in items if item.path.name in CORPUS_FILES]
     if corpus:
         # the CPU the real-time tests leave; both privileges (test_scenario_corpus.py);
@@ -43,3 +51,4 @@ class _NONE:
 
 def pytest_sessionfinish() -> None:
     hardware_dry_run.clean()
+    ahead.clean()

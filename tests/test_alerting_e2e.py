@@ -17,6 +17,7 @@ import urllib.parse
 from contextlib import ExitStack
 from pathlib import Path
 
+import ahead
 import yaml
 from daemon_process import running_daemon, shorten
 from servers import Webhook, running_alertmanager, running_prometheus, wait_until
@@ -79,7 +80,12 @@ def alertmanager_config(webhook: Webhook) -> dict:
     return config
 
 
-def test_alerts_page_with_evidence_and_resolve(tmp_path: Path):
+def test_alerts_page_with_evidence_and_resolve():
+    print(ahead.result(__name__, alerts_page_with_evidence_and_resolve))
+
+
+def alerts_page_with_evidence_and_resolve(tmp_path: Path) -> str:
+    """The run (~60 s of real time), started at collection (tests/ahead.py)."""
     rules = short_rules(tmp_path)
     config = tmp_path / "gpuwatchd.yaml"
     config.write_text(yaml.safe_dump({"rules_file": str(rules)}))
@@ -186,7 +192,10 @@ def test_alerts_page_with_evidence_and_resolve(tmp_path: Path):
             if a["labels"]["alertname"] not in ("GpuPcieLinkDegraded", "GpuNcclStall")
         }
         assert others == set()
-    print(
+    return (
         f"\nonset -> page: PCIe {pcie_latency:.0f} s, NCCL {nccl_latency:.0f} s; "
         f"fault end -> resolved: NCCL {resolve_latency:.0f} s"
     )
+
+
+AHEAD = alerts_page_with_evidence_and_resolve
