@@ -1,42 +1,66 @@
-"""Real-time end-to-end runs started at collection, beside the rest of the suite.
+"""Real-time end-to-end tests started at collection, in a pytest of their own.
 
-A test module that waits minutes of real time on servers and simulated nodes names its
-run `AHEAD` (a function of a fresh directory, returning what the test prints): conftest
-starts it in a thread as soon as the module's test is collected and the test, run near
-the end, takes its result (or its failure, traceback and all). The run's assertions are
-the test's; only where they wait moves.
+A test module that waits minutes of real time on servers and simulated nodes sets
+`AHEAD = True`: conftest starts its tests in a child pytest as soon as they are
+collected, and runs them last in this one, where each only takes the child's verdict.
+A child process, not a thread: other tests patch process-wide state (time.sleep,
+socket.socket) that a run beside them would see.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
+import os
+import subprocess
+import sys
 
-Run = Callable[[Path], str]
+import pytest
 
-_started: dict[str, tuple[Future[str], Path]] = {}
+CHILD = "GPUWATCHD_AHEAD_CHILD"  # set in the child pytest: it runs the tests itself
+BUDGET = 300  # seconds for a module's tests in the child
 
-
-def start(name: str, run: Run) -> None:
-    """Start `run` in a thread of its own (once per name)."""
-    if name not in _started:
-        where = Path(tempfile.mkdtemp(prefix=f"gpuwatchd-{name}-"))
-        pool = ThreadPoolExecutor(1, thread_name_prefix=f"ahead-{name}")
-        _started[name] = (pool.submit(run, where), where)
-        pool.shutdown(wait=False)
+_started: dict[str, subprocess.Popen[str]] = {}
+_verdicts: dict[str, tuple[int, str]] = {}
 
 
-def result(name: str, run: Run) -> str:
-    """What `run` returned (started now if it was not); its exception, raised here."""
-    start(name, run)
-    return _started[name][0].result()
+def in_child() -> bool:
+    return os.environ.get(CHILD) == "1"
+
+
+def start(module: str, nodeids: list[str]) -> None:
+    """Start the child pytest for `module`'s selected tests (once)."""
+    if module in _started or in_child():
+        return
+    _started[module] = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids],
+        env={**os.environ, CHILD: "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def ran_ahead(module: str) -> bool:
+    """In the parent pytest: True once the child passed `module`'s tests (a failure in
+    it fails here, with its output); False where the test is to run itself."""
+    if in_child() or module not in _started:
+        return False
+    if module not in _verdicts:
+        child = _started[module]
+        try:
+            printed, _ = child.communicate(timeout=BUDGET)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            printed, _ = child.communicate()
+        _verdicts[module] = (child.returncode, printed)
+    returncode, printed = _verdicts[module]
+    if returncode != 0:
+        pytest.fail(f"in the child pytest (tests/ahead.py), exit {returncode}:\n{printed[-8000:]}")
+    return True
 
 
 def clean() -> None:
-    """Wait for runs still going (a session cut short) and remove their directories."""
-    for future, where in _started.values():
-        future.exception()
-        shutil.rmtree(where, ignore_errors=True)
+    """Stop children still running (a session cut short)."""
+    for child in _started.values():
+        if child.poll() is None:
+            child.kill()
+            child.communicate()

@@ -4,9 +4,9 @@ test_detection.py and test_scenario_corpus.py read the replays of every built-in
 (`gpuwatchd.sim.detection`), played in worker processes, one per CPU: started at
 collection, they play while the rest of the suite mostly waits on real servers and
 processes (at the lowest priority, so as not to hold those up), and those tests, run
-last, take the results. So do the real-time end-to-end runs a test module names `AHEAD`
-(tests/ahead.py) and the hardware script's dry run (tests/hardware_dry_run.py): started
-at collection, their tests run at the end.
+last, take the results. So do the real-time end-to-end tests of a module that sets
+`AHEAD` (tests/ahead.py: in a child pytest) and the hardware script's dry run
+(tests/hardware_dry_run.py): started at collection, their tests run at the end.
 """
 
 from __future__ import annotations
@@ -28,10 +28,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     hardware = any(item.path.name == "test_hardware_script.py" for item in items)
     if hardware and importlib.util.find_spec("torch"):  # else its tests skip
         hardware_dry_run.start()  # ~30 s of real time, beside the tests before its own
-    # real-time end-to-end runs (tests/ahead.py): started now, their tests run last
-    ahead_items = [item for item in items if hasattr(getattr(item, "module", None), "AHEAD")]
+    # real-time end-to-end tests (tests/ahead.py): started now in a child pytest, their
+    # tests here run last and take its verdict
+    ahead_items = [i for i in items if getattr(getattr(i, "module", None), "AHEAD", False)]
+    by_module: dict[str, list[str]] = {}
     for item in ahead_items:
-        ahead.start(item.module.__name__, item.module.AHEAD)  # type: ignore[attr-defined]
+        by_module.setdefault(item.module.__name__, []).append(item.nodeid)  # type: ignore[attr-defined]
+    for module, nodeids in by_module.items():
+        ahead.start(module, nodeids)
     items[:] = [item for item in items if item not in ahead_items] + ahead_items
     corpus = [item for item in items if item.path.name in CORPUS_FILES]
     if corpus:

@@ -403,12 +403,21 @@ def test_injected_failures_and_call_counts():
     assert nv.nvmlSystemGetDriverVersion() == "555.42.06"
 
 
+def in_this_thread(monkeypatch: pytest.MonkeyPatch, name: str, replacement: Any) -> None:
+    """time.`name` replaced for calls from this thread only: `time` is the process's
+    module, and other threads (tests/ahead.py's real-time runs) sleep meanwhile."""
+    real, me = getattr(time, name), threading.get_ident()
+    monkeypatch.setattr(
+        time, name, lambda *a: replacement(*a) if threading.get_ident() == me else real(*a)
+    )
+
+
 def test_calls_cost_what_the_settings_say(monkeypatch):
     spent: list[float] = []
     slept: list[float] = []
     monkeypatch.setattr(fake_nvml, "_spend", lambda seconds, since: spent.append(seconds))
-    monkeypatch.setattr(fake_nvml.time, "sleep", slept.append)
-    monkeypatch.setattr(fake_nvml.time, "thread_time", lambda: 0.0)  # the fake takes no time
+    in_this_thread(monkeypatch, "sleep", slept.append)
+    in_this_thread(monkeypatch, "thread_time", lambda: 0.0)  # the fake takes no time
     costs = NvmlCosts(per_call=30e-6, per_field=2e-6, pcie_sample=0.02)
     nv, fake, _, _ = start("healthy-8gpu", costs=costs)
     h = nv.nvmlDeviceGetHandleByIndex(0)
@@ -434,7 +443,7 @@ def test_calls_cost_what_the_settings_say(monkeypatch):
     nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_PCIE_REPLAY_COUNTER, nv.NVML_FI_DEV_ECC_CURRENT])
     assert spent == [pytest.approx(1.4e-3), pytest.approx(30e-6 + 177e-6 + 2e-6)]
     ticks = iter([0.0, 100e-6])  # a call whose own work takes 100 µs of CPU
-    monkeypatch.setattr(fake_nvml.time, "thread_time", lambda: next(ticks))
+    in_this_thread(monkeypatch, "thread_time", lambda: next(ticks))
     spent.clear()
     nv.nvmlDeviceGetUtilizationRates(h)
     assert spent == [] and fake.overshoot == pytest.approx(70e-6)  # beyond the 30 µs
@@ -444,7 +453,7 @@ def test_calls_cost_what_the_settings_say(monkeypatch):
 def test_free_costs_nothing_and_run_simulate_costs_what_a_driver_does(monkeypatch):
     spent: list[float] = []
     monkeypatch.setattr(fake_nvml, "_spend", lambda seconds, since: spent.append(seconds))
-    monkeypatch.setattr(fake_nvml.time, "sleep", spent.append)
+    in_this_thread(monkeypatch, "sleep", spent.append)
     nv, fake, _, _ = start("healthy-8gpu")  # the default: FREE
     assert fake.costs == FREE
     h = nv.nvmlDeviceGetHandleByIndex(0)
