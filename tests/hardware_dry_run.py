@@ -12,12 +12,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "hardware" / "validate.sh"
 BUDGET = 150  # seconds: the script's own budget in a dry run
 
-_run: tuple[subprocess.Popen[str], Path] | None = None
+_run: tuple[subprocess.Popen[str], Path, threading.Thread] | None = None
+_printed: list[str] = []
 
 
 def start() -> None:
@@ -35,7 +37,19 @@ def start() -> None:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    _run = (process, out)
+    # taken (and reaped) as soon as it ends: no zombie among this process's children
+    waiter = threading.Thread(target=_wait, args=(process,), daemon=True)
+    _run = (process, out, waiter)
+    waiter.start()
+
+
+def _wait(process: subprocess.Popen[str]) -> None:
+    try:
+        printed, _ = process.communicate(timeout=BUDGET)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        printed, _ = process.communicate()
+    _printed.append(printed)
 
 
 def outputs() -> tuple[int, str, Path]:
@@ -43,20 +57,16 @@ def outputs() -> tuple[int, str, Path]:
     (started now if it was not)."""
     start()
     assert _run is not None
-    process, out = _run
-    try:
-        printed, _ = process.communicate(timeout=BUDGET)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        printed, _ = process.communicate()
-    return process.returncode, printed[-6000:], out
+    process, out, waiter = _run
+    waiter.join()
+    return process.returncode, _printed[0][-6000:], out
 
 
 def clean() -> None:
     """Stop a dry run still going and remove its outputs (at the session's end)."""
     if _run is not None:
-        process, out = _run
+        process, out, waiter = _run
         if process.poll() is None:
             process.kill()
-            process.communicate()
+        waiter.join()
         shutil.rmtree(out, ignore_errors=True)

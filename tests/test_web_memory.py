@@ -89,11 +89,20 @@ def test_pipelined_request_heads_do_not_exhaust_the_daemons_memory():
 
 def daemon_child() -> psutil.Process:
     """The daemon running_daemon started: this process's child running `gpuwatchd run`
-    (the suite's scenario corpus plays in other children meanwhile)."""
-    (daemon,) = [
-        p for p in psutil.Process().children() if p.cmdline()[1:4] == ["-m", "gpuwatchd", "run"]
-    ]
+    (the suite's scenario corpus and its runs ahead are other children meanwhile, some
+    of them ended and not reaped yet)."""
+    (daemon,) = [p for p in psutil.Process().children() if _command(p)[1:4] == RUN]
     return daemon
+
+
+RUN = ["-m", "gpuwatchd", "run"]
+
+
+def _command(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
 
 
 def unsent(sock: socket.socket) -> int:
