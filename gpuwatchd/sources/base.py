@@ -9,10 +9,20 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from gpuwatchd.config import SourceConfig
 from gpuwatchd.metrics import MetricSpec, Sample
+
+Settings = TypeVar("Settings", bound=SourceConfig)
+
+
+def settings_of(config: SourceConfig, kind: type[Settings]) -> Settings:
+    """`config` as its source's own settings: a plain SourceConfig (as a test or a
+    generic caller gives) takes the class's defaults for the rest."""
+    if isinstance(config, kind):
+        return config
+    return kind.model_validate({name: getattr(config, name) for name in SourceConfig.model_fields})
 
 
 class SourceError(Exception):

@@ -50,7 +50,14 @@ from dataclasses import dataclass
 from gpuwatchd.config import CpuConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import cpufreq, numa, reclaim, register
-from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file, read_text
+from gpuwatchd.sources.base import (
+    Context,
+    Source,
+    SourceError,
+    read_kernel_file,
+    read_text,
+    settings_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +290,7 @@ class CpuSource(Source):
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
-        self.cfg = config if isinstance(config, CpuConfig) else CpuConfig(**config.model_dump())
+        self.cfg = settings_of(config, CpuConfig)
         procfs = os.fspath(context.procfs)
         self.stat_path = os.path.join(procfs, "stat")
         self.meminfo_path = os.path.join(procfs, "meminfo")

@@ -58,7 +58,7 @@ from typing import NamedTuple
 from gpuwatchd.config import DisksConfig, SourceConfig
 from gpuwatchd.metrics import Sample, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file
+from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file, settings_of
 
 log = logging.getLogger(__name__)
 
@@ -312,11 +312,7 @@ class DisksSource(Source):
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
-        cfg = (
-            config
-            if isinstance(config, DisksConfig)
-            else DisksConfig(**{k: getattr(config, k) for k in SourceConfig.model_fields})
-        )
+        cfg = settings_of(config, DisksConfig)
         self._include = re.compile(cfg.include) if cfg.include else None
         self._exclude = re.compile(cfg.exclude) if cfg.exclude else None
         self._max_devices = cfg.max_devices

@@ -76,7 +76,14 @@ from typing import NamedTuple
 from gpuwatchd.config import InfinibandConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted, read_small
+from gpuwatchd.sources.base import (
+    Context,
+    Source,
+    SourceError,
+    not_mounted,
+    read_small,
+    settings_of,
+)
 from gpuwatchd.sources.pcie import BDF, GpuPaths, PciFunction, parse_numa_node, walk_to_root
 
 log = logging.getLogger(__name__)
@@ -391,11 +398,7 @@ class InfinibandSource(Source):
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
-        cfg = (
-            config
-            if isinstance(config, InfinibandConfig)
-            else InfinibandConfig(**{k: getattr(config, k) for k in SourceConfig.model_fields})
-        )
+        cfg = settings_of(config, InfinibandConfig)
         self._include = re.compile(cfg.include) if cfg.include else None
         self._exclude = re.compile(cfg.exclude) if cfg.exclude else None
         self._expected = list(cfg.expected_rates.items())

@@ -85,7 +85,7 @@ from typing import NamedTuple
 from gpuwatchd.config import InterruptsConfig, SourceConfig
 from gpuwatchd.metrics import Sample, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file
+from gpuwatchd.sources.base import Context, Source, SourceError, read_kernel_file, settings_of
 
 log = logging.getLogger(__name__)
 
@@ -425,11 +425,7 @@ class InterruptsSource(Source):
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
-        cfg = (
-            config
-            if isinstance(config, InterruptsConfig)
-            else InterruptsConfig(**config.model_dump())
-        )
+        cfg = settings_of(config, InterruptsConfig)
         self.cfg = cfg
         self.path = os.path.join(os.fspath(context.procfs), "interrupts")
         clock = context.extras.get("clock", time.monotonic)

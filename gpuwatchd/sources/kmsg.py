@@ -46,7 +46,7 @@ from typing import Protocol
 from gpuwatchd.config import KmsgConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.base import Context, Source, SourceError, settings_of
 from gpuwatchd.sources.kmsglines import KERNEL_FACILITY, Line, classify, parse_record
 from gpuwatchd.sources.pcie import GpuPaths
 from gpuwatchd.sources.ties import pid_table, switch_table
@@ -174,11 +174,7 @@ class KmsgSource(Source):
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
-        self.settings = (
-            config
-            if isinstance(config, KmsgConfig)
-            else KmsgConfig.model_validate(config.model_dump())
-        )
+        self.settings = settings_of(config, KmsgConfig)
         self._open: Callable[[str], Device] = context.extras.get("kmsg_open", KmsgDevice)
         self._now: Callable[[], float] = context.extras.get("now", time.time)
         self._device: Device | None = None

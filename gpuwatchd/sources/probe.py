@@ -55,7 +55,7 @@ from pydantic import ValidationError
 from gpuwatchd.config import ProbeConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError, read_small
+from gpuwatchd.sources.base import Context, Source, SourceError, read_small, settings_of
 from gpuwatchd.sources.nvmlapi import quietly
 from gpuwatchd.sources.probe_gpus import GPU_SPECS, INSTANCE_FORMS, Placer
 from gpuwatchd.sources.probe_report import Report
@@ -459,11 +459,7 @@ class ProbeSource(Source):
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
-        self.settings = (
-            config
-            if isinstance(config, ProbeConfig)
-            else ProbeConfig.model_validate(config.model_dump())
-        )
+        self.settings = settings_of(config, ProbeConfig)
         self._clock: Callable[[], float] = context.extras.get("clock", time.monotonic)
         self._receiver: Receiver | None = context.extras.get("probe_receiver")
         self._proc = os.fspath(context.procfs)

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from gpuwatchd.config import DcgmConfig, SourceConfig
 from gpuwatchd.metrics import Sample
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError
+from gpuwatchd.sources.base import Context, Source, SourceError, settings_of
 from gpuwatchd.sources.dcgm.bindings import Bindings, find_bindings, load_bindings
 from gpuwatchd.sources.dcgm.fields import (
     COMPAT_DEFAULT_FIELDS,
@@ -83,8 +83,7 @@ class DcgmSource(Source):
     )
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
-        if not isinstance(config, DcgmConfig):
-            config = DcgmConfig.model_validate(config.model_dump())
+        config = settings_of(config, DcgmConfig)
         super().__init__(config, context)
         self.config: DcgmConfig = config
         extras = context.extras

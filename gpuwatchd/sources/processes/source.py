@@ -20,7 +20,7 @@ from gpuwatchd.config import ProcessesConfig, SourceConfig
 from gpuwatchd.metrics import Sample
 from gpuwatchd.sources import processes as package
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, not_mounted
+from gpuwatchd.sources.base import Context, Source, not_mounted, settings_of
 from gpuwatchd.sources.nvmlapi import process_table, quietly
 from gpuwatchd.sources.owner import (
     Attribution,
@@ -114,11 +114,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
 
     def __init__(self, config: SourceConfig, context: Context) -> None:
         super().__init__(config, context)
-        self.settings = (
-            config
-            if isinstance(config, ProcessesConfig)
-            else ProcessesConfig.model_validate(config.model_dump())
-        )
+        self.settings = settings_of(config, ProcessesConfig)
         self._clock: Callable[[], float] = context.extras.get("clock", time.monotonic)
         self._proc = os.fspath(context.procfs)
         self._sys = os.fspath(context.sysfs)
