@@ -560,6 +560,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
         "evaluation_interval": "1s",
         "rules_file": str((results / "rules.yaml").resolve()),
         "sources": {"probe": {"socket": str(Path(args.socket).resolve())}},
+        # each source's poll duration is detail-only since issue 46: the report reads it
+        "detail_metrics": True,
     }
     if dry:  # the scaled windows need the processes source's readings more often
         config["sources"]["processes"] = {"interval": "1s"}
