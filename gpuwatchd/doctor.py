@@ -29,6 +29,7 @@ from typing import Any
 
 from gpuwatchd.config import Config
 from gpuwatchd.daemon import Pipeline
+from gpuwatchd.exposition import visible
 from gpuwatchd.rules.engine import HOLDS, NOT_EVALUABLE, Finding
 from gpuwatchd.sim.scenario import Expectation, Scenario
 from gpuwatchd.sources import Context
@@ -613,8 +614,7 @@ def _finding_lines(report: Report) -> list[str]:
     pairs = [(f.where, f"{f.cause} ({f.dimension}, {f.severity}): {f.detail}") for f in holding]
     pairs += [(gpu, "no cause holds") for gpu in quiet]
     pairs += [
-        (gpu, f"cannot judge {', '.join(causes)}: {why}")
-        for (gpu, why), causes in unknown.items()
+        (gpu, f"cannot judge {', '.join(causes)}: {why}") for (gpu, why), causes in unknown.items()
     ]
     pairs += [(gpu, f"{_probe_rules(report)}: {', '.join(c)}") for gpu, c in no_probe.items()]
     lines = [f"  {gpu_list(gpus)}: {text}" for gpus, text in group_by_text(pairs)]
@@ -663,4 +663,6 @@ def format_report(report: Report) -> str:
         lines += _finding_lines(report)
     lines.append("")
     lines.append(f"result: {report.verdict} (exit {report.exit_code})")
-    return "\n".join(lines)
+    # process names and the kernel's lines are a tenant's to choose: an ESC or OSC
+    # sequence must reach the operator's terminal as text, as in the exposition
+    return visible("\n".join(lines))

@@ -9,9 +9,11 @@ import dataclasses
 import json
 import re
 import socket
+from importlib import resources
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from gpuwatchd import doctor as doctor_module
@@ -206,6 +208,19 @@ def test_json_has_the_same_content(pcie):
     assert sum(len(g["gpus"]) for g in report["finding_groups"]) == len(report["findings"])
 
 
+def test_a_tenants_escape_sequences_reach_the_terminal_as_text():
+    """An Xid hit by a process its owner named `nvidia ESC ]0;pwned BEL smi` (an OSC
+    sequence sets a terminal's title): the kernel log's line quotes the name, and doctor
+    prints it as text."""
+    text = resources.files("gpuwatchd.sim.scenarios") / "xid119-gsp-timeout-2xh100.yaml"
+    scenario = Scenario.model_validate(
+        yaml.safe_load(text.read_text().replace("name=nvidia-smi", "name=nvidia\\e]0;pwned\\asmi"))
+    )
+    output = format_report(diagnose_simulated(scenario, Config(), None))
+    assert "Xid 119 in nvidia\\x1b]0;pwned\\x07smi (pid 2024380)" in output
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", output)
+
+
 def test_bad_scenario_exits_2():
     result = doctor("--simulate", "no-such-scenario")
     assert result.exit_code == 2
@@ -346,8 +361,13 @@ def test_a_rule_that_cannot_judge_the_node_says_why(tmp_path):
     """Issue 39 (3): on an R535 driver NVML has no PCIe byte counters and nccl_stall reads
     DCGM's instead; without DCGM as well, doctor says the rule cannot judge these GPUs and
     why, rather than a bare 'not evaluable'."""
-    text = (Path(__file__).parent.parent / "gpuwatchd" / "sim" / "scenarios"
-            / "nccl-hang-r535-dcgm-8xh100.yaml").read_text()
+    text = (
+        Path(__file__).parent.parent
+        / "gpuwatchd"
+        / "sim"
+        / "scenarios"
+        / "nccl-hang-r535-dcgm-8xh100.yaml"
+    ).read_text()
     scenario = tmp_path / "r535-no-dcgm.yaml"
     scenario.write_text(text.replace('dcgm: "3"', "dcgm: none"))
     result = doctor("--simulate", str(scenario), "--at", "500")
