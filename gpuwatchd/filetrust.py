@@ -1,9 +1,12 @@
-"""Whether a file the daemon acts on (its config, rule and web config files) may be
-trusted: writable by no one but root and the daemon's own user, with every directory
-above it, as sshd's StrictModes asks of authorized_keys (issue 41). Whoever can write
-the config can point `sources.dcgm.bindings_path` at code the daemon imports, `procfs`
-at a tree of their own, or `web_config_file` at their own users; whoever can write the
-rules can silence a cause or page on-call for nothing.
+"""Whether a file the daemon acts on (its config, rule and web config files, the TLS
+files the web config names, and DCGM's Python bindings that it imports) may be trusted:
+writable by no one but root and the daemon's own user, with every directory above it,
+as sshd's StrictModes asks of authorized_keys (issue 41). Whoever can write the config
+can point `sources.dcgm.bindings_path` at code the daemon imports, `procfs` at a tree of
+their own, or `web_config_file` at their own users; whoever can write the rules can
+silence a cause or page on-call for nothing; whoever can write the bindings runs code as
+the daemon; whoever can write the web config's client CA mints client certificates it
+accepts.
 
 A directory others may write is still safe when it is sticky (they cannot rename or
 remove what root or the daemon owns in it: /tmp) or mounted read-only (a Kubernetes
@@ -27,9 +30,61 @@ def distrust(real: str, st: os.stat_result) -> str | None:
     if (why := _distrust(real, st, "")) is not None:
         return why
     for directory in map(str, Path(real).parents):
-        if (why := _distrust(directory, os.stat(directory), f"its directory {directory} is ")):
+        if why := _distrust(directory, os.stat(directory), f"its directory {directory} is "):
             return why
     return None
+
+
+def distrust_tree(real: str) -> str | None:
+    """Why the directory at `real` (a path without links), a directory above it, or
+    anything below it is not to be trusted ("PATH: why"), or None if all of it is: what
+    Python may import from a directory on sys.path is any file below it (modules,
+    packages, `__pycache__`'s compiled code, extension modules). A link is judged by
+    where it leads, with that place's directories and, for a directory, all below it."""
+    if (why := distrust(real, os.stat(real))) is not None:
+        return f"{real}: {why}"
+    pending, seen, count = [real], {real}, 0
+    while pending:
+        entries = sorted(_entries(pending.pop()), key=lambda e: e.name)
+        for entry in entries:
+            count += 1
+            if count > MAX_TREE_ENTRIES:  # a link to / would walk the whole file system
+                return f"{real}: more than {MAX_TREE_ENTRIES} files below it: {_MODULES}"
+            try:
+                where, st, why = _judge(entry)
+            except FileNotFoundError:  # gone since listed (a .pyc's temporary file)
+                continue
+            if why is not None:
+                return f"{entry.path}: {why}"
+            if st is not None and stat.S_ISDIR(st.st_mode) and where not in seen:
+                seen.add(where)  # a loop of links is walked once
+                pending.append(where)
+    return None
+
+
+MAX_TREE_ENTRIES = 10_000
+_MODULES = "expected a directory of Python modules"
+
+
+def _entries(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as scan:
+            return list(scan)
+    except FileNotFoundError:  # removed since listed: nothing in it can be imported
+        return []
+
+
+def _judge(entry: os.DirEntry[str]) -> tuple[str, os.stat_result | None, str | None]:
+    """(where `entry` leads, its stat, why it is not to be trusted or None)."""
+    if not entry.is_symlink():
+        st = entry.stat(follow_symlinks=False)
+        return entry.path, st, _distrust(entry.path, st, "")  # its directory: checked
+    where = os.path.realpath(entry.path)
+    try:
+        st = os.stat(where)
+    except OSError as e:  # whoever can write where it leads could put code there
+        return where, None, f"a link to {where}, which cannot be read: {e.strerror}"
+    return where, st, distrust(where, st)
 
 
 def _distrust(path: str, st: os.stat_result, what: str) -> str | None:

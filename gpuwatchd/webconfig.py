@@ -20,6 +20,7 @@ import hashlib
 import os
 import re
 import ssl
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ from pydantic import (
 )
 
 from gpuwatchd.config import FileError, parse_duration, read_text_file
+from gpuwatchd.filetrust import distrust
 
 
 def __getattr__(name: str) -> Any:
@@ -304,7 +306,7 @@ def ssl_context(tls: TLSServerConfig, where: Path) -> ssl.SSLContext:
     ciphers = [name for c in tls.cipher_suites if (name := CIPHERS[c])]
     if ciphers:
         _checked(where, "cipher_suites", lambda: context.set_ciphers(":".join(ciphers)))
-    with _pem_files(tls) as (cert, key):
+    with _pem_files(tls, where) as (cert, key):
         key_name = "key_file" if tls.key_file else "key"
         _checked(where, f"cert_file/{key_name}", lambda: context.load_cert_chain(cert, key))
     if tls.verifies_clients:
@@ -314,11 +316,8 @@ def ssl_context(tls: TLSServerConfig, where: Path) -> ssl.SSLContext:
             else ssl.CERT_OPTIONAL
         )
         if tls.client_ca_file:
-            _checked(
-                where,
-                "client_ca_file",
-                lambda: context.load_verify_locations(cafile=tls.client_ca_file),
-            )
+            cafile = _trusted_file(where, "client_ca_file", tls.client_ca_file)
+            _checked(where, "client_ca_file", lambda: context.load_verify_locations(cafile=cafile))
         elif tls.client_ca:
             _checked(
                 where, "client_ca", lambda: context.load_verify_locations(cadata=tls.client_ca)
@@ -339,21 +338,44 @@ def _checked(where: Path, key: str, load: Any) -> None:
         ) from e
 
 
+def _trusted_file(where: Path, key: str, file: Path) -> str:
+    """The real path of the TLS file `file` (`tls_server_config.<key>` of the web config
+    at `where`), for ssl to read, if only root and the daemon's user can change it
+    (filetrust.py): whoever can write the client CA mints client certificates the daemon
+    accepts, whoever can write its key or certificate replaces its identity. Read through
+    the real path, so that no link can be swapped after the check. A file that cannot be
+    read is left to ssl to report."""
+    real = os.path.realpath(file)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return real
+    problem = None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the start until written to
+        problem = "cannot read: not a regular file"
+    elif (why := distrust(real, st)) is not None:
+        problem = f"refused: {why}"
+    if problem is not None:
+        raise WebConfigError(f"{where}: tls_server_config.{key}: {file}: {problem}")
+    return real
+
+
 @contextmanager
-def _pem_files(tls: TLSServerConfig) -> Iterator[tuple[Path, Path]]:
-    """Paths of the certificate and key; inline PEMs go through a private temporary file."""
+def _pem_files(tls: TLSServerConfig, where: Path) -> Iterator[tuple[str, str]]:
+    """Paths of the certificate and key, files checked by `_trusted_file`; inline PEMs go
+    through a private temporary file."""
     with tempfile.TemporaryDirectory(prefix="gpuwatchd-tls-") as tmp:  # mode 0700
 
-        def path(inline: str | None, file: Path | None, name: str) -> Path:
+        def path(inline: str | None, file: Path | None, name: str) -> str:
             if file is not None:
-                return file
-            written = Path(tmp) / name
+                return _trusted_file(where, f"{name}_file", file)
+            written = os.path.join(tmp, f"{name}.pem")
             fd = os.open(written, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as out:
                 out.write(inline or "")
             return written
 
-        yield path(tls.cert, tls.cert_file, "cert.pem"), path(tls.key, tls.key_file, "key.pem")
+        yield path(tls.cert, tls.cert_file, "cert"), path(tls.key, tls.key_file, "key")
 
 
 def peer_sans(certificate: dict[str, Any] | None) -> set[str]:

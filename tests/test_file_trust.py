@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatchd import filetrust
 from gpuwatchd.config import ConfigError, load_config
+from gpuwatchd.filetrust import distrust_tree
 from gpuwatchd.rules import RuleEngine, RuleFileWatcher, RulesError, load_rules
 from gpuwatchd.store import Store
 from gpuwatchd.webconfig import WebConfigError, load_web_config
@@ -106,7 +108,7 @@ def test_a_read_only_mount_is_trusted_whatever_its_modes(tmp_path):
     mount = f"mount --bind {volume} {volume} && mount -o remount,bind,ro {volume} {volume}"
     user = [] if os.geteuid() == 0 else ["-r"]
     ran = subprocess.run(
-        ["unshare", *user, "-m", "sh", "-c", f"{mount} && {sys.executable} -c \"{load}\""],
+        ["unshare", *user, "-m", "sh", "-c", f'{mount} && {sys.executable} -c "{load}"'],
         capture_output=True,
         text=True,
         timeout=60,
@@ -135,3 +137,22 @@ def test_a_rule_file_made_writable_keeps_the_last_good_rules_with_the_reason(tmp
     assert watcher.check() is None and watcher.check() is None
     jobs.run()
     assert watcher.check() is True and names(watcher) == ["cause_y"]
+
+
+def test_a_tree_is_walked_once_through_a_loop_of_links_and_within_a_bound(tmp_path, monkeypatch):
+    """What Python may import from a directory: anything below it (distrust_tree)."""
+    tree = tmp_path / "tree"
+    (tree / "package").mkdir(parents=True)
+    (tree / "package" / "module.py").write_text("")
+    (tree / "package" / "loop").symlink_to(tree)  # a link back up: walked once
+    assert distrust_tree(str(tree)) is None
+    (tree / "package" / "module.py").chmod(0o666)
+    assert distrust_tree(str(tree)) == (
+        f"{tree / 'package' / 'module.py'}: writable by anyone (mode 0666): {EXPECTED} "
+        f"(chmod o-w {tree / 'package' / 'module.py'})"
+    )
+    (tree / "package" / "module.py").chmod(0o644)
+    monkeypatch.setattr(filetrust, "MAX_TREE_ENTRIES", 2)  # a link to / would walk it all
+    assert distrust_tree(str(tree)) == (
+        f"{tree}: more than 2 files below it: expected a directory of Python modules"
+    )

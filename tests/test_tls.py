@@ -9,6 +9,8 @@ import base64
 import datetime
 import http.client
 import logging
+import os
+import pwd
 import socket
 import ssl
 import time
@@ -22,6 +24,7 @@ from servers import running_prometheus, wait_until
 from webfront import HASH, PASSWORD, closed_by_peer, serving
 
 from gpuwatchd.web import Limits
+from gpuwatchd.webconfig import WebConfigError
 
 PAST = datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc)
 
@@ -209,3 +212,90 @@ def test_the_dcgm_pause_verb_over_tls(tmp_path, ca):
         done = CliRunner().invoke(main, [*verb, "--ca-file", pem(tmp_path, "ca.pem", ca.cert_pem)])
         assert done.exit_code == 0, done.output
         assert source.pauses == [5]
+
+
+# -- who may change the TLS files (issue 41's file trust) -----------------------------------
+
+EXPECTED = "expected only root or the daemon's user to be able to write it"
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives files to other users (root)")
+
+
+def secret_volume(where: Path, files: dict[str, trustme.Blob]) -> None:
+    """A Kubernetes Secret volume's layout: each file a link into `..data`, itself a link
+    to the timestamped directory the kubelet swaps on an update."""
+    stamped = where / "..2026_12_06_11_00_00.1"
+    stamped.mkdir(parents=True)
+    for name, blob in files.items():
+        blob.write_to_path(str(stamped / name))
+        (where / name).symlink_to(Path("..data") / name)
+    (where / "..data").symlink_to(stamped.name)
+
+
+def key_anyone_may_write(tls: dict[str, str]):
+    Path(tls["key_file"]).chmod(0o666)
+    return (
+        "key_file",
+        f"writable by anyone (mode 0666): {EXPECTED}",
+        lambda: Path(tls["key_file"]).chmod(0o600),
+    )
+
+
+def client_ca_owned_by_nobody(tls: dict[str, str]):
+    os.chown(tls["client_ca_file"], 65534, -1)
+    nobody = pwd.getpwuid(65534).pw_name
+    return (
+        "client_ca_file",
+        f"owned by {nobody} (uid 65534), who may change it: expected root",
+        lambda: os.chown(tls["client_ca_file"], 0, -1),
+    )
+
+
+def cert_in_a_directory_anyone_may_write(tls: dict[str, str]):
+    directory = Path(tls["cert_file"]).resolve().parent
+    directory.chmod(0o777)  # anyone could put another certificate in its place
+    return (
+        "cert_file",
+        f"its directory {directory} is writable by anyone (mode 0777): {EXPECTED}",
+        lambda: directory.chmod(0o755),
+    )
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        key_anyone_may_write,
+        pytest.param(client_ca_owned_by_nobody, marks=as_root),
+        cert_in_a_directory_anyone_may_write,
+    ],
+)
+def test_tls_files_others_could_change_are_refused(tmp_path, ca, spoil):
+    """Whoever can write the client CA mints certificates the daemon accepts; whoever can
+    write the key or the certificate replaces the daemon's identity. The files here are
+    a Secret volume's links: judged where they lead."""
+    clients = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    secret = tmp_path / "tls"
+    secret_volume(
+        secret,
+        {"tls.crt": server.cert_chain_pems[0], "tls.key": server.private_key_pem},
+    )
+    secret_volume(tmp_path / "ca", {"ca.crt": clients.cert_pem})
+    tls = {
+        "cert_file": str(secret / "tls.crt"),
+        "key_file": str(secret / "tls.key"),
+        "client_auth_type": "RequireAndVerifyClientCert",
+        "client_ca_file": str(tmp_path / "ca" / "ca.crt"),
+    }
+    key, why, fix = spoil(tls)
+    with (
+        pytest.raises(WebConfigError) as refused,
+        serving({"tls_server_config": tls}, where=tmp_path),
+    ):
+        pass
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'web.yml'}: tls_server_config.{key}: {tls[key]}: ")
+    assert f"refused: {why}" in message
+    assert "PRIVATE KEY" not in message
+    fix()
+    with serving({"tls_server_config": tls}, where=tmp_path) as (served, _):
+        assert get(served, client(ca, clients.issue_cert("prometheus.example"))) == 200

@@ -141,3 +141,33 @@ def test_deeply_nested_yaml_as_the_web_config_is_a_clean_error(tmp_path):
     deep.write_text("[" * 50_000)
     with pytest.raises(WebConfigError, match="nested too deeply"):
         load_web_config(deep)
+
+
+def test_a_fifo_as_a_tls_file_is_refused_at_once(tmp_path):
+    """ssl reading a FIFO would block the start until someone wrote to it, as the web
+    config file itself did (issue 23, item 8)."""
+    import os
+    import threading
+
+    (tmp_path / "server.crt").write_bytes((TOOLKIT / "server.crt").read_bytes())
+    os.mkfifo(tmp_path / "server.key")
+    path = tmp_path / "web.yml"
+    path.write_text("tls_server_config: {cert_file: server.crt, key_file: server.key}\n")
+    outcome: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            load(path)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(e)
+
+    loader = threading.Thread(target=start, daemon=True)
+    loader.start()
+    loader.join(30)  # the fixed code returns at once; the old one never did
+    if loader.is_alive():  # unblock the old code's reader so the thread ends
+        os.close(os.open(tmp_path / "server.key", os.O_WRONLY | os.O_NONBLOCK))
+    assert len(outcome) == 1 and isinstance(outcome[0], WebConfigError)
+    assert str(outcome[0]) == (
+        f"{path}: tls_server_config.key_file: {tmp_path / 'server.key'}: cannot read: "
+        "not a regular file"
+    )

@@ -55,6 +55,8 @@ integrated over the timeline), `library` (the client library).
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +104,27 @@ def bindings_major(module_file: str) -> str:
     return "3" if directory.endswith(BINDINGS_DIRS["3"].as_posix()) else "4"
 
 
+def install_bindings(bindings: Path) -> None:
+    """The fake bindings at `bindings`: a directory of links to their files. Not a link to
+    the directory: the source imports from the real path (no link can be swapped after
+    its trust check), and the fake `dcgm_fields` tells DCGM 3 from 4 by that path. Their
+    `__pycache__` is one shared by every node (else each node compiles them again)."""
+    bindings.mkdir(parents=True)
+    for module in FAKE_BINDINGS.glob("*.py"):
+        (bindings / module.name).symlink_to(module)
+    compiled = FAKE_BINDINGS / "__pycache__"
+    if not sys.dont_write_bytecode:
+        with contextlib.suppress(OSError):  # an install the simulator may not write to
+            compiled.mkdir(exist_ok=True)
+    if compiled.is_dir():
+        (bindings / "__pycache__").symlink_to(compiled, target_is_directory=True)
+
+
 class SimDcgm:
     """DCGM as installed on one simulated node: bindings under its root, and a host engine.
 
     `node.dcgm` "4" or "3" puts the fake bindings where that DCGM version installs them
-    (a symlink under `root`) and starts a host engine; "none" installs nothing.
+    under `root` and starts a host engine; "none" installs nothing.
     """
 
     def __init__(self, timeline: Timeline, clock: SimClock, root: Path) -> None:
@@ -117,9 +135,8 @@ class SimDcgm:
         if version != "none":
             self.hostengine = SimHostengine(timeline, clock, version)
             bindings = root / BINDINGS_DIRS[version]
-            bindings.parent.mkdir(parents=True, exist_ok=True)
             if not bindings.exists():
-                bindings.symlink_to(FAKE_BINDINGS, target_is_directory=True)
+                install_bindings(bindings)
 
     def context_extras(self) -> dict[str, Any]:
         """What the DCGM source needs to find this node's DCGM (see sources/dcgm.py), and

@@ -11,9 +11,12 @@ for DCGM 4, `/usr/local/dcgm/bindings/python3` for DCGM 3, or `bindings_path`). 
 import each other by bare name, so `load_bindings` puts the directory on `sys.path`
 only while importing them, then takes it and the modules out of `sys.path` and
 `sys.modules` again (restoring any same-named modules it displaced): the source holds
-a private copy and the rest of the process never sees them. The simulator installs
-its fake bindings (gpuwatchd/sim/fake_dcgm) the same way, under the simulated node's
-root (context extras `rootfs`), and names its host engine (extras `dcgm_hostengine`).
+a private copy and the rest of the process never sees them. Bindings that anyone but
+root or the daemon's user could change (the directory, a file below it, a directory
+above it: gpuwatchd/filetrust.py) are refused, importing nothing: the source is
+`not_installed` with the reason, and tries again after its back-off. The simulator
+installs its fake bindings (gpuwatchd/sim/fake_dcgm) the same way, under the simulated
+node's root (context extras `rootfs`), and names its host engine (extras `dcgm_hostengine`).
 
 Connection. `hostengine` is "localhost" (or "host[:port]"), "unix:///path/to/socket"
 or "embedded" (an in-process host engine). One pydcgm.DcgmHandle; groups and field
@@ -73,7 +76,13 @@ connection: groups, watches, reading), `latest` (a watch's values in one call), 
 """
 
 from gpuwatchd.config import DcgmConfig
-from gpuwatchd.sources.dcgm.bindings import BINDINGS_DIRS, Bindings, find_bindings, load_bindings
+from gpuwatchd.sources.dcgm.bindings import (
+    BINDINGS_DIRS,
+    Bindings,
+    UntrustedBindings,
+    find_bindings,
+    load_bindings,
+)
 from gpuwatchd.sources.dcgm.fields import (
     COMPAT_DEFAULT_FIELDS,
     DEFAULT_FIELDS,
@@ -93,6 +102,7 @@ __all__ = [
     "DcgmSource",
     "DcgmUnavailable",
     "FieldMap",
+    "UntrustedBindings",
     "compat_specs",
     "find_bindings",
     "load_bindings",

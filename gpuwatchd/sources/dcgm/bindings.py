@@ -6,6 +6,12 @@ on `sys.path` only while importing them, then takes it and the modules out of
 `sys.path` and `sys.modules` again (restoring any same-named modules it displaced): the
 source holds a private copy and the rest of the process never sees them.
 
+Whoever can write that directory, a file in it or a directory above it runs code as the
+daemon, so it is refused unless only root and the daemon's user can write any of them
+(gpuwatchd/filetrust.py), `__pycache__` included: Python runs the compiled code it
+finds there. The check and the import go through the directory's real path, so no link
+can be swapped in between.
+
 Since DCGM 4.5, pydcgm tracks objects in class-level registries meant for DCGM's own
 tests: `DcgmHandle.handles` keeps every handle it connected (`Shutdown()` leaves it
 there) and `DcgmFieldGroup.groups` every field group until its `Delete()`. A daemon
@@ -17,12 +23,15 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from gpuwatchd.filetrust import distrust_tree
 
 BINDINGS_DIRS = (
     Path("usr/share/datacenter-gpu-manager-4/bindings/python3"),  # DCGM 4
@@ -33,6 +42,11 @@ BINDING_MODULES = ("dcgmvalue", "dcgm_structs", "dcgm_fields", "dcgm_agent", "py
 log = logging.getLogger(__package__)
 
 _LOAD_LOCK = threading.Lock()
+
+
+class UntrustedBindings(Exception):
+    """A bindings directory that someone other than root or the daemon's user could
+    change; the message names what and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -123,13 +137,17 @@ def load_bindings(directory: Path) -> Bindings:
     They import each other by bare name (`import dcgm_structs`), so the directory goes
     first on sys.path, and any module of the same name already imported leaves
     sys.modules, while they load; then both are put back as they were. The returned
-    modules still reach each other through their own globals.
+    modules still reach each other through their own globals. Raises UntrustedBindings,
+    importing nothing, if others could change what would be imported
+    (filetrust.distrust_tree).
     """
     directory = Path(directory)
-    names = {p.stem for p in directory.glob("*.py")}
+    entry = os.path.realpath(directory)  # checked and imported: no link to swap between
+    names = {p.stem for p in Path(entry).glob("*.py")}
     if "pydcgm" not in names:
         raise FileNotFoundError(f"no pydcgm.py in {directory}")
-    entry = str(directory)
+    if (why := distrust_tree(entry)) is not None:
+        raise UntrustedBindings(why)
     with _LOAD_LOCK:
         displaced = {name: sys.modules.pop(name) for name in names if name in sys.modules}
         sys.path.insert(0, entry)

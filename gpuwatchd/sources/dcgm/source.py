@@ -20,7 +20,12 @@ from gpuwatchd.config import DcgmConfig, SourceConfig
 from gpuwatchd.metrics import Sample
 from gpuwatchd.sources import register
 from gpuwatchd.sources.base import Context, Source, SourceError, settings_of
-from gpuwatchd.sources.dcgm.bindings import Bindings, find_bindings, load_bindings
+from gpuwatchd.sources.dcgm.bindings import (
+    Bindings,
+    UntrustedBindings,
+    find_bindings,
+    load_bindings,
+)
 from gpuwatchd.sources.dcgm.fields import (
     COMPAT_DEFAULT_FIELDS,
     FIELD_MAPS,
@@ -302,6 +307,8 @@ class DcgmSource(Source):
             )
         try:
             self._bindings = load_bindings(directory)
+        except UntrustedBindings as e:  # whoever can change them would run code as us
+            self._fail(now, "not_installed", f"DCGM's Python bindings refused: {e}")
         except Exception as e:
             self._fail(
                 now,
