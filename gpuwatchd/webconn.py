@@ -277,8 +277,8 @@ class Connection(asyncio.Protocol):
         close (nothing after it can be framed)."""
         log.debug("web: a bad request from %s: %s", self.remote, error)
         if self.parser is not None and self.parser.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            status = error.error_status_hint
-            self._answer(None, text(status, f"{HTTPStatus(status).phrase}: {error}\n", close=True))
+            status = error.error_status_hint  # the body does not echo what was sent
+            self._answer(None, text(status, f"{HTTPStatus(status).phrase}\n", close=True))
         else:
             self.abort()
 
@@ -324,18 +324,20 @@ class Connection(asyncio.Protocol):
         would hold one reply after another: the connection is closed after it)."""
         self.connections.drop_stuck_writers()
         started = self.sending_since = time.monotonic()
+        # a timer, not wait_for: no task per reply (abort: close() would wait for the
+        # unread bytes; the write then finds the connection closed)
+        deadline = asyncio.get_running_loop().call_later(self.limits.send_timeout, self.abort)
         try:
-            await asyncio.wait_for(self._write(reply, head_only), self.limits.send_timeout)
-        except asyncio.TimeoutError:
-            self.abort()  # close() would wait for the unread bytes
-            raise ConnectionResetError("the client did not read the response") from None
+            await self._write(reply, head_only)
         finally:
+            deadline.cancel()
             self.sending_since = None
         return time.monotonic() - started > self.limits.slow_reply
 
     async def _write(self, reply: Reply, head_only: bool) -> None:
-        """The head, then the body `reply_buffer` at a time, each piece once the
-        transport holds under its high-water mark (Content-Length framing)."""
+        """The head and the body, `reply_buffer` at a time, each piece once the
+        transport holds under its high-water mark (Content-Length framing: h11 counts
+        the body and passes it through, so the pieces are the cached bytes' own)."""
         parser, transport = self.parser, self.transport
         if parser is None or transport is None or transport.is_closing():
             raise ConnectionResetError("closed before the reply")
@@ -345,20 +347,24 @@ class Connection(asyncio.Protocol):
             headers["Connection"] = "close"
         phrase = HTTPStatus(reply.status).phrase.encode()
         head = h11.Response(status_code=reply.status, headers=list(headers.items()), reason=phrase)
-        pending: list[bytes] = [parser.send(head) or b""]
-        body = memoryview(reply.body if not head_only else b"")
-        chunk = max(1, self.limits.reply_buffer)
-        for start in range(0, len(body), chunk):
-            # the cached body's own memory, not a copy (h11 passes it through)
-            piece = cast(bytes, body[start : start + chunk])
-            pending += parser.send_with_data_passthrough(h11.Data(data=piece)) or []
-            transport.writelines(pending)
-            pending = []
+        body = b"" if head_only else reply.body
+        start = parser.send(head) or b""
+        framed = parser.send_with_data_passthrough(h11.Data(data=body)) if body else [body]
+        if framed != [body] or parser.send(h11.EndOfMessage()):  # as Content-Length frames
+            raise h11.LocalProtocolError("the body was framed other than by Content-Length")
+        view, chunk = memoryview(body), max(1, self.limits.reply_buffer)
+        first = max(0, chunk - len(start))
+        transport.write(start + view[:first])  # a small reply in one write
+        for offset in range(first, len(view), chunk):
+            await self._drained(transport)
+            transport.write(view[offset : offset + chunk])
+
+    async def _drained(self, transport: asyncio.Transport) -> None:
+        """Once the transport holds under its high-water mark."""
+        if self.writing_paused:
             await self._writable.wait()
-            if transport.is_closing():
-                raise ConnectionResetError("closed while sending the reply")
-        pending.append(parser.send(h11.EndOfMessage()) or b"")
-        transport.writelines(pending)
+        if transport.is_closing():
+            raise ConnectionResetError("closed while sending the reply")
 
     def _next_cycle(self, close: bool) -> None:
         """After a reply: the next request, or close as h11 or the reply says."""
