@@ -3,7 +3,8 @@ hands what it receives to h11 (parsing and framing, no I/O) and answers one requ
 a time.
 
 - One request is parsed, then reading pauses until it is answered: nothing is parsed
-  ahead, and what a pipelining client sends meanwhile waits in the kernel's small
+  ahead, and of what a pipelining client sends behind it the daemon holds at most what
+  arrived in the same read (asyncio's 256 KiB); the rest waits in the kernel's small
   receive buffer. h11 buffers at most one unfinished head (`Connections.max_head`,
   431 past it); a finished head over `max_headers` lines or a line over `max_header`
   is answered 431 (414 for the request line); a body over `max_body` or chunked 413
@@ -112,11 +113,20 @@ class Connections:
         self.limits, self.respond, self.headers = limits, respond, headers
         self.open: set[Connection] = set()
         self.held_heads = 0
+        self._date = (0, "")  # (second, its HTTP date)
         # h11's bound on a head not finished yet: a request line and `max_headers` lines
         self.max_head = (limits.max_headers + 1) * (limits.max_header + 2) + 2
 
     def __call__(self) -> Connection:
         return Connection(self)
+
+    def date(self) -> str:
+        """Now as an HTTP `Date` (RFC 9110: a server with a clock sends it), made once a
+        second. strftime's names are English: Python leaves the C locale alone."""
+        now = int(time.time())
+        if now != self._date[0]:
+            self._date = (now, time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(now)))
+        return self._date[1]
 
     def shed_heads(self) -> None:
         """Past `max_heads`, close the connections holding the most request heads, those
@@ -342,6 +352,7 @@ class Connection(asyncio.Protocol):
         if parser is None or transport is None or transport.is_closing():
             raise ConnectionResetError("closed before the reply")
         headers = {**reply.headers, **self.connections.headers}
+        headers["Date"] = self.connections.date()
         headers["Content-Length"] = str(len(reply.body))
         if reply.close:
             headers["Connection"] = "close"

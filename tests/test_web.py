@@ -7,6 +7,7 @@ synchronise: waiting is bounded polling.
 from __future__ import annotations
 
 import base64
+import email.utils
 import fcntl
 import http.client
 import logging
@@ -342,6 +343,16 @@ def test_head_answers_like_get_without_a_body():
         assert status == 200 and head_body == b""
         assert int(headers["Content-Length"]) == len(body)
         assert request(server, "HEAD", "/healthz")[0] == 200
+
+
+def test_replies_carry_the_date_and_the_server():
+    with serving() as (server, _):
+        before = time.time()
+        _, headers, _ = request(server, "GET", "/healthz")
+        after = time.time()
+        assert headers["Server"] == "gpuwatchd"
+        when = email.utils.parsedate_to_datetime(headers["Date"]).timestamp()
+        assert int(before) <= when <= after
 
 
 def test_methods_and_paths():
