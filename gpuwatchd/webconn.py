@@ -207,6 +207,12 @@ class Connection(asyncio.Protocol):
         self.last_active = time.monotonic()
         if self.parser is None:  # dropped
             return
+        if not self._buffered() and self.parser.their_state in (h11.IDLE, h11.DONE):
+            # between requests: empty lines are ignored (RFC 9112 2.2, as aiohttp and Go
+            # do; h11 answers them 400). Clients send one after a body, or to keep alive
+            data = data.lstrip(b"\r\n")
+            if not data:
+                return
         self.parser.receive_data(data)
         self._next_request()
         self._recount()
@@ -405,11 +411,14 @@ class Connection(asyncio.Protocol):
 
     # -- bounds ----------------------------------------------------------------------
 
+    def _buffered(self) -> int:
+        """Bytes h11 holds unparsed (it says so publicly only by copying them,
+        `trailing_data`)."""
+        return len(self.parser._receive_buffer) if self.parser is not None else 0
+
     def _count(self) -> int:
         """`held` anew, and the total's."""
-        # h11 says how much it buffers only by copying it (`trailing_data`)
-        buffered = len(self.parser._receive_buffer) if self.parser is not None else 0
-        held = buffered + self.answering
+        held = self._buffered() + self.answering
         self.connections.held_heads += held - self.held
         self.held = held
         return held

@@ -345,6 +345,19 @@ def test_head_answers_like_get_without_a_body():
         assert request(server, "HEAD", "/healthz")[0] == 200
 
 
+def test_empty_lines_between_requests_are_ignored():
+    """RFC 9112 2.2: a server SHOULD ignore an empty line before a request line (a
+    client's CRLF after a body, or to keep a connection alive); h11 alone answers 400."""
+    get = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    with serving() as (server, _), socket.create_connection(server.address, timeout=5) as sock:
+        sock.sendall(b"\r\n")
+        sock.sendall(get)
+        assert first_status_line(sock) == b"HTTP/1.1 200 OK"
+        sock.sendall(b"\r\n\r\n")
+        sock.sendall(LAST)
+        assert read_responses(sock)[-1] == b"HTTP/1.1 403 Forbidden"
+
+
 def test_replies_carry_the_date_and_the_server():
     with serving() as (server, _):
         before = time.time()
