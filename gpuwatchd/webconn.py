@@ -262,7 +262,8 @@ class Connection(asyncio.Protocol):
                     return
                 self._request = event
             elif isinstance(event, h11.EndOfMessage) and self._request is not None:
-                self._answer(self._request, None)
+                request, self._request = self._request, None  # counted in `answering`
+                self._answer(request, None)
                 return
             elif isinstance(event, h11.ConnectionClosed):
                 self.close()
