@@ -442,16 +442,20 @@ class Connection(asyncio.Protocol):
         self._count()
 
     def evict(self) -> None:
-        """Closed to make room: at once if sending (the client is not reading)."""
-        if self.sending_since is not None:
+        """Closed to make room: at once if a reply waits on the client to read it."""
+        if self.sending_since is not None or self.buffered():
             self.abort()
         else:
             self.close()
 
     def close(self) -> None:
+        """Once the reply in the transport's buffer is sent: within `send_timeout`, else
+        aborted (a client that never reads its end would keep the connection)."""
         # once only: asyncio's TLS transport closed twice forgets its connection (3.11)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+            if self.buffered():
+                asyncio.get_running_loop().call_later(self.limits.send_timeout, self.abort)
 
     def abort(self) -> None:
         if self.transport is not None:

@@ -358,6 +358,29 @@ def test_empty_lines_between_requests_are_ignored():
         assert read_responses(sock)[-1] == b"HTTP/1.1 403 Forbidden"
 
 
+def test_a_reply_never_read_does_not_keep_its_connection_once_idle():
+    """The last piece of a reply in the daemon's buffer, the client not reading: the
+    connection, idle once the reply is handed over, is closed, and aborted after
+    `send_timeout` (a graceful close waited on the client forever)."""
+    limits = Limits(idle_timeout=0.2, send_timeout=2, send_buffer=4096, kernel_unsent=4096)
+    with serving(limits=limits, series=400) as (server, _):
+        assert 16 << 10 < len(server.exporter.latest().text) < 40 << 10
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the reply cannot fit
+        sock.connect(server.address)
+        try:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            wait_until("the reply to wait on the client", lambda: held(server) > 0, 10)
+            wait_until("the daemon to drop it", lambda: not server._connections.open, 10)
+        finally:
+            sock.close()
+
+
+def held(server) -> int:
+    """Bytes of replies in the daemon's buffers, all connections together."""
+    return sum(h.daemon for h in server.held_replies())
+
+
 def test_replies_carry_the_date_and_the_server():
     with serving() as (server, _):
         before = time.time()
