@@ -141,12 +141,20 @@ class Connections:
     def drop_stuck_writers(self) -> None:
         """Past `max_unsent` bytes of replies that clients do not take, drop the clients
         stuck the longest (their bytes are the daemon's memory)."""
-        stuck = {c: c.buffered() for c in self.open if c.stuck_since}
-        total = sum(stuck.values())
-        for c in sorted(stuck, key=lambda c: c.stuck_since):
+        # a reply is paced (`_write`): a transport holds at most about twice
+        # `reply_buffer`, so with the default limits (256 x 48 KiB < 32 MiB) this walk
+        # over every connection, before every reply, is skipped
+        if len(self.open) * 3 * self.limits.reply_buffer <= self.limits.max_unsent:
+            return
+        sending = [(c, c.buffered()) for c in self.open if c.sending_since is not None]
+        stuck = [(c, size) for c, size in sending if size]
+        total = sum(size for _, size in stuck)
+        if total <= self.limits.max_unsent:
+            return
+        for c, size in sorted(stuck, key=lambda stuck: stuck[0].stuck_since):
             if total <= self.limits.max_unsent:
                 break
-            total -= stuck[c]
+            total -= size
             c.evict()
 
     async def close(self, grace: float) -> None:
