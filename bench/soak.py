@@ -5,7 +5,7 @@ the result is recorded in docs/soak.md. Not a test: the numbers depend on the ma
 
 The real pipeline runs in virtual time, as `gpuwatchd simulate` runs it (sources on their
 own intervals, store, rules engine), plus what `run` adds each cycle: the stuck-poll and
-staleness check and the exposition render; the real web front (aiohttp, in this process)
+staleness check and the exposition render; the real web front (h11 on asyncio, in this process)
 is scraped over loopback every 15 simulated seconds (`/metrics`, `/healthz`) and the
 status page every 5 minutes, as Prometheus and a curious operator would.
 

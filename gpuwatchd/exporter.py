@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def __getattr__(name: str) -> object:
-    """The server moved to web.py; found there lazily, so `simulate` never loads aiohttp."""
+    """The server moved to web.py; found there lazily, so `simulate` never loads the web front."""
     if name in ("MetricsServer", "TEXT_TYPE", "wants_openmetrics"):
         from gpuwatchd import web
 

@@ -154,6 +154,6 @@ OPENMETRICS_EOF = b"# EOF\n"
 
 
 def gzip_body(body: bytes) -> bytes:
-    """An exposition as a gzip member (zlib's default level, as aiohttp's; no timestamp,
+    """An exposition as a gzip member (zlib's default level; no timestamp,
     so one body always compresses to the same bytes)."""
     return gzip.compress(body, compresslevel=6, mtime=0)

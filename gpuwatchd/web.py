@@ -1,8 +1,9 @@
-"""The daemon's HTTP front: /metrics, /healthz, / and POST /api/dcgm/pause, on aiohttp.
+"""The daemon's HTTP front: /metrics, /healthz, / and POST /api/dcgm/pause.
 
 One asyncio event loop on its own thread serves every connection, so an idle or slow
-client costs a socket and a few KB, never a thread. What a cluster network can throw at
-it is bounded (`Limits`):
+client costs a socket and a few KB, never a thread; h11 parses and frames HTTP/1.1, one
+request at a time per connection (gpuwatchd/webconn.py). What a cluster network can
+throw at it is bounded (`Limits`, gpuwatchd/weblimits.py):
 - connections: at most `max_connections`, TLS handshakes included; at the cap one is
   closed to make room, so a scraper always gets in: one of the address group holding the
   most (a flood closes its own, issue 41), a connection whose reply the client is not
@@ -16,22 +17,20 @@ it is bounded (`Limits`):
   bounds headers sent slowly), a TLS handshake gets `handshake_timeout`, a response the
   client does not read within `send_timeout` is dropped, and a connection whose reply
   took over `slow_reply` to send is closed after it, so a pipeline of requests that are
-  never read holds at most one reply (aiohttp parses at most 32 ahead);
+  never read holds at most one reply;
 - bytes: per connection, at most `send_buffer` of kernel buffer, `kernel_unsent` of it
   not yet sent, and about twice `reply_buffer` of the daemon's memory, whatever the
   reply's size: a body goes to the transport `reply_buffer` at a time, each piece once
-  it holds under that (gpuwatchd/webpace.py), and a pipelined request waits for the
-  reply before it; at most `max_unsent` waiting on clients in all: past it, the
+  it holds under that; at most `max_unsent` waiting on clients in all: past it, the
   connection stuck the longest is dropped;
-- request heads (issue 41): ~1 MiB each (128 headers of 8,190 bytes, Go's default),
-  4 parsed ahead of the one answered; a connection holding more than one full head
-  unanswered is closed, and past `max_heads` in all those holding the most (a parsed
-  request costs the daemon 2-3 bytes per byte received); what is not read yet waits in
-  a small kernel receive buffer;
-- bodies: no endpoint takes one. aiohttp's parser (llhttp) frames every request itself
-  and answers a malformed length with 400; a body over `max_body` or chunked is refused
-  with 413 before a byte of it is read and the connection is closed, so nothing that
-  follows is parsed as another request;
+- request heads (issue 41): ~1 MiB each (128 headers of 8,190 bytes, Go's default;
+  431 beyond); none parsed ahead of the one answered, and nothing read meanwhile: the
+  rest waits in a small kernel receive buffer. A connection holding more than one full
+  head and a read unanswered is closed, and past `max_heads` in all those holding the
+  most;
+- bodies: no endpoint takes one. h11 frames every request and answers a malformed length
+  with 400; a body over `max_body` or chunked is refused with 413 before a byte of it is
+  read and the connection is closed, so nothing that follows is parsed as a request;
 - slow work (the status page, the DCGM pause, bcrypt, gzip) runs on a few threads, never
   on the loop: a scrape returns the exposition's cached bytes (gzipped once per body).
 - passwords: one bcrypt check at a time, waiters served round robin by client address
@@ -50,36 +49,33 @@ without credentials answers anyone, with its status only, for probes (docs/secur
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
+import base64
 import functools
 import json
 import logging
 import math
 import socket
 import struct
-import sys
-import termios
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-from aiohttp import BasicAuth as BasicCredentials
-from aiohttp import web
-from aiohttp.http import HttpRequestParser
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from typing import TYPE_CHECKING, NamedTuple
 
 from gpuwatchd.exposition import OPENMETRICS_TYPE, gzip_accepted, gzip_body
 from gpuwatchd.status_page import StatusPage
 from gpuwatchd.webconfig import BasicAuth, WebConfig, load_web_config, peer_sans, ssl_context
-from gpuwatchd.weblimits import ClientBuckets, FairTurns, NoRoom, TokenBucket, client_group
-from gpuwatchd.webpace import pace
+from gpuwatchd.webconn import Connections, Reply, Request, text
+from gpuwatchd.weblimits import (
+    ClientBuckets,
+    FairTurns,
+    Limits,
+    NoRoom,
+    TokenBucket,
+    client_group,
+)
 
 if TYPE_CHECKING:
     from gpuwatchd.exporter import Exporter
@@ -87,59 +83,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TEXT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PLAIN = "text/plain; charset=utf-8"
 READ = ("GET", "HEAD")
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's; Python has it since 3.7
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_connections: int = 256  # well under systemd's default 1,024 fds for the whole daemon
-    idle_timeout: float = 75.0  # over a 1-minute scrape interval, so keep-alive is reused
-    handshake_timeout: float = 10.0
-    send_timeout: float = 30.0
-    slow_reply: float = 2.0  # a reply that took longer: the connection is closed after it
-    max_unsent: int = 32 << 20  # bytes of replies waiting on their clients, all together
-    # a connection's transport buffer (the daemon's memory) holds at most about twice
-    # this of a reply the client is not reading: its high-water mark and one write
-    reply_buffer: int = 16 << 10
-    # connections the kernel completes before the daemon accepts them (Linux caps it at
-    # net.core.somaxconn, 4,096 since 5.4): room for a flood's burst while the loop is busy
-    backlog: int = 4096
-    # new connections per client address group (an IPv6 /64): `connect_burst` at once,
-    # then one per `connect_interval` s; beyond, reset at accept (issue 41: a flood of
-    # ~53k/s kept every other client's connect out). Far above what a scraper or a
-    # kubelet opens (one per scrape or probe); the cap holds most of the burst
-    connect_burst: int = 1024
-    connect_interval: float = 1 / 64
-    accept_batch: int = 64  # connections accepted per turn of the event loop
-    defer_accept: int = 1  # s a connection may stay silent before it is accepted anyway
-    # kernel send buffer per connection (Linux doubles it): a reader takes an exposition
-    # without a trip through the loop
-    send_buffer: int = 256 << 10
-    kernel_unsent: int = 128 << 10  # of it not yet sent (TCP_NOTSENT_LOWAT)
-    max_body: int = 4096
-    # a request head: at most `max_headers` lines of `max_header` bytes, ~1 MiB in all
-    # (Go's MaxHeaderBytes, node_exporter's); 431/400 beyond (aiohttp's parser)
-    max_header: int = 8190
-    max_headers: int = 128
-    max_pipelined: int = 4  # requests parsed ahead of the one answered (aiohttp's: 32)
-    # bytes of request heads received and not yet answered (aiohttp holds ~2-3 bytes of
-    # memory per byte: the raw header and its decoded str): past `connection_heads` on
-    # one connection (one full head, as Go reads one request at a time) it is closed,
-    # past `max_heads` in all the one holding the most
-    connection_heads: int = (1 << 20) + (64 << 10)
-    max_heads: int = 16 << 20
-    # kernel receive buffer per connection (Linux doubles it): what aiohttp does not read
-    # yet waits there, not in a buffer autotuned up to 6 MB (memory the unit is charged)
-    receive_buffer: int = 64 << 10
-    api_burst: int = 3  # /api/: 3 calls at once, then one every api_interval seconds
-    api_interval: float = 20.0
-    # password checks queued behind the one running, per lane (verified clients, others)
-    bcrypt_waiting: int = 64
-    bcrypt_per_client: int = 2  # of them from one address group (IPv6: a /64)
-    api_timeout: float = 10.0  # DCGM may hang: the caller gets 504, a worker thread waits
 
 
 class Held(NamedTuple):
@@ -159,200 +105,18 @@ def wants_openmetrics(accept: str | None) -> bool:
     )
 
 
-def head_size(target: str, raw_headers: Iterable[tuple[bytes, bytes]]) -> int:
-    """Bytes of a request's target and header lines, as received (near enough)."""
-    return len(target) + sum(len(name) + len(value) + 4 for name, value in raw_headers)
-
-
-def _queued_size(message: Any) -> int:
-    """`head_size` of a request aiohttp parsed; 0 for a parse error it will answer."""
-    raw = getattr(message, "raw_headers", None)
-    return 0 if raw is None else head_size(message.path, raw)
-
-
-class _Connection(RequestHandler):
-    """aiohttp's connection, plus what the cap needs (when it last did something) and
-    the bytes of request heads it holds unanswered (`held`, `Limits.connection_heads`)."""
-
-    __slots__ = (
-        "answering",
-        "authenticated",
-        "busy",
-        "first_request_due",
-        "group",
-        "handler",
-        "held",
-        "last_active",
-        "partial",
-        "reply_buffer",
-        "requests",
-        "sending_since",
-        "server",
-        "waiting_password",
-    )
-
-    def __init__(
-        self, server: _Connections, *args: Any, reply_buffer: int, pipelined: int, **kwargs: Any
-    ) -> None:
-        super().__init__(server, *args, **kwargs)
-        self.server = server
-        self._limit_pipelining(pipelined)
-        self.reply_buffer = reply_buffer
-        self.held = 0  # bytes of request heads: `partial` + `answering` + those queued
-        self.partial = 0  # received since the last complete head (at most that)
-        self.answering = 0  # the head of the request in our handler
-        self.waiting_password = False  # its handler waits on a password check
-        self.handler: asyncio.Task[Any] | None = None
-        self.busy = False  # inside our handler: evicted only while sending
-        self.sending_since: float | None = None  # a reply is being sent since
-        self.authenticated = False  # has given a right password: evicted last
-        self.last_active = time.monotonic()
-        self.requests = 0
-        self.first_request_due: asyncio.TimerHandle | None = None
-        self.group: str | None = None  # its client's address group (weblimits.client_group)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        peer = transport.get_extra_info("peername")
-        self.group = client_group(peer[0] if peer else None)
-        # pause_writing (aiohttp's drain waits) past `reply_buffer` held, not asyncio's
-        # 64 KB: with PacedBody, what a connection holds of a reply is bounded by this
-        with contextlib.suppress(AttributeError, NotImplementedError):
-            transport.set_write_buffer_limits(high=self.reply_buffer)  # type: ignore[attr-defined]
-        # aiohttp's idle timer starts at connect only in recent releases: make sure a
-        # connection that never completes a first request is closed all the same
-        loop = asyncio.get_running_loop()
-        self.first_request_due = loop.call_later(self.keepalive_timeout, self._no_request)
-
-    def _limit_pipelining(self, pipelined: int) -> None:
-        """aiohttp's parser with `pipelined` requests parsed ahead, not its 32 (the knob
-        is the parser's; the handler sets it from a module constant)."""
-        self._max_msg_queue_size = pipelined
-        self._msg_queue_resume_size = pipelined // 2
-        self._parser = HttpRequestParser(
-            self,
-            self._loop,
-            self._read_bufsize,
-            max_line_size=self.max_line_size,
-            max_field_size=self.max_field_size,
-            max_headers=self.max_headers,
-            payload_exception=RequestPayloadError,
-            max_msg_queue_size=pipelined,
+def basic_credentials(header: str) -> tuple[str, str] | None:
+    """(user, password) of an `Authorization: Basic ...` header (RFC 7617, UTF-8)."""
+    scheme, _, encoded = header.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, colon, password = (
+            base64.b64decode(encoded.strip(), validate=True).decode().partition(":")
         )
-
-    def recount(self) -> None:
-        """`held` anew, and the server's total; over a bound, connections are closed."""
-        queued = sum(_queued_size(message) for message, _ in self._messages)
-        held = self.partial + self.answering + queued
-        self.server.held_heads += held - self.held
-        self.held = held
-        if held > self.server.limits.connection_heads:
-            log.debug("web: closing a connection holding %d bytes of request heads", held)
-            self.drop()
-        self.server.shed_heads()
-
-    def drop(self) -> None:
-        """Close now and let go of the request heads held: those queued, and the one in
-        a handler waiting on a password check (cancelled; one sending fails)."""
-        if self.transport is not None:
-            self.transport.abort()
-        self.force_close()
-        self._messages.clear()
-        self.partial = 0
-        if self.waiting_password and self.handler is not None:
-            self.handler.cancel()
-            self.answering = 0
-        self.server.held_heads -= self.held - self.answering
-        self.held = self.answering
-
-    def _no_request(self) -> None:
-        if self.requests == 0 and not self.busy:
-            self.force_close()
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if self.first_request_due is not None:  # a flood leaves no timers behind
-            self.first_request_due.cancel()
-        super().connection_lost(exc)
-        self._messages.clear()  # aiohttp keeps them while a handler holds this object
-        self.partial = 0
-        self.recount()
-
-    @property
-    def stuck_since(self) -> float:
-        """When the reply now waiting on the client to read it began; 0 if none waits.
-        (`sending_since` alone would count a reply already in the kernel's buffer.)"""
-        if self.sending_since is None or self.transport is None:
-            return 0.0
-        return self.sending_since if self.transport.get_write_buffer_size() else 0.0
-
-    def unsent(self) -> int:
-        """Bytes of replies the client has not taken: in our buffer, then the kernel's
-        (SIOCOUTQ: sent but not acknowledged, or not sent: the client's window is shut)."""
-        if self.transport is None:
-            return 0
-        queued = 0
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                outq = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-                queued = int.from_bytes(outq, sys.byteorder, signed=True)
-        return self.transport.get_write_buffer_size() + queued
-
-    def evict(self) -> None:
-        if self.sending_since is not None and self.transport is not None:
-            self.transport.abort()  # close() would wait for the client to read the reply
-        self.force_close()
-
-    def data_received(self, data: bytes) -> None:
-        self.last_active = time.monotonic()
-        queued = len(self._messages)
-        super().data_received(data)
-        if len(self._messages) > queued:  # a head completed: what follows it is in `data`
-            self.partial = len(data) or self.partial
-        else:
-            self.partial += len(data)
-        if self.transport is not None:
-            self.recount()
-
-    def log_exception(self, *args: Any, **kwargs: Any) -> None:
-        """aiohttp logs a traceback per malformed request or lost client; neither is ours."""
-        exc = kwargs.get("exc_info")
-        if isinstance(exc, (HttpProcessingError, ConnectionError)):
-            log.debug("http: %s", exc)
-        else:
-            super().log_exception(*args, **kwargs)
-
-
-class _Connections(web.Server):
-    """aiohttp's low-level server, making `_Connection`s; `held_heads` is the bytes of
-    request heads they hold unanswered, bounded by `Limits.max_heads`."""
-
-    def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.limits = limits
-        self.held_heads = 0
-
-    def __call__(self) -> _Connection:
-        return _Connection(
-            self,
-            loop=self._loop,
-            reply_buffer=self.limits.reply_buffer,
-            pipelined=self.limits.max_pipelined,
-            **self._kwargs,
-        )
-
-    def open_connections(self) -> list[_Connection]:
-        return [c for c in self.connections if c.transport is not None]  # type: ignore[misc]
-
-    def shed_heads(self) -> None:
-        """Past `max_heads`, close the connections holding the most request heads, those
-        without a right password first (parsed requests are the daemon's memory)."""
-        if self.held_heads <= self.limits.max_heads:
-            return
-        for c in sorted(self.open_connections(), key=lambda c: (c.authenticated, -c.held)):
-            if self.held_heads <= self.limits.max_heads:
-                break
-            c.drop()
+    except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors
+        return None
+    return (user, password) if colon else None
 
 
 class _Throttled:
@@ -370,17 +134,6 @@ class _Throttled:
         log.warning(message + (f" (and {held} more held back)" if held else ""), *args)
 
 
-def _peer_certificate(request: web.BaseRequest) -> dict[str, Any] | None:
-    transport = request.transport
-    return transport.get_extra_info("peercert") if transport is not None else None
-
-
-def _text(status: int, body: str, **headers: str) -> web.Response:
-    return web.Response(
-        status=status, body=body.encode(), headers={"Content-Type": PLAIN, **headers}
-    )
-
-
 class MetricsServer:
     """The HTTP(S) endpoint on its own thread; `address` is the bound (host, port).
 
@@ -396,13 +149,13 @@ class MetricsServer:
         port: int,
         status_page: Callable[[], bytes] | None = None,
         web_config_file: Path | None = None,
-        limits: Limits = Limits(),
+        limits: Limits | None = None,
     ) -> None:
         self.exporter = exporter
         self.status_page = status_page or StatusPage(
             exporter.store, exporter.pollers, exporter.now, to_wall=exporter.to_wall
         )
-        self.limits = limits
+        self.limits = limits = limits or Limits()
         self.config = load_web_config(web_config_file) if web_config_file else WebConfig()
         tls = self.config.tls
         self._ssl = ssl_context(tls, web_config_file) if tls and web_config_file else None
@@ -419,7 +172,7 @@ class MetricsServer:
         self._gzip: dict[str, tuple[bytes, asyncio.Future[bytes]]] = {}  # kind: (body, gzipped)
         self._handshakes: dict[asyncio.Task[None], tuple[float, str | None]] = {}  # since, group
         self._connects = ClientBuckets(limits.connect_interval, limits.connect_burst)
-        self._routes: dict[str, tuple[tuple[str, ...], Callable[..., Awaitable[web.Response]]]] = {
+        self._routes: dict[str, tuple[tuple[str, ...], Callable[..., Awaitable[Reply]]]] = {
             "/metrics": (READ, self._metrics),
             "/healthz": (READ, self._healthz),
             "/": (READ, self._status_page),
@@ -487,23 +240,15 @@ class MetricsServer:
             self._loop.close()
 
     async def _main(self) -> None:
-        self._server = _Connections(
-            self._respond,
-            keepalive_timeout=self.limits.idle_timeout,
-            access_log=None,
-            lingering_time=0,  # never read a body we refused, not even to keep the connection
-            max_line_size=self.limits.max_header,
-            max_field_size=self.limits.max_header,
-            max_headers=self.limits.max_headers,
-            limits=self.limits,
-        )
+        headers = {**self.config.http_server_config.headers, "Server": "gpuwatchd"}
+        self._connections = Connections(self.limits, self._route, headers)
         self._accepting()
         await self._stopping.wait()
         self._loop.remove_reader(self._socket)
         self._socket.close()
         for task in list(self._handshakes):
             task.cancel()
-        await self._server.shutdown(1.0)
+        await self._connections.close(grace=1.0)
 
     # -- connections -------------------------------------------------------------------
 
@@ -564,12 +309,12 @@ class MetricsServer:
         task.add_done_callback(cancelled)
 
     async def _open(self, conn: socket.socket) -> None:
-        """Hand `conn` to aiohttp, after the TLS handshake when there is one."""
+        """`conn` as a `Connection`, after the TLS handshake when there is one."""
         loop = asyncio.get_running_loop()
         timeout = self.limits.handshake_timeout if self._ssl else None
         try:
             await loop.connect_accepted_socket(
-                self._server, conn, ssl=self._ssl, ssl_handshake_timeout=timeout
+                self._connections, conn, ssl=self._ssl, ssl_handshake_timeout=timeout
             )
         except OSError as e:  # a failed or timed-out handshake (ssl.SSLError is an OSError)
             log.debug("web: connection dropped before its first request: %s", e)
@@ -583,17 +328,17 @@ class MetricsServer:
         async def held() -> list[Held]:
             return [
                 Held(
-                    mine := c.transport.get_write_buffer_size(),  # type: ignore[union-attr]
+                    mine := c.buffered(),
                     c.unsent() - mine,
                     c.writing_paused,
                 )
-                for c in self._server.open_connections()
+                for c in self._connections.open
             ]
 
         return asyncio.run_coroutine_threadsafe(held(), self._loop).result(timeout)
 
     def _open_count(self) -> int:
-        return len(self._handshakes) + len(self._server.open_connections())
+        return len(self._handshakes) + len(self._connections.open)
 
     def _make_room(self, newcomer: str | None) -> bool:
         """Close one connection for a newcomer from address group `newcomer`: a client's
@@ -603,7 +348,7 @@ class MetricsServer:
         client has not taken (the slowest reader), else the one idle the longest (a
         handshake counts by its start). One inside a handler, not sending (a password
         check, the DCGM call), is left alone."""
-        connections = self._server.open_connections()
+        connections = self._connections.open
         held = Counter(c.group for c in connections)
         held.update(group for _, group in self._handshakes.values())
         held[newcomer] += 1
@@ -627,138 +372,61 @@ class MetricsServer:
         handshake.cancel()
         self._handshakes.pop(handshake, None)
 
-    def _drop_stuck_writers(self) -> None:
-        """Past `max_unsent` bytes of replies that clients do not take, drop the clients
-        stuck the longest (their bytes are the daemon's memory)."""
-        stuck = [c for c in self._server.open_connections() if c.stuck_since]
-        unsent = {c: c.transport.get_write_buffer_size() for c in stuck}  # type: ignore[union-attr]
-        total = sum(unsent.values())
-        for c in sorted(stuck, key=lambda c: c.stuck_since):
-            if total <= self.limits.max_unsent:
-                break
-            total -= unsent[c]
-            c.evict()
-
     # -- requests ----------------------------------------------------------------------
 
-    async def _respond(self, request: web.BaseRequest) -> web.StreamResponse:
-        connection: _Connection = request.protocol  # type: ignore[assignment]
-        connection.busy = True
-        connection.requests += 1
-        connection.handler = asyncio.current_task()
-        connection.answering = head_size(request.raw_path, request.raw_headers)
-        connection.recount()
-        try:
-            response = await self._route(request)
-            response.headers.update(self.config.http_server_config.headers)
-            response.headers["Server"] = "gpuwatchd"
-            await self._send(request, response)
-            return response
-        finally:
-            connection.busy = False
-            connection.last_active = time.monotonic()
-            connection.handler, connection.answering = None, 0
-            connection.recount()
-
-    async def _send(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
-        """Send now, bounded: a client that does not read cannot hold the response, and
-        one slow to take it gets no further reply on this connection (its pipeline would
-        hold one reply after another)."""
-
-        async def send() -> None:
-            await response.prepare(request)
-            await response.write_eof()
-
-        connection: _Connection = request.protocol  # type: ignore[assignment]
-        pace(request, response, self.limits.reply_buffer)
-        self._drop_stuck_writers()
-        started = connection.sending_since = time.monotonic()
-        try:
-            await asyncio.wait_for(send(), self.limits.send_timeout)
-        except asyncio.TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()  # close() would wait for the unread bytes
-            raise ConnectionResetError("the client did not read the response") from None
-        finally:
-            connection.sending_since = None
-        if time.monotonic() - started > self.limits.slow_reply:
-            response.force_close()  # aiohttp closes the connection once this reply is out
-
-    async def _route(self, request: web.BaseRequest) -> web.Response:
+    async def _route(self, request: Request) -> Reply:
         # A liveness probe cannot hold a secret (a kubelet's httpGet headers are plain text
         # in the pod spec), so /healthz without credentials answers anyone, with only its
         # status: one word, nothing about the node (see _healthz).
-        probe = request.path == "/healthz" and "Authorization" not in request.headers
-        refused = self._refuse(request)
-        if refused is not None:
-            return refused
+        probe = request.path == "/healthz" and "authorization" not in request.headers
+        if self._sans and not self._sans & peer_sans(request.peer_certificate):
+            return text(403, "client certificate has none of the allowed SANs\n", close=True)
         user = None
         if self._auth is not None and not probe:
             user_or_refusal = await self._authenticate(request)
-            if isinstance(user_or_refusal, web.Response):
+            if isinstance(user_or_refusal, Reply):
                 return user_or_refusal
             user = user_or_refusal
         # the rate limit counts per client and only what passed authentication, so neither
         # another client nor anonymous requests spend a scraper's tokens (issue 23)
         if not probe and self._limiter is not None and not self._limiter.take(request.remote):
-            return _text(429, "too many requests\n")
+            return text(429, "too many requests\n")
         methods, endpoint = self._routes.get(request.path, ((), None))
         if endpoint is None:
-            return _text(404, "not found\n")
+            return text(404, "not found\n")
         if request.method not in methods:
-            return _text(
-                405, f"{request.path} accepts {', '.join(methods)}\n", Allow=", ".join(methods)
+            return text(
+                405, f"{request.path} accepts {', '.join(methods)}\n", {"Allow": ", ".join(methods)}
             )
         return await endpoint(request, user)
 
-    def _refuse(self, request: web.BaseRequest) -> web.Response | None:
-        """Refusals that need no work: a body, a certificate's SANs."""
-        if (
-            "Transfer-Encoding" in request.headers
-            or (request.content_length or 0) > self.limits.max_body
-        ):
-            response = _text(
-                413,
-                f"no request bodies here (at most {self.limits.max_body} bytes, not chunked)\n",
-            )
-            response.force_close()  # the unread body must not be parsed as a request
-            return response
-        if self._sans and not self._sans & peer_sans(_peer_certificate(request)):
-            response = _text(403, "client certificate has none of the allowed SANs\n")
-            response.force_close()
-            return response
-        return None
-
-    async def _authenticate(self, request: web.BaseRequest) -> web.Response | str:
+    async def _authenticate(self, request: Request) -> Reply | str:
         assert self._auth is not None
-        try:
-            credentials = BasicCredentials.decode(request.headers.get("Authorization", ""), "utf-8")
-        except ValueError:
-            credentials = None
+        credentials = basic_credentials(request.headers.get("authorization", ""))
         if credentials is not None:
-            user, password = credentials.login, credentials.password
+            user, password = credentials
             ok = self._auth.cached(user, password) or await self._bcrypt(request, user, password)
             if ok is None:
-                return _text(
-                    429, "too many password checks at once; try again\n", **{"Retry-After": "1"}
+                return text(
+                    429, "too many password checks at once; try again\n", {"Retry-After": "1"}
                 )
             if ok:
-                request.protocol.authenticated = True  # type: ignore[attr-defined]
+                request.connection.authenticated = True
                 return user
-        return _text(401, "unauthorized\n", **{"WWW-Authenticate": "Basic"})
+        return text(401, "unauthorized\n", {"WWW-Authenticate": "Basic"})
 
-    def _lane(self, request: web.BaseRequest, source: str | None, user: str) -> int:
+    def _lane(self, request: Request, source: str | None, user: str) -> int:
         """0 (served before any other) for a client with a verified TLS certificate or a
         user already verified from its address group, else 1."""
-        if _peer_certificate(request):  # empty unless the handshake verified one
+        if request.peer_certificate:  # empty unless the handshake verified one
             return 0
         return 0 if (source, user) in self._verified else 1
 
-    async def _bcrypt(self, request: web.BaseRequest, user: str, password: str) -> bool | None:
+    async def _bcrypt(self, request: Request, user: str, password: str) -> bool | None:
         """bcrypt on its thread, when this client's turn comes; None: no place to wait."""
         assert self._auth is not None
         source = client_group(request.remote)
-        connection: _Connection = request.protocol  # type: ignore[assignment]
+        connection = request.connection
         connection.waiting_password = True  # dropped for memory, it is cancelled
         try:
             async with self._password_turns.turn(source, self._lane(request, source, user)):
@@ -777,22 +445,22 @@ class MetricsServer:
 
     # -- endpoints -----------------------------------------------------------------------
 
-    async def _metrics(self, request: web.BaseRequest, user: str | None) -> web.Response:
+    async def _metrics(self, request: Request, user: str | None) -> Reply:
         try:
             current = self.exporter.scrape()
         except Exception:  # a bug in rendering: the last good bytes; /healthz says so
             log.exception("rendering the exposition failed; serving the last one")
             current = self.exporter.current
-        if wants_openmetrics(request.headers.get("Accept")):
+        if wants_openmetrics(request.headers.get("accept")):
             body, kind = current.openmetrics, OPENMETRICS_TYPE
         else:
             body, kind = current.text, TEXT_TYPE
         headers = {"Content-Type": kind, "Vary": "Accept-Encoding"}
         # gzip where the scraper accepts it, as Prometheus does: an 8-GPU body shrinks ~13x
-        if gzip_accepted(request.headers.get("Accept-Encoding", "")):
+        if gzip_accepted(request.headers.get("accept-encoding", "")):
             body = await self._gzipped(kind, body)
             headers["Content-Encoding"] = "gzip"
-        return web.Response(body=body, headers=headers)
+        return Reply(200, body, headers)
 
     async def _gzipped(self, kind: str, body: bytes) -> bytes:
         """`body` gzipped once per exposition and format, as the plain bytes are rendered
@@ -804,7 +472,7 @@ class MetricsServer:
             cached = self._gzip[kind] = (body, job)
         return await asyncio.shield(cached[1])
 
-    async def _healthz(self, request: web.BaseRequest, user: str | None) -> web.Response:
+    async def _healthz(self, request: Request, user: str | None) -> Reply:
         """Healthy while the evaluation loop is alive and scrapes render; sources being down
         is not unhealthy.
 
@@ -815,17 +483,17 @@ class MetricsServer:
         failed = self.exporter.render_error
         healthy = age <= 30 and failed is None
         if self._auth is not None and user is None:
-            return _text(200, "ok\n") if healthy else _text(503, "unhealthy\n")
+            return text(200, "ok\n") if healthy else text(503, "unhealthy\n")
         if failed is not None:
-            return _text(503, f"the last scrape's exposition failed to render: {failed}\n")
+            return text(503, f"the last scrape's exposition failed to render: {failed}\n")
         if not healthy:
-            return _text(503, f"rules not evaluated for {age:.0f}s\n")
+            return text(503, f"rules not evaluated for {age:.0f}s\n")
         lines = [
             f"source {p.name}: {'up' if p.health.up else 'down'}" for p in self.exporter.pollers
         ]
-        return _text(200, "ok\n" + "".join(line + "\n" for line in lines))
+        return text(200, "ok\n" + "".join(line + "\n" for line in lines))
 
-    async def _status_page(self, request: web.BaseRequest, user: str | None) -> web.Response:
+    async def _status_page(self, request: Request, user: str | None) -> Reply:
         """Rendered off the loop, at most once per evaluation cycle however many ask."""
         cycle = self.exporter.refreshed_at
         if self._page is None or self._page[0] != cycle:
@@ -836,17 +504,17 @@ class MetricsServer:
         except Exception:  # a bug in the page answers 500 instead of dropping the connection
             log.exception("status page failed")
             self._page = None
-            return _text(500, "status page failed; see the daemon's log\n")
-        return web.Response(body=body, headers={"Content-Type": "text/html; charset=utf-8"})
+            return text(500, "status page failed; see the daemon's log\n")
+        return Reply(200, body, {"Content-Type": "text/html; charset=utf-8"})
 
-    async def _dcgm_pause(self, request: web.BaseRequest, user: str | None) -> web.Response:
+    async def _dcgm_pause(self, request: Request, user: str | None) -> Reply:
         """POST /api/dcgm/pause?seconds=N: pause DCGM profiling for N s (0: resume now)."""
         caller = f"{request.remote} (user {user})" if user else str(request.remote)
         if self._auth is None:
             self._api_refusals.warning(
                 "web: refused %s from %s: basic auth is not configured", request.path, caller
             )
-            return _text(
+            return text(
                 403,
                 "refused: /api/ changes the daemon's state and needs basic auth; set "
                 "basic_auth_users in the web config file (--web.config.file)\n",
@@ -855,7 +523,7 @@ class MetricsServer:
             self._api_refusals.warning(
                 "web: refused %s from %s: not one of api_users", request.path, caller
             )
-            return _text(
+            return text(
                 403,
                 f"refused: user {user} may read but not change state; list it in api_users "
                 "in the web config file (--web.config.file)\n",
@@ -865,19 +533,19 @@ class MetricsServer:
                 "web: refused %s from %s: rate limited", request.path, caller
             )
             retry = f"{self.limits.api_interval:.0f}"
-            return _text(
-                429, f"too many /api/ calls; try again in {retry}s\n", **{"Retry-After": retry}
+            return text(
+                429, f"too many /api/ calls; try again in {retry}s\n", {"Retry-After": retry}
             )
         source = next((p.source for p in self.exporter.pollers if p.name == "dcgm"), None)
         pause = getattr(source, "pause_profiling", None)
         if pause is None:
-            return _text(404, "the dcgm source is not enabled\n")
+            return text(404, "the dcgm source is not enabled\n")
         try:
             seconds = float(request.query["seconds"])
         except (KeyError, ValueError):
             seconds = math.nan
         if not math.isfinite(seconds) or seconds < 0:
-            return _text(400, "expected ?seconds=N, N >= 0 (0 resumes profiling now)\n")
+            return text(400, "expected ?seconds=N, N >= 0 (0 resumes profiling now)\n")
         loop = asyncio.get_running_loop()
         wait = self.limits.api_timeout
         try:  # DCGM may hang: the call holds a worker thread, never the loop
@@ -885,11 +553,9 @@ class MetricsServer:
                 loop.run_in_executor(self._workers, pause, seconds), wait
             )
         except asyncio.TimeoutError:
-            log.warning(
-                "web: %s from %s: DCGM did not answer in %gs", request.path_qs, caller, wait
-            )
-            return _text(504, f"DCGM did not answer in {wait:g}s\n")
-        log.info("web: %s %s from %s: %s", request.method, request.path_qs, caller, result)
-        return web.Response(
-            body=(json.dumps(result) + "\n").encode(), headers={"Content-Type": "application/json"}
+            log.warning("web: %s from %s: DCGM did not answer in %gs", request.target, caller, wait)
+            return text(504, f"DCGM did not answer in {wait:g}s\n")
+        log.info("web: %s %s from %s: %s", request.method, request.target, caller, result)
+        return Reply(
+            200, (json.dumps(result) + "\n").encode(), {"Content-Type": "application/json"}
         )

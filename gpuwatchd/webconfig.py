@@ -101,6 +101,7 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "X-XSS-Protection": (),
     "Content-Security-Policy": (),
 }
+_HEADER_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e\t]*[\x21-\x7e])?")  # RFC 9110's, ASCII
 _BCRYPT = re.compile(r"^\$2[abxy]\$(\d\d)\$[./A-Za-z0-9]{53}$")
 BCRYPT_COSTS = range(4, 32)  # bcrypt's; a hash outside it matches no password
 
@@ -223,6 +224,8 @@ class HTTPServerConfig(_Strict):
                 raise ValueError(
                     f"{name}: expected one of {', '.join(HEADERS[name])}, got {value!r}"
                 )
+            if not _HEADER_VALUE.fullmatch(value):  # else every reply would fail to frame
+                raise ValueError(f"{name}: expected printable ASCII on one line, got {value!r}")
         return headers
 
 

@@ -1,5 +1,6 @@
-"""Rate limits and fair turns for the web front (gpuwatchd/web.py), all on its event loop.
+"""The web front's bounds, rate limits and fair turns (gpuwatchd/web.py, on its event loop).
 
+- `Limits`: every bound the web front keeps (connections, time, bytes).
 - `TokenBucket`: Go's rate.Limiter semantics, the web config's `rate_limit`.
 - `ClientBuckets`: one bucket per client address, so one client spending its tokens
   (or many anonymous requests) never spends another's (issue 23, finding 6).
@@ -16,6 +17,55 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 256  # well under systemd's default 1,024 fds for the whole daemon
+    idle_timeout: float = 75.0  # over a 1-minute scrape interval, so keep-alive is reused
+    handshake_timeout: float = 10.0
+    send_timeout: float = 30.0
+    slow_reply: float = 2.0  # a reply that took longer: the connection is closed after it
+    max_unsent: int = 32 << 20  # bytes of replies waiting on their clients, all together
+    # a connection's transport buffer (the daemon's memory) holds at most about twice
+    # this of a reply the client is not reading: its high-water mark and one write
+    reply_buffer: int = 16 << 10
+    # connections the kernel completes before the daemon accepts them (Linux caps it at
+    # net.core.somaxconn, 4,096 since 5.4): room for a flood's burst while the loop is busy
+    backlog: int = 4096
+    # new connections per client address group (an IPv6 /64): `connect_burst` at once,
+    # then one per `connect_interval` s; beyond, reset at accept (issue 41: a flood of
+    # ~53k/s kept every other client's connect out). Far above what a scraper or a
+    # kubelet opens (one per scrape or probe); the cap holds most of the burst
+    connect_burst: int = 1024
+    connect_interval: float = 1 / 64
+    accept_batch: int = 64  # connections accepted per turn of the event loop
+    defer_accept: int = 1  # s a connection may stay silent before it is accepted anyway
+    # kernel send buffer per connection (Linux doubles it): a reader takes an exposition
+    # without a trip through the loop
+    send_buffer: int = 256 << 10
+    kernel_unsent: int = 128 << 10  # of it not yet sent (TCP_NOTSENT_LOWAT)
+    max_body: int = 4096
+    # a request head: at most `max_headers` lines of `max_header` bytes, ~1 MiB in all
+    # (Go's MaxHeaderBytes, node_exporter's); 431 beyond, 414 for a longer request line
+    max_header: int = 8190
+    max_headers: int = 128
+    # bytes of request heads received and not yet answered (h11's buffer and the head
+    # being answered): past `connection_heads` on one connection (one full head and a
+    # read, as Go reads one request at a time) it is closed, past `max_heads` in all
+    # those holding the most
+    connection_heads: int = (1 << 20) + (64 << 10)
+    max_heads: int = 16 << 20
+    # kernel receive buffer per connection (Linux doubles it): what the daemon does not
+    # read yet waits there, not in a buffer autotuned up to 6 MB (memory the unit is charged)
+    receive_buffer: int = 64 << 10
+    api_burst: int = 3  # /api/: 3 calls at once, then one every api_interval seconds
+    api_interval: float = 20.0
+    # password checks queued behind the one running, per lane (verified clients, others)
+    bcrypt_waiting: int = 64
+    bcrypt_per_client: int = 2  # of them from one address group (IPv6: a /64)
+    api_timeout: float = 10.0  # DCGM may hang: the caller gets 504, a worker thread waits
 
 
 class TokenBucket:

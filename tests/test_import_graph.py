@@ -134,8 +134,9 @@ def test_the_rules_engine_imports_no_simulator():
 # bcrypt only where a web config asks for it, no prometheus_client (its exposition module
 # brings http.server, wsgiref and urllib.request), the kubelet's gRPC only where the
 # processes source asks a pod resources socket, DCGM's bindings only once DCGM is found,
+# no aiohttp (its web server imports its whole client: 16 MiB; the web front is h11's),
 # and no simulator.
-NOT_ON_THE_RUN_PATH = ("bcrypt", "prometheus_client", "grpc", "dcgm_agent", "pydcgm")
+NOT_ON_THE_RUN_PATH = ("bcrypt", "prometheus_client", "grpc", "dcgm_agent", "pydcgm", "aiohttp")
 RUN_PATH = (
     "import sys, gpuwatchd.cli, gpuwatchd.daemon, gpuwatchd.web;"
     "from gpuwatchd.sources import load_builtin_sources; load_builtin_sources();"

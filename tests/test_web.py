@@ -7,11 +7,15 @@ synchronise: waiting is bounded polling.
 from __future__ import annotations
 
 import base64
+import email.utils
+import fcntl
 import http.client
 import logging
 import socket
 import ssl
 import struct
+import sys
+import termios
 import threading
 import time
 
@@ -26,6 +30,7 @@ from gpuwatchd.web import Limits
 
 MIB = 2**20
 SMUGGLED = b"POST /api/dcgm/pause?seconds=3600 HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+LAST = SMUGGLED[:-2] + b"Connection: close\r\n\r\n"  # the same, and the server closes
 
 
 def request(server, method, path, headers=None, timeout=5.0):
@@ -254,6 +259,83 @@ def test_clients_that_hang_up_mid_response_log_no_traceback(caplog, capfd):
     assert tracebacks(caplog, capfd) == ""
 
 
+def test_heads_over_the_bounds_are_refused_and_the_connection_closed():
+    """h11 parses a head whole: one over `max_headers` lines, a line over `max_header`,
+    or one never finished past what such a head takes is answered 431 (a request line
+    too long 414), and the connection closed (nothing after it is read as a request)."""
+    limits = Limits(max_header=100, max_headers=4)
+    line = b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+    with serving(limits=limits) as (server, _):
+        assert raw(server, line + b"A: b\r\n" * 3 + b"\r\n" + LAST) == [
+            b"HTTP/1.1 200 OK",
+            b"HTTP/1.1 403 Forbidden",  # within the bounds: the next request is read
+        ]
+        assert raw(server, line + b"A: b\r\n" * 4 + b"\r\n" + SMUGGLED) == [
+            b"HTTP/1.1 431 Request Header Fields Too Large"
+        ]
+        assert raw(server, line + b"A: " + b"b" * 98 + b"\r\n\r\n" + SMUGGLED) == [
+            b"HTTP/1.1 431 Request Header Fields Too Large"
+        ]
+        assert raw(server, b"GET /" + b"a" * 100 + b" HTTP/1.1\r\nHost: x\r\n\r\n") == [
+            b"HTTP/1.1 414 Request-URI Too Long"
+        ]
+        with socket.create_connection(server.address, timeout=5) as sock:
+            sock.sendall(line + b"A: b\r\n" * 100)  # never finished
+            assert read_responses(sock) == [b"HTTP/1.1 431 Request Header Fields Too Large"]
+
+
+def test_a_pipeline_is_read_one_request_at_a_time_and_the_rest_waits_in_the_kernel():
+    """A client pipelines 500 requests of 4 KB behind a slow one (the status page, held).
+    The daemon parses that one and reads no further until it is answered: what it holds
+    is one head and at most one read (asyncio's 256 KiB), the rest of the pipeline
+    waits in the kernel; then every request is answered in turn. (Reading on, the
+    daemon would hold the whole pipeline, or close the connection past
+    `connection_heads`.)"""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_page() -> bytes:
+        entered.set()
+        release.wait(10)
+        return b"<html>late</html>"
+
+    pad = b"X-Pad: " + b"a" * 4000 + b"\r\n"
+    follow = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + pad + b"\r\n"
+    pipeline = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + follow * 499 + LAST
+    assert len(pipeline) > 1.5 * Limits().connection_heads
+    with serving() as (server, source):
+        server.status_page = slow_page
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)  # the pipeline waits
+        sock.connect(server.address)
+        sender = threading.Thread(target=sock.sendall, args=(pipeline,))
+        sender.start()
+        try:
+            assert entered.wait(10)
+            (connection,) = server._connections.open
+            daemons_end = connection.transport.get_extra_info("socket")
+            wait_until(
+                "the daemon to leave the pipeline's rest in the kernel",
+                lambda: connection in server._connections.open and unread(daemons_end) >= 64 << 10,
+                10,
+            )
+            assert sender.is_alive()
+            assert connection.held <= (256 << 10) + 64, connection.held
+            release.set()
+            statuses = read_responses(sock, timeout=30)
+            assert statuses == [b"HTTP/1.1 200 OK"] * 500 + [b"HTTP/1.1 403 Forbidden"]
+            assert source.pauses == []
+        finally:
+            release.set()
+            sock.close()
+            sender.join(10)
+
+
+def unread(sock: socket.socket) -> int:
+    """Bytes in `sock`'s kernel receive queue, not read yet (SIOCINQ)."""
+    queued = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    return int.from_bytes(queued, sys.byteorder, signed=True)
+
+
 def test_head_answers_like_get_without_a_body():
     with serving() as (server, _):
         _, _, body = request(server, "GET", "/metrics")
@@ -261,6 +343,52 @@ def test_head_answers_like_get_without_a_body():
         assert status == 200 and head_body == b""
         assert int(headers["Content-Length"]) == len(body)
         assert request(server, "HEAD", "/healthz")[0] == 200
+
+
+def test_empty_lines_between_requests_are_ignored():
+    """RFC 9112 2.2: a server SHOULD ignore an empty line before a request line (a
+    client's CRLF after a body, or to keep a connection alive); h11 alone answers 400."""
+    get = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    with serving() as (server, _), socket.create_connection(server.address, timeout=5) as sock:
+        sock.sendall(b"\r\n")
+        sock.sendall(get)
+        assert first_status_line(sock) == b"HTTP/1.1 200 OK"
+        sock.sendall(b"\r\n\r\n")
+        sock.sendall(LAST)
+        assert read_responses(sock)[-1] == b"HTTP/1.1 403 Forbidden"
+
+
+def test_a_reply_never_read_does_not_keep_its_connection_once_idle():
+    """The last piece of a reply in the daemon's buffer, the client not reading: the
+    connection, idle once the reply is handed over, is closed, and aborted after
+    `send_timeout` (a graceful close waited on the client forever)."""
+    limits = Limits(idle_timeout=0.2, send_timeout=2, send_buffer=4096, kernel_unsent=4096)
+    with serving(limits=limits, series=400) as (server, _):
+        assert 16 << 10 < len(server.exporter.latest().text) < 40 << 10
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the reply cannot fit
+        sock.connect(server.address)
+        try:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            wait_until("the reply to wait on the client", lambda: held(server) > 0, 10)
+            wait_until("the daemon to drop it", lambda: not server._connections.open, 10)
+        finally:
+            sock.close()
+
+
+def held(server) -> int:
+    """Bytes of replies in the daemon's buffers, all connections together."""
+    return sum(h.daemon for h in server.held_replies())
+
+
+def test_replies_carry_the_date_and_the_server():
+    with serving() as (server, _):
+        before = time.time()
+        _, headers, _ = request(server, "GET", "/healthz")
+        after = time.time()
+        assert headers["Server"] == "gpuwatchd"
+        when = email.utils.parsedate_to_datetime(headers["Date"]).timestamp()
+        assert int(before) <= when <= after
 
 
 def test_methods_and_paths():

@@ -79,6 +79,10 @@ def test_every_file_the_toolkit_refuses_at_load_is_refused_naming_the_file(name)
             "http_server_config: {headers: {X-Powered-By: me}}",
             "header 'X-Powered-By' cannot be configured",
         ),
+        (
+            'http_server_config: {headers: {Content-Security-Policy: "a\\r\\nSet-Cookie: x"}}',
+            "Content-Security-Policy: expected printable ASCII on one line",
+        ),
         ("rate_limit: {interval: soon}", "rate_limit.interval: expected a duration"),
         ("tls_server_config: {cert_filse: x}", "tls_server_config.cert_filse: unknown key"),
         ("- a list", "expected a mapping at the top level"),

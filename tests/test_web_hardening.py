@@ -143,6 +143,31 @@ def test_replies_that_are_never_read_hold_a_bounded_buffer_per_connection():
                 sock.close()
 
 
+def test_past_max_unsent_the_client_stuck_the_longest_is_dropped():
+    """Three clients that never read their (4 MB) replies, `max_unsent` room for about
+    one reply's buffer: when the third reply starts, the first stuck is dropped and the
+    other two are kept."""
+    limits = Limits(max_unsent=48 << 10)
+    with serving(limits=limits, series=60000) as (server, _):
+        stuck: list[socket.socket] = []
+        try:
+            for count in (1, 2, 3):
+                stuck += stuck_readers(server, 1, pipelined=1)
+                waiting = min(count, 2)  # the third's reply drops the first's
+                wait_until(
+                    f"{waiting} replies to wait on their clients",
+                    lambda n=waiting: sum(h.waiting for h in server.held_replies()) >= n,
+                    10,
+                )
+            wait_until("the first one dropped", lambda: len(server.held_replies()) == 2, 10)
+            assert [h.waiting for h in server.held_replies()] == [True, True]
+            kept = {c.transport.get_extra_info("peername")[1] for c in server._connections.open}
+            assert kept == {sock.getsockname()[1] for sock in stuck[1:]}
+        finally:
+            for sock in stuck:
+                sock.close()
+
+
 def test_connections_with_a_right_password_are_evicted_last(tmp_path, ca):
     """TLS + basic auth at the connection cap: anonymous clients that keep connecting
     (and pass for the most recently active) close one another, not Prometheus' keep-alive
