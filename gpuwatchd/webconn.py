@@ -238,6 +238,8 @@ class Connection(asyncio.Protocol):
         if self._idle is not None:  # a flood leaves no timers behind
             self._idle.cancel()
         self.parser = None  # lets go of what h11 holds
+        if self.handler is None:  # else the handler's end lets go of its head
+            self.answering = 0
         self._count()
         self._writable.set()  # a reply waiting to write finds the connection closed
 
@@ -269,6 +271,11 @@ class Connection(asyncio.Protocol):
                     self._answer(event, refusal)
                     return
                 self._request = event
+                if self.parser.they_are_waiting_for_100_continue and self.transport:
+                    go_on = h11.InformationalResponse(
+                        status_code=100, headers=[], reason=b"Continue"
+                    )
+                    self.transport.write(self.parser.send(go_on) or b"")  # curl waits 1 s
             elif isinstance(event, h11.EndOfMessage) and self._request is not None:
                 request, self._request = self._request, None  # counted in `answering`
                 self._answer(request, None)
@@ -281,7 +288,7 @@ class Connection(asyncio.Protocol):
     def _refuse(self, event: h11.Request) -> Reply | None:
         """A head over the bounds, or a body the daemon will not read."""
         limits = self.limits
-        if len(event.target) + len(event.method) + 11 > limits.max_header:
+        if len(event.method) + len(event.target) + 10 > limits.max_header:
             return text(414, f"request line over {limits.max_header} bytes\n", close=True)
         if len(event.headers) > limits.max_headers or any(
             len(name) + len(value) + 2 > limits.max_header for name, value in event.headers
@@ -315,7 +322,12 @@ class Connection(asyncio.Protocol):
             self._idle.cancel()
         if self.transport is not None:
             self.transport.pause_reading()
-        request = Request.of(event, self) if event is not None else None
+        request = None
+        if event is not None:
+            try:
+                request = Request.of(event, self)
+            except ValueError:  # a target urlsplit refuses (`//[`)
+                reply = text(400, "Bad Request\n", close=True)
         self.handler = asyncio.get_running_loop().create_task(self._reply(request, reply))
 
     async def _reply(self, request: Request | None, reply: Reply | None) -> None:
@@ -380,7 +392,10 @@ class Connection(asyncio.Protocol):
             raise h11.LocalProtocolError("the body was framed other than by Content-Length")
         view, chunk = memoryview(body), max(1, self.limits.reply_buffer)
         first = max(0, chunk - len(start))
-        transport.write(start + view[:first])  # a small reply in one write
+        # a small reply in one write, once the last has left the transport's buffer: a
+        # pipeline of requests never read holds at most about `reply_buffer` of replies
+        await self._drained(transport)
+        transport.write(start + view[:first])
         for offset in range(first, len(view), chunk):
             await self._drained(transport)
             transport.write(view[offset : offset + chunk])

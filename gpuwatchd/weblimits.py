@@ -52,10 +52,10 @@ class Limits:
     max_header: int = 8190
     max_headers: int = 128
     # bytes of request heads received and not yet answered (h11's buffer and the head
-    # being answered): past `connection_heads` on one connection (one full head and a
-    # read, as Go reads one request at a time) it is closed, past `max_heads` in all
-    # those holding the most
-    connection_heads: int = (1 << 20) + (64 << 10)
+    # being answered): past `connection_heads` on one connection (one full head and the
+    # read that overran it, asyncio's 256 KiB at most: the client gets its 431; as Go,
+    # one request at a time) it is closed, past `max_heads` in all those holding the most
+    connection_heads: int = (1 << 20) + (320 << 10)
     max_heads: int = 16 << 20
     # kernel receive buffer per connection (Linux doubles it): what the daemon does not
     # read yet waits there, not in a buffer autotuned up to 6 MB (memory the unit is charged)

@@ -285,7 +285,7 @@ def test_heads_over_the_bounds_are_refused_and_the_connection_closed():
 
 
 def test_a_pipeline_is_read_one_request_at_a_time_and_the_rest_waits_in_the_kernel():
-    """A client pipelines 500 requests of 4 KB behind a slow one (the status page, held).
+    """A client pipelines 700 requests of 4 KB behind a slow one (the status page, held).
     The daemon parses that one and reads no further until it is answered: what it holds
     is one head and at most one read (asyncio's 256 KiB), the rest of the pipeline
     waits in the kernel; then every request is answered in turn. (Reading on, the
@@ -300,7 +300,7 @@ def test_a_pipeline_is_read_one_request_at_a_time_and_the_rest_waits_in_the_kern
 
     pad = b"X-Pad: " + b"a" * 4000 + b"\r\n"
     follow = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + pad + b"\r\n"
-    pipeline = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + follow * 499 + LAST
+    pipeline = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + follow * 699 + LAST
     assert len(pipeline) > 1.5 * Limits().connection_heads
     with serving() as (server, source):
         server.status_page = slow_page
@@ -322,7 +322,7 @@ def test_a_pipeline_is_read_one_request_at_a_time_and_the_rest_waits_in_the_kern
             assert connection.held <= (256 << 10) + 64, connection.held
             release.set()
             statuses = read_responses(sock, timeout=30)
-            assert statuses == [b"HTTP/1.1 200 OK"] * 500 + [b"HTTP/1.1 403 Forbidden"]
+            assert statuses == [b"HTTP/1.1 200 OK"] * 700 + [b"HTTP/1.1 403 Forbidden"]
             assert source.pauses == []
         finally:
             release.set()
@@ -497,3 +497,81 @@ def test_https_probes_without_a_client_certificate(tmp_path):
         pytest.raises((ssl.SSLError, ConnectionError)),
     ):
         https_probe(server)
+
+
+def test_a_target_the_url_parser_refuses_is_a_bad_request_that_costs_nothing(caplog, capfd):
+    """`GET //[` (urlsplit refuses it) is answered 400 and closed, with no traceback,
+    and its head is let go: 40 of ~100 KB, past `max_heads` (2 MiB here) in all, leave
+    scrapes served. (The first h11 front raised in its protocol callback and counted
+    each such head for good: past `max_heads`, every connection was closed at its first
+    read, until a restart.)"""
+    limits = Limits(max_heads=2 << 20)
+    pad = b"".join(b"X-%04d: " % i + b"v" * 8000 + b"\r\n" for i in range(12))
+    bad = b"GET //[ HTTP/1.1\r\nHost: x\r\n" + pad + b"\r\n"
+    with serving(limits=limits) as (server, _):
+        for _ in range(40):
+            assert raw(server, bad) == [b"HTTP/1.1 400 Bad Request"]
+        assert request(server, "GET", "/healthz")[0] == 200
+        wait_until("no head held", lambda: server._connections.held_heads == 0, 10)
+    assert not tracebacks(caplog, capfd)
+
+
+def test_small_replies_never_read_wait_for_the_last_to_leave_the_daemon():
+    """A client pipelines 2,000 `GET /healthz` (replies of ~100 bytes) and never reads:
+    each reply waits until the last has left the transport's buffer, so the daemon holds
+    about `reply_buffer` of them and the rest of the pipeline waits unanswered. (The
+    first h11 front wrote a small reply at once and read the next request: 190 MiB in
+    30 s from one connection.)"""
+    limits = Limits()
+    with serving(limits=limits) as (server, _):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # never read
+        sock.connect(server.address)
+        try:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2000)
+            wait_until("the connection", lambda: len(server._connections.open) == 1, 10)
+            (connection,) = server._connections.open
+            # a reply waits on the client (a small reply written at once never does)
+            wait_until("a reply to wait on the client", lambda: connection.stuck_since, 10)
+            assert connection.buffered() <= limits.reply_buffer + 4096
+            assert connection._buffered() > 0  # requests unanswered (the kernel took ~1,000)
+        finally:
+            sock.close()
+
+
+def test_a_client_expecting_100_continue_is_told_to_go_on():
+    """curl sends `Expect: 100-continue` with a body and waits a second for the go-ahead
+    unless it comes."""
+    head = b"POST /api/dcgm/pause?seconds=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+    with serving() as (server, source):
+        with socket.create_connection(server.address, timeout=5) as sock:
+            sock.sendall(head + b"Expect: 100-continue\r\n\r\n")
+            interim = b""
+            while b"\r\n\r\n" not in interim:
+                interim += sock.recv(1)
+            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+            sock.sendall(b"abc" + LAST)
+            assert read_responses(sock) == [b"HTTP/1.1 403 Forbidden"] * 2
+        assert source.pauses == []
+
+
+def test_heads_at_the_bounds():
+    """A request line of exactly `max_header` bytes (method, target, version: as aiohttp
+    and Go count it) is read; one more is 414. A head never finished past the bound,
+    with the default limits (the read that overran h11's bound included), gets its 431
+    rather than a reset."""
+    limits = Limits(max_header=100, max_headers=4)
+    with serving(limits=limits) as (server, _):
+        target = b"/" + b"a" * (100 - len(b"GET  HTTP/1.1") - 1)
+        line = b"GET " + target + b" HTTP/1.1"
+        assert len(line) == 100
+        assert raw(server, line + b"\r\nHost: x\r\nConnection: close\r\n\r\n") == [
+            b"HTTP/1.1 404 Not Found"
+        ]
+        longer = b"GET " + target + b"a HTTP/1.1\r\nHost: x\r\n\r\n"
+        assert raw(server, longer) == [b"HTTP/1.1 414 Request-URI Too Long"]
+    with serving() as (server, _):
+        full = b"".join(b"X-%04d: " % i + b"v" * 8180 + b"\r\n" for i in range(140))
+        with socket.create_connection(server.address, timeout=5) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + full)  # never finished
+            assert read_responses(sock) == [b"HTTP/1.1 431 Request Header Fields Too Large"]
