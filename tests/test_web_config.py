@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -118,26 +121,30 @@ def test_paths_are_relative_to_the_file_and_private_keys_are_never_echoed(tmp_pa
 
 def test_a_fifo_as_the_web_config_is_refused_at_once(tmp_path):
     """Issue 23, item 8: reading a FIFO blocked the start until someone wrote to it."""
-    import os
-    import threading
-
     fifo = tmp_path / "web.yml"
     os.mkfifo(fifo)
+    refused = refusal_of(lambda: load_web_config(fifo), fifo)
+    assert str(refused) == f"{fifo}: cannot read: not a regular file"
+
+
+def refusal_of(load: Callable[[], object], fifo: Path) -> WebConfigError:
+    """What `load` raised, on a thread: the fixed code returns at once; the old one
+    blocked on `fifo` until someone opened it for writing (done here if it does)."""
     outcome: list[BaseException] = []
 
-    def load() -> None:
+    def run() -> None:
         try:
-            load_web_config(fifo)
+            load()
         except BaseException as e:  # noqa: BLE001 - handed to the test's thread
             outcome.append(e)
 
-    reader = threading.Thread(target=load, daemon=True)
-    reader.start()
-    reader.join(30)  # the fixed code returns at once; the old one never did
-    if reader.is_alive():  # unblock the old code's reader so the thread ends
+    loader = threading.Thread(target=run, daemon=True)
+    loader.start()
+    loader.join(30)
+    if loader.is_alive():  # unblock the old code's reader so the thread ends
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-    assert len(outcome) == 1 and isinstance(outcome[0], WebConfigError)
-    assert str(outcome[0]) == f"{fifo}: cannot read: not a regular file"
+    assert len(outcome) == 1 and isinstance(outcome[0], WebConfigError), outcome
+    return outcome[0]
 
 
 def test_deeply_nested_yaml_as_the_web_config_is_a_clean_error(tmp_path):
@@ -150,28 +157,12 @@ def test_deeply_nested_yaml_as_the_web_config_is_a_clean_error(tmp_path):
 def test_a_fifo_as_a_tls_file_is_refused_at_once(tmp_path):
     """ssl reading a FIFO would block the start until someone wrote to it, as the web
     config file itself did (issue 23, item 8)."""
-    import os
-    import threading
-
     (tmp_path / "server.crt").write_bytes((TOOLKIT / "server.crt").read_bytes())
     os.mkfifo(tmp_path / "server.key")
     path = tmp_path / "web.yml"
     path.write_text("tls_server_config: {cert_file: server.crt, key_file: server.key}\n")
-    outcome: list[BaseException] = []
-
-    def start() -> None:
-        try:
-            load(path)
-        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
-            outcome.append(e)
-
-    loader = threading.Thread(target=start, daemon=True)
-    loader.start()
-    loader.join(30)  # the fixed code returns at once; the old one never did
-    if loader.is_alive():  # unblock the old code's reader so the thread ends
-        os.close(os.open(tmp_path / "server.key", os.O_WRONLY | os.O_NONBLOCK))
-    assert len(outcome) == 1 and isinstance(outcome[0], WebConfigError)
-    assert str(outcome[0]) == (
+    refused = refusal_of(lambda: load(path), tmp_path / "server.key")
+    assert str(refused) == (
         f"{path}: tls_server_config.key_file: {tmp_path / 'server.key'}: cannot read: "
         "not a regular file"
     )
