@@ -297,7 +297,7 @@ class MetricsServer:
         # trips through the loop (kernel memory, held only while a client is slow)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer)
         # ... of which at most `kernel_unsent` not yet sent: a client that does not
-        # read leaves the rest of its reply in the shared exposition (PacedBody)
+        # read leaves the rest of its reply in the shared exposition (webconn's paced writes)
         conn.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, self.limits.kernel_unsent)
         task = self._loop.create_task(self._open(conn))
         self._handshakes[task] = (time.monotonic(), group)

@@ -92,6 +92,12 @@ def text(
     return Reply(status, body.encode(), kind | (headers or {}), close)
 
 
+def bad_request(status: int) -> Reply:
+    """A request the daemon cannot read on from: its status's phrase (never an echo of
+    what was sent), and the connection closed."""
+    return text(status, f"{HTTPStatus(status).phrase}\n", close=True)
+
+
 def head_size(event: h11.Request) -> int:
     """Bytes of a request's head as received (near enough: h11 strips the whitespace
     around header values)."""
@@ -215,7 +221,7 @@ class Connection(asyncio.Protocol):
         self.last_active = time.monotonic()
         if self.parser is None:  # dropped
             return
-        if not self._buffered() and self.parser.their_state in (h11.IDLE, h11.DONE):
+        if not self._unparsed() and self.parser.their_state in (h11.IDLE, h11.DONE):
             # between requests: empty lines are ignored (RFC 9112 2.2, as aiohttp and Go
             # do; h11 answers them 400). Clients send one after a body, or to keep alive
             data = data.lstrip(b"\r\n")
@@ -310,7 +316,7 @@ class Connection(asyncio.Protocol):
         log.debug("web: a bad request from %s: %s", self.remote, error)
         if self.parser is not None and self.parser.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             status = error.error_status_hint  # the body does not echo what was sent
-            self._answer(None, text(status, f"{HTTPStatus(status).phrase}\n", close=True))
+            self._answer(None, bad_request(status))
         else:
             self.abort()
 
@@ -327,7 +333,7 @@ class Connection(asyncio.Protocol):
             try:
                 request = Request.of(event, self)
             except ValueError:  # a target urlsplit refuses (`//[`)
-                reply = text(400, "Bad Request\n", close=True)
+                reply = bad_request(400)
         self.handler = asyncio.get_running_loop().create_task(self._reply(request, reply))
 
     async def _reply(self, request: Request | None, reply: Reply | None) -> None:
@@ -435,14 +441,14 @@ class Connection(asyncio.Protocol):
 
     # -- bounds ----------------------------------------------------------------------
 
-    def _buffered(self) -> int:
+    def _unparsed(self) -> int:
         """Bytes h11 holds unparsed (it says so publicly only by copying them,
         `trailing_data`)."""
         return len(self.parser._receive_buffer) if self.parser is not None else 0
 
     def _count(self) -> int:
         """`held` anew, and the total's."""
-        held = self._buffered() + self.answering
+        held = self._unparsed() + self.answering
         self.connections.held_heads += held - self.held
         self.held = held
         return held
