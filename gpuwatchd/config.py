@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import reprlib
-import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,7 +23,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from gpuwatchd.filetrust import distrust
+from gpuwatchd.filetrust import refusal
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(ms|s|m|h))+$")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
@@ -56,10 +55,8 @@ def read_text_file(path: Path, limit: int = MAX_FILE_BYTES) -> str:
         raise FileError(f"cannot read: {e.strerror}") from e
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FileError("cannot read: not a regular file")
-        if (why := distrust(real, st)) is not None:
-            raise FileError(f"refused: {why}")
+        if (problem := refusal(real, st)) is not None:
+            raise FileError(problem)
         data = b""
         if st.st_size <= limit:  # read one byte more: a file that grew is caught too
             while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):

@@ -35,6 +35,16 @@ def distrust(real: str, st: os.stat_result) -> str | None:
     return None
 
 
+def refusal(real: str, st: os.stat_result) -> str | None:
+    """Why a file the daemon reads settings from (at `real`, a path without links; `st`:
+    its stat) is not read: not a regular file (a FIFO would hold its reader until someone
+    writes to it), or not to be trusted (`distrust`); None if it may be read."""
+    if not stat.S_ISREG(st.st_mode):
+        return "cannot read: not a regular file"
+    why = distrust(real, st)
+    return None if why is None else f"refused: {why}"
+
+
 def distrust_tree(real: str) -> str | None:
     """Why the directory at `real` (a path without links), a directory above it, or
     anything below it is not to be trusted ("PATH: why"), or None if all of it is: what

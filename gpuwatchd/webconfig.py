@@ -20,7 +20,6 @@ import hashlib
 import os
 import re
 import ssl
-import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from pydantic import (
 )
 
 from gpuwatchd.config import FileError, parse_duration, read_text_file
-from gpuwatchd.filetrust import distrust
+from gpuwatchd.filetrust import refusal
 
 
 def __getattr__(name: str) -> Any:
@@ -353,12 +352,7 @@ def _trusted_file(where: Path, key: str, file: Path) -> str:
         st = os.stat(real)
     except OSError:
         return real
-    problem = None
-    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the start until written to
-        problem = "cannot read: not a regular file"
-    elif (why := distrust(real, st)) is not None:
-        problem = f"refused: {why}"
-    if problem is not None:
+    if (problem := refusal(real, st)) is not None:
         raise WebConfigError(f"{where}: tls_server_config.{key}: {file}: {problem}")
     return real
 
