@@ -30,7 +30,9 @@ from gpuwatchd.sources.cpu import (
     CpuSource,
     ParseError,
     Pressure,
+    StatReading,
     busy_ratio,
+    core_ratios,
     cpu_ratios,
     parse_meminfo,
     parse_pressure,
@@ -628,6 +630,32 @@ def test_collect_on_garbage_never_raises_but_source_error(
 
 
 # --- interrupt time per core ------------------------------------------------------------------
+
+
+cpu_lines = st.dictionaries(
+    st.integers(0, 7), st.tuples(*[st.integers(0, 50)] * 8), min_size=0, max_size=8
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(before=cpu_lines, now=cpu_lines, same_cores=st.booleans())
+def test_core_ratios_equal_cpu_ratios_core_by_core(
+    before: dict[int, tuple[int, ...]], now: dict[int, tuple[int, ...]], same_cores: bool
+) -> None:
+    """All cores at once, column by column, give what cpu_ratios gives each core: columns
+    that went backwards, cores that did not move, cores plugged in or out."""
+    if same_cores:
+        now = {cpu: now.get(cpu, times) for cpu, times in before.items()}
+    total = (0,) * 8
+    got = core_ratios(StatReading(total, now), StatReading(total, before))
+    expected: tuple[list[int], list[float], list[float]] = ([], [], [])
+    for cpu, times in now.items():
+        ratios = cpu_ratios(times, before[cpu]) if cpu in before else None
+        if ratios is not None:
+            expected[0].append(cpu)
+            expected[1].append(ratios[0])
+            expected[2].append(ratios[3])
+    assert got == expected
 
 
 def test_interrupt_ratio_is_irq_plus_softirq_of_the_interval() -> None:

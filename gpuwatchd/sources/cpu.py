@@ -46,6 +46,9 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import compress, repeat
+from operator import add, sub, truediv
 
 from gpuwatchd.config import CpuConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
@@ -86,6 +89,11 @@ class StatReading:
     total: tuple[int, ...]  # the `cpu` line: user .. steal
     cpus: dict[int, tuple[int, ...]]  # per online CPU
 
+    @cached_property
+    def columns(self) -> tuple[tuple[int, ...], ...]:
+        """`cpus` by column: columns[k][i] is column k (user .. steal) of the i-th CPU."""
+        return tuple(zip(*self.cpus.values(), strict=True)) or ((),) * len(STAT_FIELDS)
+
 
 # A `cpu` or `cpuN` line: its first eight columns (user .. steal) when it has them, else
 # its four to seven (user nice system idle: every kernel has them); each a u64. Matched in
@@ -108,13 +116,17 @@ def parse_stat(text: str) -> StatReading:
     last = _last_stat
     if last is not None and last[0] == text:  # the same read: one parse (read-only)
         return last[1]
+    rows = _STAT_LINE.findall(text)
+    width = len(STAT_FIELDS)
+    numbers = " ".join([columns for _, columns in rows]).split()
+    if len(numbers) == width * len(rows):  # every line has eight (kernels since 2.6.11)
+        # a column at a time: one int() pass in C each, then the lines back together
+        lines = list(zip(*[map(int, numbers[k::width]) for k in range(width)], strict=True))
+    else:
+        lines = [_padded(tuple(map(int, columns.split()[:width]))) for _, columns in rows]
     total: tuple[int, ...] | None = None
     cpus: dict[int, tuple[int, ...]] = {}
-    width = len(STAT_FIELDS)
-    for label, columns in _STAT_LINE.findall(text):
-        times = tuple(map(int, columns.split()[:width]))
-        if len(times) < width:
-            times += _ZEROS[len(times) :]
+    for (label, _), times in zip(rows, lines, strict=True):
         if label:
             cpus[int(label)] = times
         else:
@@ -124,6 +136,11 @@ def parse_stat(text: str) -> StatReading:
     reading = StatReading(total, cpus)
     _last_stat = (text, reading)
     return reading
+
+
+def _padded(times: tuple[int, ...]) -> tuple[int, ...]:
+    """An old kernel's four to seven columns, the missing ones 0."""
+    return times + _ZEROS[len(times) :]
 
 
 @dataclass(frozen=True)
@@ -199,6 +216,33 @@ def cpu_ratios(
     busy = total - deltas[IDLE] - deltas[IOWAIT]
     irq = deltas[IRQ] + deltas[SOFTIRQ]
     return busy / total, deltas[IOWAIT] / total, deltas[STEAL] / total, irq / total
+
+
+def core_ratios(
+    now: StatReading, before: StatReading
+) -> tuple[list[int], list[float], list[float]]:
+    """`cpu_ratios` of every core at once: (cores, busy ratios, interrupt ratios) of the
+    cores in both readings whose time moved, in `now`'s order. Worked column by column
+    (each step one C pass over all cores): a 128-CPU node costs a fifth of core by core.
+    """
+    cores = list(now.cpus)
+    if cores == list(before.cpus):
+        now_columns, before_columns = now.columns, before.columns
+    else:  # CPU hot-plug: the cores in both readings
+        cores = [cpu for cpu in cores if cpu in before.cpus]
+        now_columns = tuple(zip(*[now.cpus[cpu] for cpu in cores], strict=True))
+        before_columns = tuple(zip(*[before.cpus[cpu] for cpu in cores], strict=True))
+    if not cores:
+        return [], [], []
+    deltas = [list(map(sub, a, b)) for a, b in zip(now_columns, before_columns, strict=True)]
+    if min(map(min, deltas)) < 0:  # a column went backwards: 0, as in cpu_deltas
+        deltas = [list(map(max, column, repeat(0))) for column in deltas]
+    total = list(map(sum, zip(*deltas, strict=True)))
+    busy = list(map(sub, total, map(add, deltas[IDLE], deltas[IOWAIT])))
+    irq = list(map(add, deltas[IRQ], deltas[SOFTIRQ]))
+    if not all(total):  # no time passed on a core: no ratio for it
+        cores, busy, irq, total = (list(compress(x, total)) for x in (cores, busy, irq, total))
+    return cores, list(map(truediv, busy, total)), list(map(truediv, irq, total))
 
 
 def busy_ratio(now: tuple[int, ...], before: tuple[int, ...]) -> tuple[float, float, float] | None:
@@ -300,7 +344,9 @@ class CpuSource(Source):
         self._psi_missing_logged = False
         self._reclaim = reclaim.Reclaim(procfs, context.extras.get("clock", time.monotonic))
         self._frequency = cpufreq.CpuFrequency(os.fspath(context.sysfs))
-        self._numa = numa.numa_nodes(os.fspath(context.sysfs))  # read once: hot-plug is rare
+        self._numa = numa.NumaNodes(
+            numa.numa_nodes(os.fspath(context.sysfs))
+        )  # once: hot-plug is rare
 
     def _read_required(self, path: str) -> str:
         return read_kernel_file(path, "procfs", self.context.procfs)
@@ -338,47 +384,25 @@ class CpuSource(Source):
         samples: list[Sample] = []
         node = busy_ratio(stat.total, prev.total)
         if node is not None:
-            busy, iowait, steal = node
-            samples.append(Sample("gpuwatchd_cpu_busy_ratio_avg", (), busy))
-            samples.append(Sample("gpuwatchd_cpu_iowait_ratio", (), iowait))
-            samples.append(Sample("gpuwatchd_cpu_steal_ratio", (), steal))
-        per_core = self.cfg.per_core
-        threshold = self.cfg.saturated_threshold
-        busiest: float | None = None
-        most_irq: float | None = None
-        saturated = 0
-        busy_of: dict[int, float] = {}
-        ratios_of: dict[int, tuple[float, float]] = {}
-        before = prev.cpus
-        for cpu, times in stat.cpus.items():
-            old = before.get(cpu)
-            if old is None:
-                continue
-            ratios = cpu_ratios(times, old)
-            if ratios is None:
-                continue
-            busy, irq = ratios[0], ratios[3]
-            busy_of[cpu] = busy
-            ratios_of[cpu] = (busy, irq)
-            if per_core:
+            samples.append(Sample("gpuwatchd_cpu_busy_ratio_avg", (), node[0]))
+            samples.append(Sample("gpuwatchd_cpu_iowait_ratio", (), node[1]))
+            samples.append(Sample("gpuwatchd_cpu_steal_ratio", (), node[2]))
+        cores, busy, irq = core_ratios(stat, prev)
+        if self.cfg.per_core:
+            for cpu, core_busy, core_irq in zip(cores, busy, irq, strict=True):
                 labels = self._labels.get(cpu)
                 if labels is None:
                     labels = self._labels[cpu] = (str(cpu),)
-                samples.append(Sample("gpuwatchd_cpu_busy_ratio", labels, busy))
-                samples.append(Sample("gpuwatchd_cpu_interrupt_ratio", labels, irq))
-            if most_irq is None or irq > most_irq:
-                most_irq = irq
-            if busiest is None or busy > busiest:
-                busiest = busy
-            if busy > threshold:
-                saturated += 1
-        if busiest is not None:
-            samples.append(Sample("gpuwatchd_cpu_busy_ratio_max", (), busiest))
+                samples.append(Sample("gpuwatchd_cpu_busy_ratio", labels, core_busy))
+                samples.append(Sample("gpuwatchd_cpu_interrupt_ratio", labels, core_irq))
+        if cores:
+            threshold = self.cfg.saturated_threshold
+            saturated = sum(map(threshold.__lt__, busy))  # cores busier than it
+            samples.append(Sample("gpuwatchd_cpu_busy_ratio_max", (), max(busy)))
             samples.append(Sample("gpuwatchd_cpu_cores_saturated", (), float(saturated)))
-        if most_irq is not None:
-            samples.append(Sample("gpuwatchd_cpu_interrupt_ratio_max", (), most_irq))
-        samples += numa.aggregates(self._numa, ratios_of)
-        return samples + self._frequency.samples(busy_of)
+            samples.append(Sample("gpuwatchd_cpu_interrupt_ratio_max", (), max(irq)))
+        samples += self._numa.aggregates(cores, busy, irq)
+        return samples + self._frequency.samples(cores, busy)
 
     def _pressure_samples(self) -> list[Sample]:
         samples: list[Sample] = []
@@ -426,6 +450,7 @@ __all__ = [
     "Pressure",
     "StatReading",
     "busy_ratio",
+    "core_ratios",
     "cpu_deltas",
     "cpu_ratios",
     "parse_meminfo",

@@ -17,6 +17,7 @@ driver) have no such files: the series is absent, which is not an error.
 from __future__ import annotations
 
 import os
+from itertools import compress
 
 from gpuwatchd.metrics import Sample, gauge
 from gpuwatchd.sources.base import read_small
@@ -46,11 +47,12 @@ class CpuFrequency:
         self._base = os.path.join(sysfs, "devices/system/cpu")
         self._max: dict[int, float | None] = {}
 
-    def samples(self, busy: dict[int, float]) -> list[Sample]:
-        """The busy cores' clock ratio, from `busy` (core -> busy ratio this interval)."""
-        cores = sorted((c for c, b in busy.items() if b >= BUSY), key=lambda c: -busy[c])
+    def samples(self, cores: list[int], busy: list[float]) -> list[Sample]:
+        """The busy cores' clock ratio, from each core's (in `cores`) busy ratio this
+        interval."""
+        of = dict(compress(zip(cores, busy, strict=True), map(BUSY.__le__, busy)))  # the busy ones
         ratios = []
-        for core in cores[:MAX_CORES]:
+        for core in sorted(of, key=lambda c: -of[c])[:MAX_CORES]:
             folder = f"{self._base}/cpu{core}/cpufreq"
             if core not in self._max:
                 self._max[core] = _khz(f"{folder}/cpuinfo_max_freq")

@@ -56,14 +56,29 @@ def numa_nodes(sysfs: str) -> dict[int, str]:
     return out
 
 
-def aggregates(node_of: dict[int, str], ratios: dict[int, tuple[float, float]]) -> list[Sample]:
-    """Per NUMA node, its cores' mean busy ratio and largest interrupt ratio, from
-    core -> (busy, interrupt) ratios; a core sysfs does not place counts as node 0."""
-    busy: dict[str, list[float]] = {}
-    irq: dict[str, float] = {}
-    for cpu, (core_busy, core_irq) in ratios.items():
-        node = node_of.get(cpu, "0")
-        busy.setdefault(node, []).append(core_busy)
-        irq[node] = max(irq.get(node, 0.0), core_irq)
-    samples = [Sample(BUSY.name, (n,), sum(v) / len(v)) for n, v in sorted(busy.items())]
-    return samples + [Sample(INTERRUPTS.name, (n,), v) for n, v in sorted(irq.items())]
+class NumaNodes:
+    """The cpu source's per-node aggregates, for the cores of `numa_nodes`."""
+
+    def __init__(self, node_of: dict[int, str]) -> None:
+        self.node_of = node_of
+        # the last poll's cores and, per node (by name), their positions among them
+        self._cores: list[int] = []
+        self._groups: list[tuple[str, list[int]]] = []
+
+    def aggregates(self, cores: list[int], busy: list[float], irq: list[float]) -> list[Sample]:
+        """Per NUMA node, its cores' mean busy ratio and largest interrupt ratio, from each
+        core's (in `cores`) busy and interrupt ratios; a core sysfs does not place counts
+        as node 0."""
+        if cores != self._cores:  # the first poll, or CPU hot-plug
+            positions: dict[str, list[int]] = {}
+            for i, cpu in enumerate(cores):
+                positions.setdefault(self.node_of.get(cpu, "0"), []).append(i)
+            self._cores, self._groups = list(cores), sorted(positions.items())
+        means = [
+            Sample(BUSY.name, (node,), sum(map(busy.__getitem__, at)) / len(at))
+            for node, at in self._groups
+        ]
+        return means + [
+            Sample(INTERRUPTS.name, (node,), max(0.0, *map(irq.__getitem__, at)))
+            for node, at in self._groups
+        ]
