@@ -25,8 +25,10 @@ from gpuwatchd.sources.interrupts import (
     InterruptsSource,
     IrqLine,
     ParseError,
+    RowCounts,
     classify,
     line_deltas,
+    line_total,
     parse_header,
     parse_interrupts,
     parse_line,
@@ -274,6 +276,32 @@ def test_line_deltas_unwrap_u32_and_detect_resets() -> None:
     assert line_deltas(row(1, 2), row(1, 2, 3), 1e9) is None  # shape changed
     many_now, many_before = row(*range(100, 200)), row(*range(100))
     assert line_deltas(many_now, many_before, 1e9) == [(i, 100) for i in range(100)]
+
+
+counts = st.lists(st.integers(0, U32 - 1) | st.integers(0, 10**21), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(polls=st.lists(st.tuples(st.sampled_from(["LOC", "RES"]), counts), min_size=2, max_size=6))
+def test_kept_counts_and_line_total_agree_with_line_deltas(
+    polls: list[tuple[str, list[int]]],
+) -> None:
+    """A summary row's total is the sum of its line_deltas (wraps, resets and all), with
+    each row's ints kept from the poll before: never a stale row's."""
+    kept = RowCounts()
+    last: dict[str, IrqLine] = {}
+    for label, row in polls:
+        kept.next_poll()
+        line = IrqLine(label, tuple(map(str, row)))
+        before = last.get(label)
+        last[label] = line
+        if before is None:
+            continue
+        deltas = line_deltas(line, before, 1e6)
+        assert line_deltas(line, before, 1e6, kept) == deltas
+        expected = None if deltas is None else sum(d for _, d in deltas)
+        assert line_total(line, before, 1e6, kept) == expected
+        assert kept(line) == row and kept(before) == list(map(int, before.columns))
 
 
 # --- the source on fixture trees -----------------------------------------------------------

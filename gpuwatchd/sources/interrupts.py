@@ -287,6 +287,7 @@ class InterruptsParser:
     def __init__(self) -> None:
         self._rows: dict[str, IrqLine | None] = {}
         self._ncpus = -1
+        self._header: tuple[str, tuple[int, ...]] | None = None  # its text, its CPUs
 
     def parse(self, text: str) -> InterruptTable:
         raw = text.splitlines()
@@ -295,7 +296,10 @@ class InterruptsParser:
             start += 1
         if start == len(raw):
             raise ParseError("empty file")
-        cpus = parse_header(raw[start])
+        header = self._header
+        if header is None or header[0] != raw[start]:  # the first parse, or CPU hot-plug
+            header = self._header = (raw[start], parse_header(raw[start]))
+        cpus = header[1]
         ncpus = len(cpus)
         cache = self._rows if ncpus == self._ncpus else {}
         rows: dict[str, IrqLine | None] = {}
@@ -330,11 +334,21 @@ def classify(line: IrqLine) -> str:
     return "other"
 
 
-def line_deltas(current: IrqLine, previous: IrqLine, limit: float) -> list[tuple[int, int]] | None:
+Ints = Callable[[IrqLine], list[int]]
+
+
+def _ints(line: IrqLine) -> list[int]:
+    return list(map(int, line.columns))
+
+
+def line_deltas(
+    current: IrqLine, previous: IrqLine, limit: float, ints: Ints = _ints
+) -> list[tuple[int, int]] | None:
     """(column, increase) for every column that moved from `previous` to `current`.
 
     A u32 wrap is unwrapped when the wrapped increase is at most `limit`; None if a count
-    was reset (a device re-registered) or the rows have different column counts.
+    was reset (a device re-registered) or the rows have different column counts. `ints`
+    converts a row's columns, where they moved on many CPUs (`RowCounts` remembers them).
     """
     now, before = current.columns, previous.columns
     if len(now) != len(before):
@@ -342,7 +356,7 @@ def line_deltas(current: IrqLine, previous: IrqLine, limit: float) -> list[tuple
     moved = list(compress(range(len(now)), map(ne, now, before)))
     if len(moved) > 8 and max(map(len, now)) <= _MAX_DIGITS >= max(map(len, before)):
         # a row that moved on many CPUs (LOC, RES, ...): subtract every column in C
-        increases = list(map(sub, map(int, now), map(int, before)))
+        increases = list(map(sub, ints(current), ints(previous)))
         if min(increases) >= 0:
             return [(i, increases[i]) for i in moved]
     deltas = []
@@ -358,6 +372,41 @@ def line_deltas(current: IrqLine, previous: IrqLine, limit: float) -> list[tuple
                 return None
         deltas.append((i, d))
     return deltas
+
+
+def line_total(current: IrqLine, previous: IrqLine, limit: float, ints: Ints = _ints) -> int | None:
+    """The sum of `line_deltas` (what a summary row's class needs), without a list of
+    its columns where none fell."""
+    now, before = current.columns, previous.columns
+    if len(now) == len(before) and max(map(len, now)) <= _MAX_DIGITS >= max(map(len, before)):
+        increases = list(map(sub, ints(current), ints(previous)))
+        if min(increases, default=0) >= 0:
+            return sum(increases)
+    deltas = line_deltas(current, previous, limit, ints)
+    return None if deltas is None else sum(d for _, d in deltas)
+
+
+class RowCounts:
+    """A row's counts as ints, kept from the poll that read them to the next: the row it
+    is compared with then was converted once already, as the newer one."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[tuple[str, ...], list[int]]] = {}  # label -> its last
+        self._used: dict[str, tuple[tuple[str, ...], list[int]]] = {}
+
+    def next_poll(self) -> None:
+        """Keep only what this poll converted (rows that left are forgotten)."""
+        self._kept, self._used = self._used, {}
+
+    def __call__(self, line: IrqLine) -> list[int]:
+        for known in (self._used, self._kept):
+            entry = known.get(line.irq)
+            if entry is not None and entry[0] is line.columns:
+                break
+        else:
+            entry = (line.columns, list(map(int, line.columns)))
+        self._used[line.irq] = entry
+        return entry[1]
 
 
 @dataclass
@@ -438,6 +487,7 @@ class InterruptsSource(Source):
         self._prev_cpus: tuple[int, ...] | None = None
         self._prev_time: float | None = None
         self._shown: set[tuple[int, str]] = set()
+        self._counts = RowCounts()
         self.last_rates: Rates | None = None  # for tests and the doctor
 
     def _class_of(self, line: IrqLine) -> str | None:
@@ -506,21 +556,25 @@ class InterruptsSource(Source):
         limit = MAX_RATE_PER_CPU * dt
         counts_sum = dict.fromkeys(CLASSES, 0)
         max_count = dict.fromkeys(DEVICE_CLASSES, 0)
+        ints = self._counts
+        ints.next_poll()
         for line, cls in classified:
             before = previous.get(line.irq)
             if before is None or before is line:
                 continue  # new row (baseline), or unchanged text: nothing happened
             if before.name != line.name:
                 continue  # the IRQ number now belongs to another device
-            deltas = line_deltas(line, before, limit)
+            if cls == SYSTEM:  # counted by class only
+                row_total = line_total(line, before, limit, ints)
+                counts_sum[cls] += row_total or 0  # None: reset
+                continue
+            deltas = line_deltas(line, before, limit, ints)
             if deltas is None:
                 continue  # reset: re-registered device
             total = sum(d for _, d in deltas)
             if not total:
                 continue
             counts_sum[cls] += total
-            if cls == SYSTEM:
-                continue
             if total > max_count[cls]:
                 max_count[cls] = total
             if total > threshold:
@@ -598,6 +652,7 @@ __all__ = [
     "Rates",
     "classify",
     "line_deltas",
+    "line_total",
     "parse_header",
     "parse_interrupts",
     "parse_line",
