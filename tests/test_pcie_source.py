@@ -160,6 +160,24 @@ def test_aer_totals_are_read_from_the_total_lines(tmp_path: Path) -> None:
     assert got[("pcie_aer_errors_total", (NVME, NVME, "correctable"))] == 7  # TOTAL, not a sum
 
 
+def test_a_change_after_polls_that_found_nothing_new_is_seen(tmp_path: Path) -> None:
+    """A poll whose files read as the last one did gives the same samples (kept, not made
+    anew); the poll after a link retrains or an AER total moves shows it."""
+    root = build_tree(tmp_path, relabel={NVME: GPU_LABELS, E810: GPU_LABELS})
+    source = source_for(root)
+    first = source.collect()
+    assert source.collect() == first and source.collect() == first
+    nvme = device_dir(root, NVME)
+    (nvme / "current_link_speed").write_text("2.5 GT/s PCIe\n")
+    aer = nvme / "aer_dev_correctable"
+    aer.write_text(aer.read_text().replace("TOTAL_ERR_COR 0", "TOTAL_ERR_COR 3"))
+    got = by_key(source.collect())
+    gpu = (NVME, NVME, "gpu")
+    assert got[("pcie_link_generation", gpu)] == 1 and got[("pcie_link_degraded", gpu)] == 1
+    assert got[("pcie_aer_errors_total", (NVME, NVME, "correctable"))] == 3
+    assert got[("pcie_link_degraded", (E810, E810, "gpu"))] == 0
+
+
 def test_a_bridge_without_files_drops_only_its_own_series(tmp_path: Path) -> None:
     # the i350's parent 0000:40:01.3 is not in the fixtures: an empty directory
     root = build_tree(tmp_path, devices=[I350], relabel={I350: GPU_LABELS})

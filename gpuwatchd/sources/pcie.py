@@ -185,24 +185,34 @@ class LinkReading:
         return False if len(known) == len(pairs) else None
 
 
+# what a poll reads of each function: its link now, then its AER totals
+_POLLED_FILES = ("current_link_speed", "current_link_width", *(f for f, _, _ in _AER_FILES))
+
+
 def read_link(path: str, caps: tuple[float | None, int | None] | None = None) -> LinkReading:
     """One function's link files; `caps`: its (max speed, max width) known already."""
+    return link_reading(path, tuple(_read(f"{path}/{name}") for name in _POLLED_FILES), caps)
 
-    def text(name: str) -> str:
-        return _read(f"{path}/{name}") or ""
 
-    current = _read(f"{path}/current_link_speed")
+def link_reading(
+    path: str, polled: tuple[str | None, ...], caps: tuple[float | None, int | None] | None
+) -> LinkReading:
+    """What `read_link` makes of the `_POLLED_FILES`' texts (None: unreadable), reading the
+    maxima unless `caps` has them."""
+    current, width = polled[0], polled[1]
     if caps is None or current is None:  # not known, or the function is gone: read them
-        caps = parse_link_speed(text("max_link_speed")), parse_link_width(text("max_link_width"))
+        caps = (
+            parse_link_speed(_read(f"{path}/max_link_speed") or ""),
+            parse_link_width(_read(f"{path}/max_link_width") or ""),
+        )
     reading = LinkReading(
         speed=parse_link_speed(current or ""),
         speed_max=caps[0],
-        width=parse_link_width(text("current_link_width")),
+        width=parse_link_width(width or ""),
         width_max=caps[1],
         present=current is not None,
     )
-    for file, total, severity in _AER_FILES:
-        content = _read(f"{path}/{file}")
+    for content, (_, total, severity) in zip(polled[2:], _AER_FILES, strict=True):
         if content is not None:
             value = aer_total(content, total)
             if value is not None:
@@ -295,6 +305,11 @@ class PcieSource(Source):
         # (max speed, max width), its LnkCap; a GPU's NUMA node
         self._caps: dict[str, tuple[float | None, int | None]] = {}
         self._numa: dict[str, int] = {}
+        # most polls find every file as it was: per function, its files' paths, their last
+        # texts and the reading made of them; per (GPU, function), its last samples
+        self._polled: dict[str, tuple[tuple[str, ...], tuple[str | None, ...], LinkReading]] = {}
+        self._samples: dict[tuple[str, str], tuple[LinkReading, LinkReading | None, list[Sample]]]
+        self._samples = {}
 
     def gpus(self) -> list[tuple[PciFunction, ...]]:
         """The path of every GPU found by the last poll: the GPU first, the root port last."""
@@ -308,8 +323,8 @@ class PcieSource(Source):
         except OSError as e:
             raise SourceError(f"cannot list {self.devices_dir}: {e.strerror or e}") from e
         if self._gpus.refresh(entries):  # a function left the bus: read what is back anew
-            self._caps.clear()
-            self._numa.clear()
+            for known in (self._caps, self._numa, self._polled, self._samples):
+                known.clear()
 
         samples: list[Sample] = []
         readings: dict[str, LinkReading] = {}  # a shared bridge is read once per poll
@@ -324,7 +339,13 @@ class PcieSource(Source):
             for i, fn in enumerate(path):
                 other = link_partner(path, i)
                 partner = None if other is None else readings[other.path]
-                self._link_samples(samples, gpu.bdf, fn, readings[fn.path], partner)
+                reading, key = readings[fn.path], (gpu.bdf, fn.path)
+                last = self._samples.get(key)
+                if last is None or last[0] is not reading or last[1] is not partner:
+                    made: list[Sample] = []
+                    self._link_samples(made, gpu.bdf, fn, reading, partner)
+                    last = self._samples[key] = (reading, partner, made)
+                samples += last[2]
             listed = readings[gpu.path].present or os.path.isdir(gpu.path)  # not gone
             numa = self._numa_node(gpu.path) if listed else None
             if numa is not None:
@@ -332,8 +353,16 @@ class PcieSource(Source):
         return samples
 
     def _read_link(self, path: str) -> LinkReading:
-        """The function's link; its maxima from the first poll that read both."""
-        reading = read_link(path, self._caps.get(path))
+        """The function's link; its maxima from the first poll that read both. The last
+        poll's reading (the same object) where its files read the same."""
+        caps = self._caps.get(path)
+        last = self._polled.get(path)
+        files = last[0] if last is not None else tuple(f"{path}/{n}" for n in _POLLED_FILES)
+        polled = tuple(map(_read, files))
+        if last is not None and last[1] == polled and caps is not None and polled[0] is not None:
+            return last[2]
+        reading = link_reading(path, polled, caps)
+        self._polled[path] = (files, polled, reading)
         if not reading.present:
             self._caps.pop(path, None)
         elif reading.speed_max is not None and reading.width_max is not None:
