@@ -65,7 +65,9 @@ interrupts all land on CPU 0, where the training process runs" without exporting
 CPU x IRQ table, which node_exporter's interrupts collector already does.
 
 Cost: a row whose text did not change since the last poll (an idle queue) is not parsed
-again and contributes no work; only changed rows are split and subtracted.
+again and contributes no work; only changed rows are split and subtracted. A row that
+moved on many CPUs (LOC, RES, ...) keeps its counts as ints for the next poll, so each
+count is converted once; a summary row is summed, not split by CPU.
 """
 
 from __future__ import annotations

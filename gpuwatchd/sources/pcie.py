@@ -28,6 +28,10 @@ judged against its own maximum.
 
 A missing or garbled file drops only the series it feeds; one bad device never fails
 the poll. Only a missing `bus/pci/devices` directory fails it (SourceError).
+
+Every poll reads each function's five polled files (a link retrains, an AER total moves
+at any time); where they read as at the last poll, the function's reading and samples
+are the last poll's, not parsed and made again.
 """
 
 from __future__ import annotations
