@@ -362,13 +362,14 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         success = nv.NVML_SUCCESS
         unsupported: set[_Entry] = set()
         slow: list[Sample] = []  # a SLOW field that failed is asked again at its next read
+        links: list[tuple[int, bool]] = []  # (NVLink, active), counted per GPU
         for (code, stamp, number, modulus), entry in zip(values, entries, strict=True):
             if code == success and number is not None:
                 mine = out if entry.field.every == EVERY_POLL else slow
                 if entry.field.rate:
                     self._rate(gpu, entry, int(number), modulus, stamp, mine)
-                elif entry.field is NVLINK_STATE:  # counted per GPU (_nvlink_counts)
-                    self._nvlink_expected(gpu, entry, bool(number))
+                elif entry.field is NVLINK_STATE:
+                    links.append((entry.scope, bool(number)))
                 else:
                     value = number * entry.field.scale
                     mine.append(Sample(entry.field.metric, entry.labels, value))
@@ -378,7 +379,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
                 unsupported.add(entry)
                 why = self._describe(nv.NVMLError(code))
                 self._log_once(entry.what, f"field {entry.what} ({entry.field.metric})", gpu, why)
-        self._nvlink_counts(gpu, out)
+        self._nvlink_samples(gpu, links, out)
         if full:
             gpu.kept[SLOW_FIELDS_KEY] = slow
         out.extend(gpu.kept[SLOW_FIELDS_KEY])
