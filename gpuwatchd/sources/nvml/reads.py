@@ -70,6 +70,8 @@ class _Gpu:
         self.labels: tuple[str, ...] = (str(index), "")
         self.bus_id = ""
         self.info: Sample | None = None
+        # gpu_nvml_stale 0 and gpu_nvml_hung_seconds 0: what a poll that read it adds
+        self.read_flags: tuple[Sample, Sample] | None = None
         self.sm_count: Sample | None = None  # static, read with the identity
         self.lost = False
         self.polls = 0  # polls that read this GPU, for the reads' cadence

@@ -22,11 +22,13 @@ from gpuwatchd.sources.nvml.metrics import (
     CLOCK_REASONS,
     CUDA_VERSION,
     DEVICES,
+    HUNG,
     INFO,
     LAST_XID,
     LOST,
     SM_COUNT,
     SPECS,
+    STALE,
     XID,
     XID_INSTANCE,
 )
@@ -218,6 +220,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         labels = (str(gpu.index), identity.uuid)
         gpu.labels = labels
         gpu.info = Sample(INFO.name, labels + (name, gpu.bus_id, self._driver, self._cuda), 1.0)
+        gpu.read_flags = (Sample(STALE.name, labels, 0.0), Sample(HUNG.name, labels, 0.0))
         sms = sm_count(nv, handle)
         gpu.sm_count = None if sms is None else Sample(SM_COUNT.name, labels, float(sms))
         gpu.reason_labels = [(bit, labels + (label,)) for label, bit in self._reasons]
