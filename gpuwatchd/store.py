@@ -19,8 +19,6 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import compress
-from operator import ne
 
 from gpuwatchd.metrics import Sample
 
@@ -131,9 +129,9 @@ class Store:
                 owned.names, owned.labels = names, labels
                 owned.histories = _histories(owned.order)
             else:  # the usual poll: the same series in the same order, new values
-                if values != owned.values:  # the places whose value changed, found in C
-                    order = owned.order
-                    for i in compress(range(len(values)), map(ne, values, owned.values)):
+                if values != owned.values:
+                    order, before = owned.order, owned.values
+                    for i in [i for i, value in enumerate(values) if value != before[i]]:
                         key, series = order[i]
                         series.value = values[i]
                         changed.append(key)
