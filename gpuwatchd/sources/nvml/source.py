@@ -301,10 +301,13 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
     def _reads(self, gpu: _Gpu, out: list[Sample]) -> None:
         polls, kept = gpu.polls, gpu.kept
         for read in gpu.reads:
-            key, every = read.key, read.every
-            if every != EVERY_POLL and key in kept and (every == ONCE or polls % every):
-                out.extend(kept[key])  # what it gave when it was read
-                continue
+            every = read.every
+            if every != EVERY_POLL:
+                samples = kept.get(read.key)
+                if samples is not None and (every == ONCE or polls % every):
+                    out += samples  # what it gave when it was read
+                    continue
+            key = read.key
             value = self._read(gpu, read)
             if value is _MISSING:
                 kept.pop(key, None)  # asked again next poll
@@ -368,14 +371,15 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         links: list[tuple[int, bool]] = []  # (NVLink, active), counted per GPU
         for (code, stamp, number, modulus), entry in zip(values, entries, strict=True):
             if code == success and number is not None:
-                mine = out if entry.field.every == EVERY_POLL else slow
-                if entry.field.rate:
-                    self._rate(gpu, entry, int(number), modulus, stamp, mine)
-                elif entry.field is NVLINK_STATE:
+                field = entry.field
+                if field is NVLINK_STATE:  # most of the batch on an NVLink board
                     links.append((entry.scope, bool(number)))
+                    continue
+                mine = out if field.every == EVERY_POLL else slow
+                if field.rate:
+                    self._rate(gpu, entry, int(number), modulus, stamp, mine)
                 else:
-                    value = number * entry.field.scale
-                    mine.append(Sample(entry.field.metric, entry.labels, value))
+                    mine.append(Sample(field.metric, entry.labels, number * field.scale))
             elif code == nv.NVML_ERROR_GPU_IS_LOST:
                 raise _GpuLost
             elif code in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
