@@ -1,6 +1,6 @@
 """Benchmark: the CPU of the nvml source's steady poll, part by part, on a simulated node.
 
-    python bench/bench_nvml_poll.py [--gpus 8] [--repeat 25]
+    python bench/bench_nvml_poll.py [--gpus 8] [--repeat 25] [--bytecodes]
 
 Run by hand (not a test). The node is healthy-8gpu (`--gpus` GPUs) in virtual time, its
 fake NVML free of a driver's costs, warmed up by twelve polls; each part is timed as the
@@ -9,15 +9,20 @@ take). The parts: the reader's work for one poll (every GPU's NVML calls and wha
 of them: the fake library's own Python included, the same before and after a change of
 the source), the same with the hand-off to the source's thread (`collect`), one GPU's
 field-values decoding (`FieldValues.read`), and the store's update with the poll's
-samples. Compare trees side by side, in one sitting (PYTHONPATH=TREE).
+samples. Compare trees side by side, in one sitting (PYTHONPATH=TREE). `--bytecodes`
+also counts the bytecodes gpuwatchd's own code (not the simulator's) runs in the reader's
+poll, by function: a count no load on the host changes.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from collections import Counter
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from gpuwatchd.config import Config
@@ -37,10 +42,37 @@ def best(part: Callable[[], Any], number: int, repeat: int) -> float:
     return min(rounds) / number * 1e6
 
 
+def bytecodes(part: Callable[[], Any]) -> Counter[str]:
+    """Bytecodes run by gpuwatchd's own functions (gpuwatchd/, not gpuwatchd/sim/) in
+    one call of `part`, made on this thread."""
+    counts: Counter[str] = Counter()
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            code = frame.f_code
+            counts[f"{code.co_filename.rpartition('gpuwatchd/')[2]}:{code.co_name}"] += 1
+        return local
+
+    def calls(frame: FrameType, event: str, arg: Any) -> Any:
+        name = frame.f_code.co_filename
+        if "/gpuwatchd/" not in name or "/gpuwatchd/sim/" in name:
+            return None
+        frame.f_trace_opcodes = True
+        return local
+
+    sys.settrace(calls)
+    try:
+        part()
+    finally:
+        sys.settrace(None)
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=25)
+    parser.add_argument("--bytecodes", action="store_true")
     args = parser.parse_args()
     data = load_scenario("healthy-8gpu").model_dump(mode="json", exclude_defaults=True)
     data["node"]["gpu_count"] = args.gpus
@@ -70,6 +102,12 @@ def main() -> int:
         print("| part | µs |\n|---|---|")
         for name, (part, number) in parts.items():
             print(f"| {name} | {best(part, number, args.repeat):.1f} |")
+        if args.bytecodes:
+            counts = bytecodes(lambda: source._read_gpus(_Poll()))
+            print(f"\nbytecodes of the reader's poll: {sum(counts.values())}\n")
+            print("| function | bytecodes |\n|---|---|")
+            for function, count in counts.most_common(10):
+                print(f"| {function} | {count} |")
     finally:
         sim.close()
     return 0
