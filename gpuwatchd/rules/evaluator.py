@@ -237,10 +237,15 @@ class Evaluator:
             self.reads.keys.add((name, key))
         if family.scope != NIC:
             self._spend(len(rows))
-        if selector.matchers:
+        matchers = selector.matchers
+        if matchers:
             # an instance form's labels: its family's, two more (gpu_instance, profile) before
             shift = len(family.spec.labels) - len(selector.family.spec.labels)
-            rows = [r for r in rows if all(r[0][i + shift] in v for i, v in selector.matchers)]
+            if len(matchers) == 1:  # the usual selector: no generator per row
+                ((i, v),) = matchers
+                rows = [r for r in rows if r[0][i + shift] in v]
+            else:
+                rows = [r for r in rows if all(r[0][i + shift] in v for i, v in matchers)]
         return rows
 
     def _nearest_ports(self, gpu: GpuRef) -> set[tuple[str, ...]]:
