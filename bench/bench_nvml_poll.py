@@ -11,7 +11,9 @@ the source), the same with the hand-off to the source's thread (`collect`), one 
 field-values decoding (`FieldValues.read`), and the store's update with the poll's
 samples. Compare trees side by side, in one sitting (PYTHONPATH=TREE). `--bytecodes`
 also counts the bytecodes gpuwatchd's own code (not the simulator's) runs in the reader's
-poll, by function: a count no load on the host changes.
+poll, by function, and in an evaluation cycle (the rules, then the exporter's refresh) on
+bench_vs_peer's node whose values change every second (every rule reading them runs
+again): counts no load on the host changes.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from bench_vs_peer import scenario_file
 
 from gpuwatchd.config import Config
 from gpuwatchd.sim.scenario import Scenario, load_scenario
@@ -68,6 +74,27 @@ def bytecodes(part: Callable[[], Any]) -> Counter[str]:
     return counts
 
 
+def rules_bytecodes(gpus: int, cycles: int = 10) -> Counter[str]:
+    """bytecodes() of an evaluation cycle, summed over `cycles`, each after the sources
+    due have polled, on a node whose values change every second."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sim = Simulation(load_scenario(scenario_file(Path(tmp), gpus, changing=True)), Config())
+    pipeline, counts = sim.pipeline, Counter[str]()
+    try:
+        for _ in range(40):  # a window's worth of history
+            sim.step()
+            sim.node.clock.advance(1)
+        for _ in range(cycles):
+            sim.node.clock.advance(1)
+            now = pipeline.now()
+            sim.node.tick(sim.scheduler.due(now))
+            sim.scheduler.run_due(now)
+            counts += bytecodes(lambda: (pipeline.evaluate_rules(), pipeline.exporter.refresh()))
+    finally:
+        sim.close()
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=8)
@@ -108,6 +135,11 @@ def main() -> int:
             print("| function | bytecodes |\n|---|---|")
             for function, count in counts.most_common(10):
                 print(f"| {function} | {count} |")
+            counts = rules_bytecodes(args.gpus)
+            print(f"\nbytecodes of an evaluation cycle: {sum(counts.values()) / 10:.0f}\n")
+            print("| function | bytecodes a cycle |\n|---|---|")
+            for function, count in counts.most_common(10):
+                print(f"| {function} | {count / 10:.0f} |")
     finally:
         sim.close()
     return 0
