@@ -224,6 +224,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         sms = sm_count(nv, handle)
         gpu.sm_count = None if sms is None else Sample(SM_COUNT.name, labels, float(sms))
         gpu.reason_labels = [(bit, labels + (label,)) for label, bit in self._reasons]
+        gpu.reasons = gpu.nvlink_last = None  # samples kept under these labels: none yet
         gpu.reads = list(READS)
         gpu.handle = handle
         self._batch(gpu)
