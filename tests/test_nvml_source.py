@@ -793,6 +793,23 @@ def test_field_values_are_read_as_pynvml_reads_them():
     ]
 
 
+def test_field_values_follow_the_value_types_the_driver_answers_each_time():
+    """The array is decoded for the value types it holds: a field answered in another
+    type at the next call (or one this binding does not know: no number) reads right."""
+    import pynvml
+
+    array = (pynvml.c_nvmlFieldValue_t * 3)()
+    for record in array:
+        record.valueType, record.value.ullVal = 3, 2**40 + 7  # unsigned long long
+    values = FieldValues(pynvml)
+    assert [v[2:] for v in values.read(array)] == [(2**40 + 7, 2**64)] * 3
+    array[1].valueType, array[1].value.uiVal = 1, 5  # unsigned int: the low 4 bytes
+    array[2].valueType, array[2].value.dVal = 0, 1.5
+    assert [v[2:] for v in values.read(array)] == [(2**40 + 7, 2**64), (5, 2**32), (1.5, None)]
+    array[0].valueType = 99
+    assert values.read(array)[0][2:] == (None, None)
+
+
 # --- which NVLinks should be up -------------------------------------------------------
 
 
@@ -847,6 +864,47 @@ def test_on_an_nvswitch_board_links_down_before_the_start_are_expected():
     assert nvlinks(got, 3) == (11, 12, {7})
     assert nvlinks(got, 5) == (0, 12, set(range(12)))  # wired as every other GPU's
     assert nvlinks(got, 0) == (12, 12, set())
+
+
+def test_links_down_from_the_start_are_expected_once_a_later_gpu_finds_the_switches():
+    """GPU 0 is read before any GPU has shown an active link: its links are not expected
+    at the first poll; once GPU 1 has found the NVSwitches they are, with the same link
+    states as before (the samples kept from the last poll are not reused then)."""
+    sim = Sim(scenario(
+        [{"name": "p", "duration": 100, "gpus": [0], "set": {"nvlink_down": list(range(12))}}],
+        gpu_count=2, nvlink="nvswitch",
+    ))
+    assert nvlinks(sim.collect(), 0) == (0, 0, set())
+    sim.clock.advance(1)
+    for _ in range(2):
+        got = sim.collect()
+        assert nvlinks(got, 0) == (0, 12, set(range(12)))
+        assert nvlinks(got, 1) == (12, 12, set())
+
+
+def test_link_and_clock_reason_samples_follow_each_change():
+    """What a poll reads again unchanged gives the samples of the last one; each change
+    of a link or of the clock event reasons shows at the poll that reads it."""
+    sim = Sim(scenario([
+        {"name": "ok", "duration": 3},
+        {"name": "bad", "duration": 3, "gpus": [1],
+         "set": {"nvlink_down": [2], "clock_event_reasons": ["hw_slowdown"]}},
+        {"name": "ok again", "duration": 100,  # a phase's values hold until set again
+         "set": {"nvlink_down": [], "clock_event_reasons": ["gpu_idle"]}},
+    ], nvlink="direct"))
+
+    def seen() -> tuple[tuple[float, float, set[int]], set[str]]:
+        got = sim.collect()
+        reasons = got.gpu("gpu_clock_event_reason_active", 1)
+        return nvlinks(got, 1), {r for (r,), v in reasons.items() if v}
+
+    up = ((12, 12, set()), {"gpu_idle"})  # the scenario's default
+    assert [seen() for _ in range(2)] == [up, up]
+    sim.clock.advance(3)
+    down = ((11, 12, {2}), {"hw_slowdown"})
+    assert [seen() for _ in range(2)] == [down, down]
+    sim.clock.advance(3)
+    assert seen() == up
 
 
 def test_on_a_gpu_to_gpu_board_a_link_never_seen_active_is_not_expected():

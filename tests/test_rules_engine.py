@@ -220,6 +220,23 @@ def test_pcie_series_join_on_the_gpu_bus_id_and_host_series_reach_every_gpu():
     assert node.state(1) == INACTIVE
 
 
+def test_a_selector_with_two_matchers_reads_the_series_both_match():
+    """Each GPU has a series matching only the device, one matching only the role; GPU
+    0 also one matching both: only there is the selector's series present."""
+    node = Node(rule("present(series('pcie_link_degraded', device='0000:11:00.0', role='gpu'))"))
+    node.nvml(0, gpu_utilization_ratio=[0.9, 0.9])
+    partial = [("0000:11:00.0", "bridge"), ("0000:10:00.0", "gpu")]
+    samples = [
+        Sample("gpuwatchd_pcie_link_degraded", (bus, device, role), 0)
+        for bus, links in (("0000:13:00.0", [*partial, ("0000:11:00.0", "gpu")]),
+                           ("0000:14:00.0", partial))
+        for device, role in links
+    ]  # fmt: skip
+    node.store.update("pcie", 0, samples)
+    node.engine.evaluate(0)
+    assert (node.state(0), node.state(1)) == (FIRING, INACTIVE)
+
+
 def test_peers_are_the_other_gpus_of_the_same_job():
     """DDP: one process per GPU; the job (their common launcher) makes them peers."""
     straggler = (

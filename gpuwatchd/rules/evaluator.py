@@ -194,12 +194,15 @@ class Evaluator:
         """Count rows or samples read; OverBudget once past the evaluation's budget."""
         self.work += read
         if self.work > self.budget:
-            assert self.compiled is not None
-            raise OverBudget(
-                f"evaluation stopped: it read more than {self.budget:.0f} series and "
-                f"samples ({RUN_BUDGET_FACTOR} x its cost, {self.compiled.cost:.0f}): a "
-                "family has more series than the bounds in docs/rules.md allow"
-            )
+            self._over_budget()
+
+    def _over_budget(self) -> None:
+        assert self.compiled is not None
+        raise OverBudget(
+            f"evaluation stopped: it read more than {self.budget:.0f} series and "
+            f"samples ({RUN_BUDGET_FACTOR} x its cost, {self.compiled.cost:.0f}): a "
+            "family has more series than the bounds in docs/rules.md allow"
+        )
 
     # lookups --------------------------------------------------------------------
     def family(self, selector: Selector, gpu: GpuRef | None = None) -> Family:
@@ -212,7 +215,9 @@ class Evaluator:
 
     def rows(self, selector: Selector, gpu: GpuRef | None = None) -> list[Row]:
         gpu = gpu or self.gpu
-        family = self.family(selector, gpu)
+        family = selector.family  # self.family(selector, gpu), without a call
+        if gpu.instance and family.instance_form is not None:
+            family = family.instance_form
         name = family.spec.name
         key: Any
         if family.scope == GPU:
@@ -236,11 +241,18 @@ class Evaluator:
         if self.reads is not None:
             self.reads.keys.add((name, key))
         if family.scope != NIC:
-            self._spend(len(rows))
-        if selector.matchers:
+            self.work += len(rows)  # self._spend(len(rows)), without a call
+            if self.work > self.budget:
+                self._over_budget()
+        matchers = selector.matchers
+        if matchers:
             # an instance form's labels: its family's, two more (gpu_instance, profile) before
             shift = len(family.spec.labels) - len(selector.family.spec.labels)
-            rows = [r for r in rows if all(r[0][i + shift] in v for i, v in selector.matchers)]
+            if len(matchers) == 1:  # the usual selector: no generator per row
+                ((i, v),) = matchers
+                rows = [r for r in rows if r[0][i + shift] in v]
+            else:
+                rows = [r for r in rows if all(r[0][i + shift] in v for i, v in matchers)]
         return rows
 
     def _nearest_ports(self, gpu: GpuRef) -> set[tuple[str, ...]]:

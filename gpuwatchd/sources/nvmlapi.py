@@ -98,44 +98,94 @@ def process_table(context: Context) -> ProcessTable:
 
 
 class FieldValues:
-    """Reads an array of pynvml's c_nvmlFieldValue_t in one pass: (nvmlReturn, the
-    driver's timestamp in µs, the value as a number, and for an unsigned integer the
-    modulus it wraps at, else None) per field. The value's width is the driver's choice
-    per field: a real H200 answers the PCIe byte counters as 32-bit unsigned ints.
+    """Reads an array of pynvml's c_nvmlFieldValue_t: (nvmlReturn, the driver's timestamp
+    in µs, the value as a number, and for an unsigned integer the modulus it wraps at,
+    else None) per field. The value's width is the driver's choice per field: a real H200
+    answers the PCIe byte counters as 32-bit unsigned ints.
 
     pynvml's structures read every member through a Python-level __getattribute__
     (about a microsecond each, several per field); the layout comes from the binding's
-    own ctypes declarations, so it is the one the library wrote.
+    own ctypes declarations, so it is the one the library wrote. The value types the
+    driver answers with are read first (one struct call); the whole array is then
+    decoded by one struct call made for those types, kept for the next poll (a request's
+    fields keep their types from one poll to the next).
     """
+
+    _MAX_LAYOUTS = 64  # arrays of value types kept; more (a driver that varies): start over
 
     def __init__(self, nv: Any) -> None:
         record, union = nv.c_nvmlFieldValue_t, nv.c_nvmlValue_t
-        layout, at = "<", 0
-        for name, kind in record._fields_:
-            offset, size = getattr(record, name).offset, ctypes.sizeof(kind)
-            layout += "x" * (offset - at)
-            layout += _standard(kind) or f"{size}s"
-            at = offset + size
-        layout += "x" * (ctypes.sizeof(record) - at)
-        self._record = struct.Struct(layout)
-        names = [name for name, _ in record._fields_]
-        self._at = [names.index(n) for n in ("nvmlReturn", "valueType", "timestamp", "value")]
+        self._size = ctypes.sizeof(record)
+        # the three members read, in the record's order; the others are skipped
+        wanted = sorted(
+            ("nvmlReturn", "timestamp", "value"), key=lambda n: getattr(record, n).offset
+        )
+        layout, at = "", 0
+        for name in wanted:
+            member = getattr(record, name)
+            layout += "x" * (member.offset - at)
+            if name == "value":
+                self._value_size = member.size
+                layout += "{value}"
+            else:
+                kind = dict(record._fields_)[name]
+                layout += _standard(kind) or f"{member.size}s"
+            at = member.offset + member.size
+        self._layout = layout + "x" * (self._size - at)
+        self._at = [wanted.index(n) for n in ("nvmlReturn", "timestamp", "value")]
+        self._step = len(wanted)  # items a record unpacks to
+        kind_at = record.valueType.offset
+        self._type_layout = f"{kind_at}xI{self._size - kind_at - 4}x"
         # NVML_VALUE_TYPE_* is the index of the union's member (dVal, uiVal, ulVal, ...)
-        self._values = [struct.Struct("<" + (_standard(kind) or "x")) for _, kind in union._fields_]
-        self._moduli = [1 << (8 * v.size) if v.format[-1] in "BHIQ" else None for v in self._values]
+        self._codes = [_standard(kind) for _, kind in union._fields_]
+        self._moduli = [
+            1 << (8 * ctypes.sizeof(kind)) if code and code in "BHIQ" else None
+            for code, (_, kind) in zip(self._codes, union._fields_, strict=True)
+        ]
+        self._kinds: dict[int, struct.Struct] = {}  # array length -> its value types' reader
+        self._decoders: dict[tuple[int, ...], tuple[struct.Struct, tuple[Any, ...], bool]] = {}
 
     def read(self, array: Any) -> list[tuple[int, int, float | None, int | None]]:
-        out = []
-        code, kind, stamp, raw = self._at
-        values, moduli = self._values, self._moduli
-        for record in self._record.iter_unpack(memoryview(array).cast("B")):
-            index = record[kind]
-            if index < len(values):
-                number, modulus = values[index].unpack_from(record[raw])[0], moduli[index]
+        data = memoryview(array).cast("B")
+        count = len(data) // self._size
+        kinds = self._kinds.get(count)
+        if kinds is None:
+            kinds = self._kinds[count] = struct.Struct("<" + self._type_layout * count)
+        types = kinds.unpack_from(data)
+        decoder = self._decoders.get(types)
+        if decoder is None:
+            if len(self._decoders) >= self._MAX_LAYOUTS:
+                self._decoders.clear()
+            decoder = self._decoders[types] = self._decoder(types)
+        whole, moduli, known = decoder
+        flat = whole.unpack_from(data)
+        code, stamp, raw = self._at
+        step = self._step
+        numbers: Any = flat[raw::step]
+        if not known:  # a value type this binding does not know: no number
+            numbers = [
+                n if m is not _UNKNOWN else None for n, m in zip(numbers, moduli, strict=True)
+            ]
+            moduli = tuple(None if m is _UNKNOWN else m for m in moduli)
+        return list(zip(flat[code::step], flat[stamp::step], numbers, moduli, strict=True))
+
+    def _decoder(self, types: tuple[int, ...]) -> tuple[struct.Struct, tuple[Any, ...], bool]:
+        """The struct reading a whole array whose values have these types, each value's
+        modulus (_UNKNOWN: a type without a number), and whether all types are known."""
+        layout, moduli = "<", []
+        for kind in types:
+            code = self._codes[kind] if kind < len(self._codes) else None
+            if code is None:
+                value, modulus = f"{self._value_size}s", _UNKNOWN
             else:
-                number = modulus = None
-            out.append((record[code], record[stamp], number, modulus))
-        return out
+                value = code + "x" * (self._value_size - struct.calcsize("<" + code))
+                modulus = self._moduli[kind]
+            layout += self._layout.format(value=value)
+            moduli.append(modulus)
+        return struct.Struct(layout), tuple(moduli), _UNKNOWN not in moduli
+
+
+_UNKNOWN = object()  # FieldValues: a value type without a number
 
 
 def _standard(kind: Any) -> str | None:

@@ -21,7 +21,7 @@ from typing import Any
 from gpuwatchd.config import NvmlConfig, SourceConfig
 from gpuwatchd.metrics import Sample
 from gpuwatchd.sources.nvml.metrics import NVLINK, NVLINK_DOWN, NVLINK_DOWN_PEER, NVLINK_EXPECTED
-from gpuwatchd.sources.nvml.reads import _Entry, _Gpu, _GpuLost
+from gpuwatchd.sources.nvml.reads import _Gpu, _GpuLost
 from gpuwatchd.sources.nvmlapi import Direct, sysfs_bus_id, text
 from gpuwatchd.sources.ties import SwitchTable
 
@@ -52,11 +52,36 @@ class NvLinks:
             return 0
         return int(count) if code == nv.NVML_SUCCESS and count is not None else 0
 
-    def _nvlink_expected(self, gpu: _Gpu, entry: _Entry, active: bool) -> None:
-        """Count this link in the poll's tally, and whether it should be up (see the
-        module's docstring): no call per poll, one nvmlDeviceGetNvLinkRemoteDeviceType
-        per GPU at its first active link."""
-        link = entry.scope
+    def _nvlink_samples(self, gpu: _Gpu, states: list[tuple[int, bool]], out: list[Sample]) -> None:
+        """The GPU's active and expected links from this poll's (link, active) states, each
+        link down, and the GPU the down links reached (the lowest). The same states as the
+        last poll's, with no GPU found on an NVSwitch since (what else makes a link
+        expected only grows from the states themselves), give the same samples."""
+        if not gpu.nvlinks:
+            return
+        key = (tuple(states), len(self._nvswitch_links))
+        last = gpu.nvlink_last
+        if last is None or last[0] != key:
+            expected = [self._nvlink_expected(gpu, link, active) for link, active in states]
+            down = [
+                link for (link, active), e in zip(states, expected, strict=True) if e and not active
+            ]
+            samples = [
+                Sample(NVLINK.name, gpu.labels, float(sum(a for _, a in states))),
+                Sample(NVLINK_EXPECTED.name, gpu.labels, float(sum(expected))),
+                *[Sample(NVLINK_DOWN.name, (*gpu.labels, str(link)), 1.0) for link in down],
+            ]
+            peers = [p for link in down if (p := gpu.nvlink_peer.get(link)) is not None]
+            if peers:
+                samples.append(Sample(NVLINK_DOWN_PEER.name, gpu.labels, float(min(peers))))
+            # keyed by what was known before: a GPU found on an NVSwitch just now (this
+            # one's first active link) makes the next poll count its links again
+            last = gpu.nvlink_last = (key, samples)
+        out += last[1]
+
+    def _nvlink_expected(self, gpu: _Gpu, link: int, active: bool) -> bool:
+        """Whether this link should be up (see the module's docstring): no call per poll,
+        one nvmlDeviceGetNvLinkRemoteDeviceType per GPU at its first active link."""
         if active:
             gpu.nvlink_seen.add(link)
             if gpu.nvlink_remote is None:
@@ -66,31 +91,13 @@ class NvLinks:
             if link not in gpu.nvlink_peer:
                 gpu.nvlink_peer[link] = self._remote_gpu(gpu, link)
         configured = self.config.expected_nvlinks if isinstance(self.config, NvmlConfig) else ()
-        expected = (
+        return (
             active
             or link in gpu.nvlink_seen
             or gpu.nvlinks in self._nvswitch_links
             or configured == "all"
             or link in configured
         )
-        gpu.nvlink_tally[0] += active
-        gpu.nvlink_tally[1] += expected
-        if expected and not active:
-            gpu.nvlink_down.append(link)
-
-    def _nvlink_counts(self, gpu: _Gpu, out: list[Sample]) -> None:
-        """After a poll's link states: the GPU's active and expected links, each link
-        down, and the GPU the down links reached (the lowest)."""
-        if not gpu.nvlinks:
-            return
-        active, expected = gpu.nvlink_tally
-        out.append(Sample(NVLINK.name, gpu.labels, float(active)))
-        out.append(Sample(NVLINK_EXPECTED.name, gpu.labels, float(expected)))
-        out += [Sample(NVLINK_DOWN.name, (*gpu.labels, str(link)), 1.0) for link in gpu.nvlink_down]
-        peers = [p for link in gpu.nvlink_down if (p := gpu.nvlink_peer.get(link)) is not None]
-        if peers:
-            out.append(Sample(NVLINK_DOWN_PEER.name, gpu.labels, float(min(peers))))
-        gpu.nvlink_tally, gpu.nvlink_down = [0, 0], []
 
     def _remote_gpu(self, gpu: _Gpu, link: int) -> int | None:
         """The index of the GPU an active link reaches; None for an NVSwitch, or where the

@@ -140,10 +140,10 @@ class Polling:
             if samples is None and since is not None:  # inside a call that has not returned
                 self._hung(gpu, now - since, out)
             else:  # read, or else not reached this poll (held up behind a GPU that blocked)
-                out.extend(gpu.last if samples is None else samples)
-                if gpu.info is not None:
-                    out.append(Sample(STALE.name, gpu.labels, float(samples is None)))
-                    out.append(Sample(HUNG.name, gpu.labels, 0.0))
+                out += gpu.last if samples is None else samples
+                flags = gpu.read_flags
+                if flags is not None:  # identified
+                    out += flags if samples is not None else (_stale(gpu), flags[1])
                 lists = gpu.last_lists
             for (gi, profile, xid), count in gpu.instance_xids.items():
                 out.append(Sample(XID_INSTANCE.name, (*gpu.labels, gi, profile, str(xid)), count))
@@ -258,6 +258,11 @@ class Polling:
     def _give(self, gpu: _Gpu) -> None:
         gpu.busy_since = None
         gpu.lock.release()
+
+
+def _stale(gpu: _Gpu) -> Sample:
+    """gpu_nvml_stale 1: the GPU was not reached this poll (its last values stand)."""
+    return Sample(STALE.name, gpu.labels, 1.0)
 
 
 def _profile_of(gpu: _Gpu, gi: int) -> str:

@@ -70,6 +70,8 @@ class _Gpu:
         self.labels: tuple[str, ...] = (str(index), "")
         self.bus_id = ""
         self.info: Sample | None = None
+        # gpu_nvml_stale 0 and gpu_nvml_hung_seconds 0: what a poll that read it adds
+        self.read_flags: tuple[Sample, Sample] | None = None
         self.sm_count: Sample | None = None  # static, read with the identity
         self.lost = False
         self.polls = 0  # polls that read this GPU, for the reads' cadence
@@ -78,6 +80,8 @@ class _Gpu:
         self.choice: dict[str, int] = {}  # read key -> alternative in use (after fallbacks)
         self.kept: dict[str, list[Sample]] = {}  # read key -> its samples, kept between reads
         self.reason_labels: list[tuple[int, tuple[str, ...]]] = []
+        # the last poll's clock event reasons mask and its samples: the mask seldom changes
+        self.reasons: tuple[int, list[Sample]] | None = None
         self.batch: list[_Entry] = []  # what this GPU's nvmlDeviceGetFieldValues asks for
         self.request: Any = None  # ... as the nvmlFieldValue_t array it is asked with
         self.fast: list[_Entry] = []  # the batch's fields read every poll (the others: SLOW)
@@ -96,8 +100,8 @@ class _Gpu:
         self.nvlink_seen: set[int] = set()  # links seen active since the daemon started
         self.nvlink_remote: int | None = None  # what the first active link reaches, asked once
         self.nvlink_peer: dict[int, int | None] = {}  # link -> the GPU it reaches (None: none)
-        self.nvlink_tally: list[int] = [0, 0]  # this poll: links (active, expected)
-        self.nvlink_down: list[int] = []  # this poll: expected links that are inactive
+        # the last poll's NVLink states, what NvLinks knew then, and the samples they gave
+        self.nvlink_last: tuple[tuple[Any, ...], list[Sample]] | None = None
         self.last_xid: float | None = None
         # a reader thread holds it while it calls NVML on this GPU: a reader given up on
         # (blocked in a call) keeps it, and the next readers leave the GPU alone
@@ -120,8 +124,14 @@ def _emit_memory(gpu: _Gpu, value: Any, out: list[Sample]) -> None:
 
 
 def _emit_reasons(gpu: _Gpu, mask: int, out: list[Sample]) -> None:
-    for bit, labels in gpu.reason_labels:
-        out.append(Sample(CLOCK_REASON.name, labels, 1.0 if mask & bit else 0.0))
+    last = gpu.reasons
+    if last is None or last[0] != mask:  # else the same samples as the last poll's
+        samples = [
+            Sample(CLOCK_REASON.name, labels, 1.0 if mask & bit else 0.0)
+            for bit, labels in gpu.reason_labels
+        ]
+        last = gpu.reasons = (mask, samples)
+    out += last[1]
 
 
 def _emit_compute(gpu: _Gpu, used: dict[int, float], out: list[Sample]) -> None:

@@ -22,11 +22,13 @@ from gpuwatchd.sources.nvml.metrics import (
     CLOCK_REASONS,
     CUDA_VERSION,
     DEVICES,
+    HUNG,
     INFO,
     LAST_XID,
     LOST,
     SM_COUNT,
     SPECS,
+    STALE,
     XID,
     XID_INSTANCE,
 )
@@ -218,9 +220,11 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         labels = (str(gpu.index), identity.uuid)
         gpu.labels = labels
         gpu.info = Sample(INFO.name, labels + (name, gpu.bus_id, self._driver, self._cuda), 1.0)
+        gpu.read_flags = (Sample(STALE.name, labels, 0.0), Sample(HUNG.name, labels, 0.0))
         sms = sm_count(nv, handle)
         gpu.sm_count = None if sms is None else Sample(SM_COUNT.name, labels, float(sms))
         gpu.reason_labels = [(bit, labels + (label,)) for label, bit in self._reasons]
+        gpu.reasons = gpu.nvlink_last = None  # samples kept under these labels: none yet
         gpu.reads = list(READS)
         gpu.handle = handle
         self._batch(gpu)
@@ -298,10 +302,13 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
     def _reads(self, gpu: _Gpu, out: list[Sample]) -> None:
         polls, kept = gpu.polls, gpu.kept
         for read in gpu.reads:
-            key, every = read.key, read.every
-            if every != EVERY_POLL and key in kept and (every == ONCE or polls % every):
-                out.extend(kept[key])  # what it gave when it was read
-                continue
+            every = read.every
+            if every != EVERY_POLL:
+                samples = kept.get(read.key)
+                if samples is not None and (every == ONCE or polls % every):
+                    out += samples  # what it gave when it was read
+                    continue
+            key = read.key
             value = self._read(gpu, read)
             if value is _MISSING:
                 kept.pop(key, None)  # asked again next poll
@@ -362,23 +369,25 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         success = nv.NVML_SUCCESS
         unsupported: set[_Entry] = set()
         slow: list[Sample] = []  # a SLOW field that failed is asked again at its next read
+        links: list[tuple[int, bool]] = []  # (NVLink, active), counted per GPU
         for (code, stamp, number, modulus), entry in zip(values, entries, strict=True):
             if code == success and number is not None:
-                mine = out if entry.field.every == EVERY_POLL else slow
-                if entry.field.rate:
+                field = entry.field
+                if field is NVLINK_STATE:  # most of the batch on an NVLink board
+                    links.append((entry.scope, bool(number)))
+                    continue
+                mine = out if field.every == EVERY_POLL else slow
+                if field.rate:
                     self._rate(gpu, entry, int(number), modulus, stamp, mine)
-                elif entry.field is NVLINK_STATE:  # counted per GPU (_nvlink_counts)
-                    self._nvlink_expected(gpu, entry, bool(number))
                 else:
-                    value = number * entry.field.scale
-                    mine.append(Sample(entry.field.metric, entry.labels, value))
+                    mine.append(Sample(field.metric, entry.labels, number * field.scale))
             elif code == nv.NVML_ERROR_GPU_IS_LOST:
                 raise _GpuLost
             elif code in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
                 unsupported.add(entry)
                 why = self._describe(nv.NVMLError(code))
                 self._log_once(entry.what, f"field {entry.what} ({entry.field.metric})", gpu, why)
-        self._nvlink_counts(gpu, out)
+        self._nvlink_samples(gpu, links, out)
         if full:
             gpu.kept[SLOW_FIELDS_KEY] = slow
         out.extend(gpu.kept[SLOW_FIELDS_KEY])
