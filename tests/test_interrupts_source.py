@@ -304,6 +304,33 @@ def test_kept_counts_and_line_total_agree_with_line_deltas(
         assert kept(line) == row and kept(before) == list(map(int, before.columns))
 
 
+def test_each_poll_converts_a_summary_rows_counts_once(tmp_path: Path) -> None:
+    """The module's docstring: a row that moved on many CPUs keeps its counts as ints for
+    the next poll, so each count is converted once. Five polls of a 16-CPU LOC row that
+    moves on every CPU: five rows, each converted once (not twice: as the newer row, then
+    again as the older one at the next poll)."""
+    header = "      " + " ".join(f"CPU{i}" for i in range(16)) + "\n"
+    clock = Clock()
+    source = source_for(tmp_path, clock)
+    made: list[list[int]] = []  # each list of ints a conversion returned
+
+    class Recording(RowCounts):
+        def __call__(self, line: IrqLine) -> list[int]:
+            ints = super().__call__(line)
+            if not any(ints is m for m in made):
+                made.append(ints)
+            return ints
+
+    source._counts = Recording()
+    for poll in range(5):
+        counts = " ".join(str(1000 * poll + cpu) for cpu in range(16))
+        write(tmp_path, f"{header} LOC: {counts}   Local timer interrupts\n")
+        source.collect()
+        clock.t += 5
+    assert source.last_rates is not None and source.last_rates.per_class["system"] == 3200
+    assert len(made) == 5
+
+
 # --- the source on fixture trees -----------------------------------------------------------
 
 
