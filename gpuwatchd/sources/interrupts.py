@@ -407,7 +407,7 @@ class RowCounts:
                 break
         else:
             entry = (line.columns, list(map(int, line.columns)))
-        self._used[line.irq] = entry
+        self._used.setdefault(line.irq, entry)  # the newer row: asked for first, kept
         return entry[1]
 
 
