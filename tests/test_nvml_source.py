@@ -882,6 +882,37 @@ def test_links_down_from_the_start_are_expected_once_a_later_gpu_finds_the_switc
         assert nvlinks(got, 1) == (12, 12, set())
 
 
+def test_a_link_seen_up_at_a_poll_that_found_the_gpu_lost_is_expected_once_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A link is expected once seen active. GPU 0's link 0 comes up at a poll whose
+    question of what it reaches finds the GPU lost (GPU_IS_LOST), and the GPU answers
+    again at the next poll, the link down again: it is expected, and down. The states
+    are those of the poll before the lost one, whose samples must not be reused: the
+    link was seen active since."""
+    sim = Sim(scenario([
+        {"name": "down", "duration": 3, "gpus": [0], "set": {"nvlink_down": list(range(12))}},
+        {"name": "link 0 up", "duration": 3, "gpus": [0],
+         "set": {"nvlink_down": list(range(1, 12))}},
+        {"name": "down again", "duration": 100, "gpus": [0],
+         "set": {"nvlink_down": list(range(12))}},
+    ], nvlink="direct"))  # fmt: skip
+    assert nvlinks(sim.collect(), 0) == (0, 0, set())
+    nv = sim.nv
+
+    def lost(handle: Any, link: int) -> int:
+        raise nv.NVMLError(nv.NVML_ERROR_GPU_IS_LOST)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(nv, "nvmlDeviceGetNvLinkRemoteDeviceType", lost)
+        sim.clock.advance(3)
+        assert sim.collect().value("gpu_lost", 0) == 1
+    sim.clock.advance(3)
+    got = sim.collect()
+    assert got.value("gpu_lost", 0) == 0
+    assert nvlinks(got, 0) == (0, 1, {0})
+
+
 def test_link_and_clock_reason_samples_follow_each_change():
     """What a poll reads again unchanged gives the samples of the last one; each change
     of a link or of the clock event reasons shows at the poll that reads it."""
