@@ -62,6 +62,7 @@ class NvLinks:
         key = (tuple(states), len(self._nvswitch_links))
         last = gpu.nvlink_last
         if last is None or last[0] != key:
+            gpu.nvlink_last = None  # a remake cut short (GPU lost) may have seen links
             expected = [self._nvlink_expected(gpu, link, active) for link, active in states]
             down = [
                 link for (link, active), e in zip(states, expected, strict=True) if e and not active
