@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.metrics import GPU_LABELS, MetricSpec, Sample, gauge
 from gpuwatchd.sources.base import read_file
-from gpuwatchd.sources.cpu import IOWAIT, IRQ, SOFTIRQ, StatReading, cpu_deltas, parse_stat
+from gpuwatchd.sources.cpu import IOWAIT, IRQ, SOFTIRQ, StatLines, cpu_deltas
 from gpuwatchd.sources.disks import (
     DiskStat,
     DiskstatsError,
@@ -215,7 +215,7 @@ def stat_state(data: bytes) -> tuple[str, int, int, int]:
 
 
 def cpu_shares(
-    now: StatReading, before: StatReading | None, cpus: Iterable[int]
+    now: StatLines, before: StatLines | None, cpus: Iterable[int]
 ) -> tuple[float | None, float | None]:
     """(iowait share over `cpus` together, largest irq + softirq share of one of them)
     between two /proc/stat readings; (None, None) when none of them moved."""
@@ -224,7 +224,7 @@ def cpu_shares(
     total = iowait = 0
     irq: float | None = None
     for cpu in cpus:
-        a, b = now.cpus.get(cpu), before.cpus.get(cpu)
+        a, b = now.line(cpu), before.line(cpu)
         if a is None or b is None:
             continue
         deltas = cpu_deltas(a, b)
@@ -281,8 +281,8 @@ class JobIo:
         self._complain = complain or (lambda kind, message: None)
         self._procs: dict[int, _Proc] = {}
         self._devices: dict[tuple[int, int], tuple[str, ...]] = {}  # MAJ:MIN -> disks
-        self._stat: StatReading | None = None
-        self._stat_before: StatReading | None = None
+        self._stat: StatLines | None = None  # a job's CPUs' lines parsed, kept for the next
+        self._stat_before: StatLines | None = None
         self._stat_read = False
         self._nfs = NfsRates(procfs, self._complain)
         self._disk_last: dict[str, tuple[float, DiskStat]] = {}
@@ -508,7 +508,7 @@ class JobIo:
         self._stat_read = True
         path = f"{self._proc}/stat"
         try:
-            reading = parse_stat(read_file(path).decode("utf-8", "replace"))
+            reading = StatLines(read_file(path).decode("utf-8", "replace"))
         except (OSError, ValueError) as e:
             self._complain("stat", f"{path}: {e}")
             return
