@@ -286,7 +286,10 @@ class JobIo:
         self._stat_read = False
         self._nfs = NfsRates(procfs, self._complain)
         self._disk_last: dict[str, tuple[float, DiskStat]] = {}
-        self._disk_rates: dict[str, IostatRates] | None = None
+        # this poll's /proc/diskstats: disk -> (seconds, last reading, this one), read
+        # once for every job; a disk's rates worked out when a job has it (_rates_of)
+        self._disk_pairs: dict[str, tuple[float, DiskStat, DiskStat]] | None = None
+        self._disk_rates: dict[str, IostatRates | None] = {}
         self._now = 0.0
         self._seen: set[int] = set()
         self.facts: dict[int, JobIoFacts] = {}  # main pid -> this poll's facts
@@ -294,7 +297,8 @@ class JobIo:
     def begin(self, now: float) -> None:
         self._now = now
         self._stat_read = False
-        self._disk_rates = None
+        self._disk_pairs = None
+        self._disk_rates = {}
         self._seen = set()
         self.facts = {}
         self._nfs.begin(now)
@@ -470,35 +474,40 @@ class JobIo:
         """The busiest of `disks` by %util: its name and rates (None, None: none known)."""
         if not disks:
             return None, None
-        if self._disk_rates is None:
-            self._disk_rates = self._read_diskstats()
+        if self._disk_pairs is None:
+            self._disk_pairs = self._read_diskstats()
         best: tuple[str | None, IostatRates | None] = (None, None)
         for name in disks:
-            rates = self._disk_rates.get(name)
+            rates = self._rates_of(name)
             if rates is not None and (
                 best[1] is None or rates.utilization_ratio > best[1].utilization_ratio
             ):
                 best = (name, rates)
         return best
 
-    def _read_diskstats(self) -> dict[str, IostatRates]:
+    def _read_diskstats(self) -> dict[str, tuple[float, DiskStat, DiskStat]]:
         path = f"{self._proc}/diskstats"
         try:
             stats = parse_diskstats(read_file(path).decode("utf-8", "replace"))
         except (OSError, DiskstatsError) as e:
             self._complain("diskstats", f"{path}: {e}")
             return {}
-        rates: dict[str, IostatRates] = {}
+        pairs: dict[str, tuple[float, DiskStat, DiskStat]] = {}
         now = self._now
         for name, cur in stats.items():
             before = self._disk_last.get(name)
             if before is not None and now > before[0]:
-                result = iostat(before[1], cur, now - before[0])
-                if result is not None:
-                    rates[name] = result
+                pairs[name] = (now - before[0], before[1], cur)
             if before is None or now > before[0]:
                 self._disk_last[name] = (now, cur)
-        return rates
+        return pairs
+
+    def _rates_of(self, disk: str) -> IostatRates | None:
+        """The disk's iostat rates this poll (None: first seen, or reset)."""
+        if disk not in self._disk_rates:
+            pair = (self._disk_pairs or {}).get(disk)
+            self._disk_rates[disk] = None if pair is None else iostat(pair[1], pair[2], pair[0])
+        return self._disk_rates[disk]
 
     # -- CPUs --------------------------------------------------------------------------
 
