@@ -9,6 +9,7 @@ gpuwatchd.sources.processes, which re-exports this class (registered as `process
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -89,6 +90,11 @@ class _Round:
     launched: dict[int, bool]
     desktop: set[int]
     scanning: bool
+
+
+# Sample._make without its Python frame (a namedtuple's __new__ is Python): no bytecode
+# a sample where a main process's samples are copied under each GPU's labels
+_make_sample: Callable[[tuple[Any, ...]], Sample] = functools.partial(tuple.__new__, Sample)
 
 
 def _candidates(lists: dict[str, dict[int, float]], desktop: set[int]) -> dict[int, float]:
@@ -405,7 +411,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
             self._main_rows(f, jobs, made)
             rows = self._rows[f.pid] = tuple(zip(*made, strict=True)) or ((), (), ())
         names, tails, values = rows
-        out += map(Sample, names, map(labels.__add__, tails), values)  # no Python a sample
+        out += map(_make_sample, zip(names, map(labels.__add__, tails), values, strict=True))
         if f.cpus is not None:
             local = self._local_cpus(gpu, scanning)
             cpus = f.cpus & self._online if self._online else f.cpus
