@@ -30,6 +30,7 @@ from gpuwatchd.sources.cpu import (
     CpuSource,
     ParseError,
     Pressure,
+    StatLines,
     StatReading,
     busy_ratio,
     core_ratios,
@@ -108,6 +109,26 @@ def test_parse_stat_old_kernels_and_bad_lines() -> None:
         parse_stat("cpu0 1 2 3 4\n")
     with pytest.raises(ParseError):
         parse_stat("")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        (NODE_EXPORTER / "stat").read_text(),
+        DYNOLOG_STAT.read_text(),
+        "cpu  10 0 5 100\ncpu0 10 0 5 100\ncpu1 1 2 x 4\ncpu2 1 2\ncpuX 1 2 3 4\nintr 5\n",
+        "cpu12 1 2 3 4\ncpu  1 1 1 1 1 1 1 1 1 1\ncpu1 5 6 7 8 9\ncpu12 9 9 9 9\ncpu1\n",
+    ],
+)
+def test_stat_lines_are_parse_stats_lines(text: str) -> None:
+    # what the processes source reads of a job's few CPUs (StatLines) is what parse_stat
+    # reads of them: the last cpuN line of the right form, old kernels' padded, cpu12
+    # not taken for cpu1
+    lines, whole = StatLines(text), parse_stat(text)
+    for cpu in [*range(40), 12, 1]:
+        assert lines.line(cpu) == whole.cpus.get(cpu), cpu
+    with pytest.raises(ParseError, match="no `cpu` line"):
+        StatLines("cpu0 1 2 3 4\ncpu 1 2\n")
 
 
 def test_parse_pressure_on_the_fixtures() -> None:

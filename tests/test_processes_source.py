@@ -1457,3 +1457,19 @@ def test_a_process_renaming_itself_keeps_one_info_series(node_factory) -> None:
         m = Metrics(node.source.collect())
         assert m.labels("gpu_process_info", 3) == [("python", "")]
         assert m.gpu("gpu_process_pid", 3) == 4242
+
+
+def test_a_main_process_on_several_gpus_gives_each_this_polls_facts(node_factory) -> None:
+    # its samples are worked out once a poll for all its GPUs: never a poll's for the next
+    per_gpu = {g: [{"pid": 4242, "gpu_memory_mib": 100}] for g in range(3)}
+    scn = scenario(
+        per_gpu, gpu_count=3, host={4242: {"threads": 4}},
+        phases=[{"name": "more", "duration": "10m", "host": {"processes": {4242: {"threads": 9}}}}],
+    )  # fmt: skip
+    node = node_factory(scn)
+    assert node.poll(590.0).gpu("gpu_process_cpu_cores", 0) is None  # the first look
+    for t, threads in ((595.0, 4.0), (605.0, 9.0)):  # the phase changes at 600
+        m = node.poll(t)
+        assert [m.gpu("gpu_process_threads", g) for g in range(3)] == [threads] * 3, t
+        assert len({m.gpu("gpu_process_cpu_cores", g) for g in range(3)} - {None}) == 1
+        assert [m.labels("gpu_process_info", g) for g in range(3)] == [[("python", "")]] * 3

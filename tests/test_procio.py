@@ -14,7 +14,7 @@ from gpuwatchd.sim.scenario import Scenario, Timeline, load_scenario
 from gpuwatchd.sim.writers.disks import DiskstatsWriter
 from gpuwatchd.sim.writers.processes import ProcessesWriter, stat_line, worker_pid
 from gpuwatchd.sim.writers.procio import ProcIoWriter, fdinfo_text, io_text
-from gpuwatchd.sources.cpu import parse_stat
+from gpuwatchd.sources.cpu import StatLines
 from gpuwatchd.sources.processes import ProcessesSource
 from gpuwatchd.sources.procio import (
     JobIo,
@@ -107,9 +107,9 @@ def test_cpu_shares_over_the_job_cpus() -> None:
     def stat(cpu2: str, cpu5: str) -> str:
         return f"cpu  0 0 0 0 0 0 0 0\ncpu2 {cpu2}\ncpu5 {cpu5}\n"
 
-    before = parse_stat(stat("100 0 0 100 0 0 0 0", "100 0 0 100 0 0 0 0"))
+    before = StatLines(stat("100 0 0 100 0 0 0 0", "100 0 0 100 0 0 0 0"))
     # cpu2: 100 ticks, 10 iowait, 20 irq + 30 softirq; cpu5: 100 ticks, 30 iowait, none
-    after = parse_stat(stat("130 0 0 110 10 20 30 0", "160 0 0 110 30 0 0 0"))
+    after = StatLines(stat("130 0 0 110 10 20 30 0", "160 0 0 110 30 0 0 0"))
     iowait, irq = cpu_shares(after, before, [2, 5])
     assert iowait == pytest.approx(40 / 200)
     assert irq == pytest.approx(0.5)

@@ -106,16 +106,12 @@ _STAT_LINE = re.compile(
     re.M,
 )
 _ZEROS = (0,) * len(STAT_FIELDS)
-_last_stat: tuple[str, StatReading] | None = None  # the cpu and processes sources share it
+_TOTAL_START = re.compile(r"^cpu[ \t]", re.M)
 
 
 def parse_stat(text: str) -> StatReading:
     """The `cpu` and `cpuN` lines of /proc/stat; the other lines are ignored, and so is a
     `cpu` line whose first columns are not four to eight numbers."""
-    global _last_stat
-    last = _last_stat
-    if last is not None and last[0] == text:  # the same read: one parse (read-only)
-        return last[1]
     rows = _STAT_LINE.findall(text)
     width = len(STAT_FIELDS)
     numbers = " ".join([columns for _, columns in rows]).split()
@@ -133,9 +129,33 @@ def parse_stat(text: str) -> StatReading:
             total = times
     if total is None:
         raise ParseError("no `cpu` line")
-    reading = StatReading(total, cpus)
-    _last_stat = (text, reading)
-    return reading
+    return StatReading(total, cpus)
+
+
+class StatLines:
+    """One read of /proc/stat whose `cpuN` lines are parsed when first asked for: a GPU
+    job's few CPUs without the hundreds of others. `line(n)` is parse_stat's
+    `cpus.get(n)` for the kernel's `cpu%d` lines (the last of the right form, or None)."""
+
+    def __init__(self, text: str) -> None:
+        self._text = "\n" + text  # every line after a newline
+        self._lines: dict[int, tuple[int, ...] | None] = {}
+        starts = _TOTAL_START.finditer(text)
+        if not any(_STAT_LINE.match(text, m.start()) for m in starts):
+            parse_stat(text)  # no `cpu` line of the right form: raises, saying so
+
+    def line(self, cpu: int) -> tuple[int, ...] | None:
+        if cpu in self._lines:
+            return self._lines[cpu]
+        text, label, line = self._text, str(cpu), None
+        at = text.rfind(f"\ncpu{label}")
+        while at >= 0 and line is None:  # from the end, past cpu12 when asked for cpu1
+            found = _STAT_LINE.match(text, at + 1)
+            if found is not None and found.group(1) == label:
+                line = _padded(tuple(map(int, found.group(2).split()[: len(STAT_FIELDS)])))
+            at = text.rfind(f"\ncpu{label}", 0, at)
+        self._lines[cpu] = line
+        return line
 
 
 def _padded(times: tuple[int, ...]) -> tuple[int, ...]:
@@ -443,6 +463,7 @@ class CpuSource(Source):
 
 
 __all__ = [
+    "StatLines",
     "PRESSURE_RESOURCES",
     "CpuConfig",
     "CpuSource",

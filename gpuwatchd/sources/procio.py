@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.metrics import GPU_LABELS, MetricSpec, Sample, gauge
 from gpuwatchd.sources.base import read_file
-from gpuwatchd.sources.cpu import IOWAIT, IRQ, SOFTIRQ, StatReading, cpu_deltas, parse_stat
+from gpuwatchd.sources.cpu import IOWAIT, IRQ, SOFTIRQ, StatLines, cpu_deltas
 from gpuwatchd.sources.disks import (
     DiskStat,
     DiskstatsError,
@@ -215,7 +215,7 @@ def stat_state(data: bytes) -> tuple[str, int, int, int]:
 
 
 def cpu_shares(
-    now: StatReading, before: StatReading | None, cpus: Iterable[int]
+    now: StatLines, before: StatLines | None, cpus: Iterable[int]
 ) -> tuple[float | None, float | None]:
     """(iowait share over `cpus` together, largest irq + softirq share of one of them)
     between two /proc/stat readings; (None, None) when none of them moved."""
@@ -224,7 +224,7 @@ def cpu_shares(
     total = iowait = 0
     irq: float | None = None
     for cpu in cpus:
-        a, b = now.cpus.get(cpu), before.cpus.get(cpu)
+        a, b = now.line(cpu), before.line(cpu)
         if a is None or b is None:
             continue
         deltas = cpu_deltas(a, b)
@@ -281,12 +281,15 @@ class JobIo:
         self._complain = complain or (lambda kind, message: None)
         self._procs: dict[int, _Proc] = {}
         self._devices: dict[tuple[int, int], tuple[str, ...]] = {}  # MAJ:MIN -> disks
-        self._stat: StatReading | None = None
-        self._stat_before: StatReading | None = None
+        self._stat: StatLines | None = None  # a job's CPUs' lines parsed, kept for the next
+        self._stat_before: StatLines | None = None
         self._stat_read = False
         self._nfs = NfsRates(procfs, self._complain)
         self._disk_last: dict[str, tuple[float, DiskStat]] = {}
-        self._disk_rates: dict[str, IostatRates] | None = None
+        # this poll's /proc/diskstats: disk -> (seconds, last reading, this one), read
+        # once for every job; a disk's rates worked out when a job has it (_rates_of)
+        self._disk_pairs: dict[str, tuple[float, DiskStat, DiskStat]] | None = None
+        self._disk_rates: dict[str, IostatRates | None] = {}
         self._now = 0.0
         self._seen: set[int] = set()
         self.facts: dict[int, JobIoFacts] = {}  # main pid -> this poll's facts
@@ -294,7 +297,8 @@ class JobIo:
     def begin(self, now: float) -> None:
         self._now = now
         self._stat_read = False
-        self._disk_rates = None
+        self._disk_pairs = None
+        self._disk_rates = {}
         self._seen = set()
         self.facts = {}
         self._nfs.begin(now)
@@ -470,35 +474,40 @@ class JobIo:
         """The busiest of `disks` by %util: its name and rates (None, None: none known)."""
         if not disks:
             return None, None
-        if self._disk_rates is None:
-            self._disk_rates = self._read_diskstats()
+        if self._disk_pairs is None:
+            self._disk_pairs = self._read_diskstats()
         best: tuple[str | None, IostatRates | None] = (None, None)
         for name in disks:
-            rates = self._disk_rates.get(name)
+            rates = self._rates_of(name)
             if rates is not None and (
                 best[1] is None or rates.utilization_ratio > best[1].utilization_ratio
             ):
                 best = (name, rates)
         return best
 
-    def _read_diskstats(self) -> dict[str, IostatRates]:
+    def _read_diskstats(self) -> dict[str, tuple[float, DiskStat, DiskStat]]:
         path = f"{self._proc}/diskstats"
         try:
             stats = parse_diskstats(read_file(path).decode("utf-8", "replace"))
         except (OSError, DiskstatsError) as e:
             self._complain("diskstats", f"{path}: {e}")
             return {}
-        rates: dict[str, IostatRates] = {}
+        pairs: dict[str, tuple[float, DiskStat, DiskStat]] = {}
         now = self._now
         for name, cur in stats.items():
             before = self._disk_last.get(name)
             if before is not None and now > before[0]:
-                result = iostat(before[1], cur, now - before[0])
-                if result is not None:
-                    rates[name] = result
+                pairs[name] = (now - before[0], before[1], cur)
             if before is None or now > before[0]:
                 self._disk_last[name] = (now, cur)
-        return rates
+        return pairs
+
+    def _rates_of(self, disk: str) -> IostatRates | None:
+        """The disk's iostat rates this poll (None: first seen, or reset)."""
+        if disk not in self._disk_rates:
+            pair = (self._disk_pairs or {}).get(disk)
+            self._disk_rates[disk] = None if pair is None else iostat(pair[1], pair[2], pair[0])
+        return self._disk_rates[disk]
 
     # -- CPUs --------------------------------------------------------------------------
 
@@ -508,7 +517,7 @@ class JobIo:
         self._stat_read = True
         path = f"{self._proc}/stat"
         try:
-            reading = parse_stat(read_file(path).decode("utf-8", "replace"))
+            reading = StatLines(read_file(path).decode("utf-8", "replace"))
         except (OSError, ValueError) as e:
             self._complain("stat", f"{path}: {e}")
             return

@@ -9,6 +9,7 @@ gpuwatchd.sources.processes, which re-exports this class (registered as `process
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -91,6 +92,11 @@ class _Round:
     scanning: bool
 
 
+# Sample._make without its Python frame (a namedtuple's __new__ is Python): no bytecode
+# a sample where a main process's samples are copied under each GPU's labels
+_make_sample: Callable[[tuple[Any, ...]], Sample] = functools.partial(tuple.__new__, Sample)
+
+
 def _candidates(lists: dict[str, dict[int, float]], desktop: set[int]) -> dict[int, float]:
     """The processes a GPU's main one is chosen among (ProcessesSource._main): its
     non-desktop compute processes, else its non-desktop graphics ones; pid -> memory."""
@@ -145,6 +151,8 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         self._owners = self._attribution()
         # procio: what each job reads, from which disks, and its CPUs' iowait/IRQ time
         self._io = JobIo(self._proc, self._sys, self._complain)
+        # main pid -> its samples' names, labels after the GPU's and values, this poll
+        self._rows: dict[int, tuple[tuple[Any, ...], ...]] = {}
 
     def _attribution(self) -> Attribution:
         """Owners (when `owner`) and the launch facts jobs are grouped by (always)."""
@@ -228,6 +236,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         owners, parts_owned = self._owned(on_gpu, parts, desktop, launches)
         jobs, launched = self._jobs(facts, launches)
         poll = _Round(facts, jobs, launched, desktop, scanning)
+        self._rows = {}
         samples: list[Sample] = []
         for gpu, lists in on_gpu:
             if gpu.instances is not None:
@@ -393,8 +402,24 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
     def _main_samples(
         self, gpu: _Gpu, f: Facts, jobs: dict[int, int], scanning: bool, out: list[Sample]
     ) -> None:
-        """The main process's facts under the GPU's labels."""
+        """The main process's facts under the GPU's labels; worked out once a poll for the
+        GPUs it drives (`_rows`, labels after the GPU's only), the GPU's labels put before."""
         labels = gpu.labels
+        rows = self._rows.get(f.pid)
+        if rows is None:
+            made: list[Sample] = []
+            self._main_rows(f, jobs, made)
+            rows = self._rows[f.pid] = tuple(zip(*made, strict=True)) or ((), (), ())
+        names, tails, values = rows
+        out += map(_make_sample, zip(names, map(labels.__add__, tails), values, strict=True))
+        if f.cpus is not None:
+            local = self._local_cpus(gpu, scanning)
+            cpus = f.cpus & self._online if self._online else f.cpus
+            if local is not None and cpus:
+                out.append(Sample(NUMA_ALIGNED.name, labels, float(cpus <= local)))
+
+    def _main_rows(self, f: Facts, jobs: dict[int, int], out: list[Sample]) -> None:
+        labels: tuple[str, ...] = ()
         out.append(Sample(INFO.name, labels + (f.name, f.cudart or ""), 1.0))
         out.append(Sample(PID.name, labels, float(f.pid)))
         out.append(Sample(JOB.name, labels, float(jobs.get(f.pid, f.pid))))
@@ -419,10 +444,6 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         self._io.samples(f.pid, labels, out)
         if f.cpus is not None:
             out.append(Sample(CPUS_ALLOWED.name, labels, float(len(f.cpus))))
-            local = self._local_cpus(gpu, scanning)
-            cpus = f.cpus & self._online if self._online else f.cpus
-            if local is not None and cpus:
-                out.append(Sample(NUMA_ALIGNED.name, labels, float(cpus <= local)))
 
     def _mig_samples(
         self,
