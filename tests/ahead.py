@@ -40,6 +40,18 @@ def marked(item: pytest.Item) -> bool:
     return item.get_closest_marker("ahead") is not None
 
 
+def run_ahead(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """At collection: start the marked tests in the child pytest where there is something
+    else to run beside them, and put their stand-ins last in `items`."""
+    marked_items = [item for item in items if marked(item)]
+    if not marked_items or len(marked_items) == len(items) or in_child():
+        return  # nothing to run beside them: they run here
+    start([item.nodeid for item in marked_items], config.rootpath)
+    items[:] = [item for item in items if not marked(item)] + [
+        TakenAhead.standing_in(item) for item in marked_items
+    ]
+
+
 def start(nodeids: list[str], rootdir: Path) -> None:
     """Start the child pytest for `nodeids` (relative to `rootdir`), run in that order
     (once)."""
@@ -72,10 +84,10 @@ def _wait(child: subprocess.Popen[str]) -> None:
 
 
 def record(report: pytest.TestReport) -> None:
-    """In the child: append a phase's verdict where the parent reads it (a test's first
-    failure or skip is its verdict; a pass is one only for the call)."""
+    """In the child (else nothing): append a phase's verdict where the parent reads it
+    (a test's first failure or skip is its verdict; a pass is one only for the call)."""
     path = os.environ.get(REPORT)
-    if not path or not (report.failed or report.skipped or report.when == "call"):
+    if not in_child() or not path or not (report.failed or report.skipped or report.when == "call"):
         return
     if report.skipped and isinstance(report.longrepr, tuple):
         text = report.longrepr[2].removeprefix("Skipped: ")  # (path, line, "Skipped: why")

@@ -28,14 +28,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     hardware = any(item.path.name == "test_hardware_script.py" for item in items)
     if hardware and importlib.util.find_spec("torch"):  # else its tests skip
         hardware_dry_run.start()  # ~30 s of real time, beside the tests before its own
-    # real-time tests (tests/ahead.py): started now in a child pytest, where there is
-    # something to run beside them; their stand-ins here run last and take its verdicts
-    ahead_items = [item for item in items if ahead.marked(item)]
-    if ahead_items and len(ahead_items) < len(items) and not ahead.in_child():
-        ahead.start([item.nodeid for item in ahead_items], config.rootpath)
-        items[:] = [item for item in items if not ahead.marked(item)] + [
-            ahead.TakenAhead.standing_in(item) for item in ahead_items
-        ]
+    # real-time tests (tests/ahead.py): started now in a child pytest; their stand-ins
+    # here run last and take its verdicts
+    ahead.run_ahead(config, items)
     corpus = [item for item in items if item.path.name in CORPUS_FILES]
     if corpus:
         # the CPU the real-time tests leave; both privileges (test_scenario_corpus.py);
@@ -53,8 +48,7 @@ class _NONE:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if ahead.in_child():
-        ahead.record(report)
+    ahead.record(report)  # in the child pytest of tests/ahead.py
 
 
 def pytest_sessionfinish() -> None:
