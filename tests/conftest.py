@@ -25,6 +25,8 @@ CORPUS_FILES = {"test_detection.py", "test_scenario_corpus.py"}
 
 @pytest.hookimpl(trylast=True)  # after -k, -m and --deselect have taken their tests out
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.option.collectonly:
+        return  # nothing runs: nothing to start ahead
     hardware = any(item.path.name == "test_hardware_script.py" for item in items)
     if hardware and importlib.util.find_spec("torch"):  # else its tests skip
         hardware_dry_run.start()  # ~30 s of real time, beside the tests before its own
