@@ -4,9 +4,9 @@ test_detection.py and test_scenario_corpus.py read the replays of every built-in
 (`gpuwatchd.sim.detection`), played in worker processes, one per CPU: started at
 collection, they play while the rest of the suite mostly waits on real servers and
 processes (at the lowest priority, so as not to hold those up), and those tests, run
-last, take the results. So do the real-time end-to-end tests of a module that sets
-`AHEAD` (tests/ahead.py: in a child pytest) and the hardware script's dry run
-(tests/hardware_dry_run.py): started at collection, their tests run at the end.
+last, take the results. So do the real-time tests marked `ahead` (tests/ahead.py: in a
+child pytest) and the hardware script's dry run (tests/hardware_dry_run.py): started at
+collection, their tests run at the end.
 """
 
 from __future__ import annotations
@@ -24,19 +24,15 @@ CORPUS_FILES = {"test_detection.py", "test_scenario_corpus.py"}
 
 
 @pytest.hookimpl(trylast=True)  # after -k, -m and --deselect have taken their tests out
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.option.collectonly:
+        return  # nothing runs: nothing to start ahead
     hardware = any(item.path.name == "test_hardware_script.py" for item in items)
     if hardware and importlib.util.find_spec("torch"):  # else its tests skip
         hardware_dry_run.start()  # ~30 s of real time, beside the tests before its own
-    # real-time end-to-end tests (tests/ahead.py): started now in a child pytest, their
-    # tests here run last and take its verdict
-    ahead_items = [i for i in items if getattr(getattr(i, "module", None), "AHEAD", False)]
-    by_module: dict[str, list[str]] = {}
-    for item in ahead_items:
-        by_module.setdefault(item.module.__name__, []).append(item.nodeid)  # type: ignore[attr-defined]
-    for module, nodeids in by_module.items():
-        ahead.start(module, nodeids)
-    items[:] = [item for item in items if item not in ahead_items] + ahead_items
+    # real-time tests (tests/ahead.py): started now in a child pytest; their stand-ins
+    # here run last and take its verdicts
+    ahead.run_ahead(config, items)
     corpus = [item for item in items if item.path.name in CORPUS_FILES]
     if corpus:
         # the CPU the real-time tests leave; both privileges (test_scenario_corpus.py);
@@ -51,6 +47,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 class _NONE:
     params: dict[str, object] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    ahead.record(report)  # in the child pytest of tests/ahead.py
 
 
 def pytest_sessionfinish() -> None:

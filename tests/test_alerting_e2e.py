@@ -17,7 +17,7 @@ import urllib.parse
 from contextlib import ExitStack
 from pathlib import Path
 
-import ahead
+import pytest
 import yaml
 from daemon_process import running_daemon, shorten
 from servers import Webhook, running_alertmanager, running_prometheus, wait_until
@@ -80,12 +80,11 @@ def alertmanager_config(webhook: Webhook) -> dict:
     return config
 
 
-AHEAD = True  # ~60 s of real time: run in a child pytest from collection (tests/ahead.py)
+# ~60 s of real time: run in a child pytest from collection (tests/ahead.py)
+pytestmark = pytest.mark.ahead
 
 
 def test_alerts_page_with_evidence_and_resolve(tmp_path: Path):
-    if ahead.ran_ahead(__name__):
-        return
     rules = short_rules(tmp_path)
     config = tmp_path / "gpuwatchd.yaml"
     config.write_text(yaml.safe_dump({"rules_file": str(rules)}))

@@ -60,6 +60,7 @@ def test_nodes_differ_and_values_move_but_series_do_not(body: str) -> None:
         assert values == sorted(values)
 
 
+@pytest.mark.ahead  # waits on real time (tests/ahead.py)
 def test_prometheus_holds_exactly_the_bodies_series(body: str, tmp_path: Path) -> None:
     gpus = bench.gpus_of(body)
     bodies = [bench.for_node(body, 0), bench.for_node(body, 1)]

@@ -32,6 +32,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import yaml
 from daemon_process import running_daemon, shorten
 from servers import (
@@ -125,6 +126,7 @@ class Engine:
     alertmanager: str
 
 
+@pytest.mark.ahead  # waits on real time (tests/ahead.py)
 def test_cross_node_hang_named_paged_once_and_healthy_twin_quiet(tmp_path: Path) -> None:
     """On Prometheus, and beside it on the scale-out path (tests/victoria.py): two vmagent
     shards, one target each, remote-writing to a VictoriaMetrics store, and vmalert

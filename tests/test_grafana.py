@@ -262,6 +262,7 @@ def running_kubelet(socket: Path, gpus: list[str]) -> Iterator[None]:
         yield
 
 
+@pytest.mark.ahead  # waits on real time (tests/ahead.py)
 def test_every_panel_query_returns_data(tmp_path: Path):
     """Every target of both dashboards, variables substituted, returns a non-empty result
     from a real Prometheus scraping `gpuwatchd run --simulate` with the recording rules
@@ -385,6 +386,7 @@ MIG_PANELS = {
 }
 
 
+@pytest.mark.ahead  # waits on real time (tests/ahead.py)
 def test_mig_panels_show_each_gpu_instance(tmp_path: Path):
     """On a MIG node (MIG_SCENARIO served by `gpuwatchd run --simulate`, DCGM simulated)
     every target of the MIG panels returns the GPU instances, named "0/1" ... as the

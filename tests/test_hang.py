@@ -7,6 +7,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from daemon_process import running_daemon
 from prometheus_client.parser import text_string_to_metric_families
 from servers import wait_until
@@ -38,6 +39,7 @@ def hung_seconds(url: str) -> float:
     return per_gpu(scrape(url), "gpuwatchd_gpu_nvml_hung_seconds").get("1", 0.0)
 
 
+@pytest.mark.ahead  # waits on real time (tests/ahead.py)
 def test_a_hung_gpu_holds_up_only_itself_and_scrapes_still_answer(tmp_path: Path):
     (tmp_path / "hang.yaml").write_text(SCENARIO)
     (tmp_path / "config.yaml").write_text(CONFIG)

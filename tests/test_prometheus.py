@@ -8,10 +8,12 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import pytest
 from daemon_process import DETAIL, require_tool, running_daemon
 from servers import running_prometheus, wait_until
 
 
+@pytest.mark.ahead  # waits on real time (tests/ahead.py)
 def test_prometheus_scrapes_every_gpu(tmp_path: Path):
     with running_daemon("pcie-gen3-under-load") as metrics_url:
         target = urllib.parse.urlparse(metrics_url).netloc

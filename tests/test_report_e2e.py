@@ -213,6 +213,7 @@ def run_job(tmp_path: Path) -> dict[str, Any]:
         }
 
 
+@pytest.mark.ahead  # waits on real time (tests/ahead.py)
 def test_report_matches_the_timeline_and_the_rules(tmp_path: Path) -> None:
     run = run_job(tmp_path)
     got = run["json"]

@@ -157,6 +157,7 @@ def test_stalled_handshakes_neither_block_others_nor_stay_open(tmp_path, ca):
                 sock.close()
 
 
+@pytest.mark.ahead  # waits on real time (tests/ahead.py)
 def test_prometheus_scrapes_over_tls_with_basic_auth(tmp_path, ca, caplog):
     caplog.set_level(logging.WARNING)
     web = tmp_path / "web.yml"

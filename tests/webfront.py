@@ -11,6 +11,7 @@ from typing import Any
 
 import bcrypt
 import yaml
+from servers import wait_until
 
 from gpuwatchd.config import SourceConfig
 from gpuwatchd.exporter import Exporter
@@ -73,6 +74,9 @@ def serving(
         exporter, "127.0.0.1", 0, web_config_file=config_file, limits=limits or Limits()
     )
     server.start()
+    # its loop's thread sets up the connections' bookkeeping the tests read (a connect
+    # succeeds before: the socket listens from the constructor)
+    wait_until("the server's loop to run", lambda: hasattr(server, "_connections"), 10)
     try:
         yield server, source
     finally:
