@@ -97,9 +97,13 @@ def test_other_commands_get_sighup_back_as_it_was_at_exec(nohup: bool) -> None:
         "import os, signal; from gpuwatchd import signals; signals.release(); "
         "os.kill(os.getpid(), signal.SIGHUP); print('alive')"
     )
-    ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    # set either way: a suite started under nohup hands its children SIGHUP ignored
+    disposition = signal.SIG_IGN if nohup else signal.SIG_DFL
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=ignore
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, disposition),
     )
     if nohup:
         assert (out.returncode, out.stdout.strip()) == (0, "alive")
