@@ -142,7 +142,7 @@ class StatLines:
         self._lines: dict[int, tuple[int, ...] | None] = {}
         starts = _TOTAL_START.finditer(text)
         if not any(_STAT_LINE.match(text, m.start()) for m in starts):
-            parse_stat(text)  # no `cpu` line of the right form: raises, saying so
+            raise ParseError("no `cpu` line")  # as parse_stat says it
 
     def line(self, cpu: int) -> tuple[int, ...] | None:
         if cpu in self._lines:
