@@ -552,15 +552,60 @@ def test_only_what_an_evaluation_read_counts_and_windows_age():
     assert len(seen) == 10 and node.state() == NOT_EVALUABLE
 
 
-def test_time_is_read_every_cycle():
+def test_time_is_read_again_only_where_a_comparison_can_flip():
+    """A rule reading time() only in a comparison that flips once (the last Xid's age
+    against 10 minutes) is evaluated again within TIME_HORIZON of its flip, not every
+    cycle, and flips at the second it does when evaluated every cycle."""
     node = Node(rule("time() - default(gpu_last_xid_timestamp_seconds, 0) < 600"))
     seen = counting(node)
-    node.step(0, gpu_last_xid_timestamp_seconds=[0.0, 500.0])
-    assert node.state() == FIRING and node.state(gpu=1) == FIRING
-    for t in (100, 599, 600, 1099):
-        node.engine.evaluate(t)
-    assert len(seen) == 10
-    assert node.state() == INACTIVE and node.state(gpu=1) == FIRING
+    ended: dict[int, int] = {}
+    for t in range(1201):
+        node.step(t, gpu_last_xid_timestamp_seconds=[0.0, 500.0])
+        for gpu in (0, 1):
+            if node.state(gpu) == INACTIVE:
+                ended.setdefault(gpu, t)
+    assert ended == {0: 600, 1: 1100}
+    # each GPU: once a minute, and each cycle in the minute before its flip
+    assert len(seen) <= 2 * (1201 // 60 + 60 + 2)
+
+
+TIMED = [
+    "time() - default(gpu_last_xid_timestamp_seconds, 0) < 600",
+    "time() - default(gpu_last_xid_timestamp_seconds, 0) > 300 and gpu_utilization_ratio < 0.5",
+    "max(time() - 450, 0) - gpu_last_xid_timestamp_seconds >= -100",
+    # a series missing only while the first comparison is false and the second true
+    "(time() - gpu_last_xid_timestamp_seconds > 300 or (time() - gpu_last_xid_timestamp_seconds"
+    " > 100 and gpu_power_watts > 0)) and time() - gpu_last_xid_timestamp_seconds < 700",
+    # not monotone in time(), true for less than TIME_HORIZON: evaluated every cycle
+    "abs(time() - gpu_last_xid_timestamp_seconds - 300) < 20",
+    "100 < time() - gpu_last_xid_timestamp_seconds < 130",
+]
+
+
+@pytest.mark.parametrize("expr", TIMED)
+def test_time_rules_skipped_come_out_as_evaluated_every_cycle(monkeypatch, expr):
+    from gpuwatchd.rules.evaluator import Reads
+
+    def replay() -> tuple[list[tuple[int, str, str, str]], int]:
+        node = Node(rule(expr, for_="5s", keep="10s"))
+        seen = counting(node)
+        states = []
+        for t in range(1300):
+            node.step(t, gpu_last_xid_timestamp_seconds=[0, 500], gpu_utilization_ratio=[0.9, 0.1])
+            for gpu in (0, 1):
+                state = node.engine.states[(GPUS[gpu][1], "cause_x")]
+                states.append((t, GPUS[gpu][0], state.state, state.reason))
+        return states, len(seen)
+
+    skipping, evaluations = replay()
+    with monkeypatch.context() as patched:
+        patched.setattr(Reads, "still", lambda self, now, changed, polled: False)
+        patched.setattr(RuleEngine, "skipping", False)
+        every_cycle, all_of_them = replay()
+    assert skipping == every_cycle
+    assert {s for _, _, s, _ in skipping} >= {INACTIVE, FIRING}
+    monotone = not expr.startswith(("abs", "100 <"))
+    assert (evaluations < all_of_them / 2) if monotone else evaluations == all_of_them
 
 
 @pytest.mark.parametrize(

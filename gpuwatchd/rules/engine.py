@@ -34,6 +34,7 @@ from gpuwatchd.rules.evaluator import Evaluator, GpuRef, Reads, format_value, su
 from gpuwatchd.rules.language import PEER_GROUPING, Catalog, Missing, OverBudget, Selector
 from gpuwatchd.rules.ruleset import Rule, RulesError, RuleSet, load_rules
 from gpuwatchd.rules.snapshot import Changed, LiveIndex
+from gpuwatchd.rules.timing import TIME_HORIZON
 from gpuwatchd.store import Store
 
 log = logging.getLogger(__name__)
@@ -532,6 +533,10 @@ class RuleEngine:
                 self._not_evaluable(state, reason, [])
                 return
             state.reads, state.outcome = reads, outcome
+            if reads.always and rule.expr.timed:
+                later = now + TIME_HORIZON
+                if self.evaluator.stands_until(rule.expr, gpu, later):
+                    reads.always, reads.until = False, min(reads.until, later)
         if isinstance(outcome, str):
             self._not_evaluable(state, outcome)
             return

@@ -141,6 +141,9 @@ class Evaluator:
         self.gpu = GpuRef("", "", None)
         self.compiled: Compiled | None = None
         self.reads: Reads | None = None  # what the evaluation in progress reads, if asked
+        # a timed expression's atoms (timing.py), in the order evaluated: (index, outcome)
+        self.atoms: list[tuple[int, bool]] | None = None
+        self._ahead = 0.0  # time() is the snapshot's time plus this (timing.py's check)
         self._jobs: dict[str, float | None] = {}  # by GpuRef.id
         # what peers() groups by (PEER_GROUPING's families; set by the engine)
         self.grouping: list[Selector] = []
@@ -163,6 +166,7 @@ class Evaluator:
             "_div": self._div,
             "_abs": abs,
             "_time": self._time,
+            "_atom": self._atom,
             "_max_of": max,
             "_min_of": min,
         }
@@ -181,14 +185,37 @@ class Evaluator:
 
     def evaluate(self, compiled: Compiled, gpu: GpuRef, reads: Reads | None = None) -> float:
         """The expression's value for `gpu`; raises Missing, or anything a bug raises.
-        With `reads`, what the evaluation reads is added to it."""
+        With `reads`, what the evaluation reads is added to it (and a timed expression's
+        atoms are kept in `atoms`)."""
         self.compiled, self.gpu, self.reads = compiled, gpu, reads
+        self.atoms = [] if reads is not None and compiled.timed else None
         self.work, self.budget = 0, compiled.cost * RUN_BUDGET_FACTOR
         try:
             value = eval(compiled.bytecode(), self._globals)
             return value if isinstance(value, Named) else float(value)
         finally:
             self.reads, self.budget = None, math.inf
+
+    def stands_until(self, compiled: Compiled, gpu: GpuRef, later: float) -> bool:
+        """True if the timed expression just evaluated for `gpu` (its `atoms` kept) takes
+        the same path to the same outcome with time() at any moment up to `later`: its
+        atoms come out the same at `later` (timing.py). The snapshot stays as it is."""
+        atoms = self.atoms
+        if atoms is None:
+            return False
+        self.compiled, self.gpu, self.atoms = compiled, gpu, []
+        self.work, self.budget = 0, compiled.cost * RUN_BUDGET_FACTOR
+        self._ahead = later - self.snapshot.now
+        try:
+            eval(compiled.bytecode(), self._globals)
+        except Missing:
+            pass  # an outcome as any other: the atoms before it tell its path
+        except Exception:  # a bug's: cannot tell, evaluated again each cycle
+            return False
+        finally:
+            later_atoms, self.atoms = self.atoms, atoms
+            self._ahead, self.budget = 0.0, math.inf
+        return later_atoms == atoms
 
     def _spend(self, read: int) -> None:
         """Count rows or samples read; OverBudget once past the evaluation's budget."""
@@ -286,7 +313,12 @@ class Evaluator:
     def _time(self) -> float:
         if self.reads is not None:
             self.reads.always = True
-        return self.snapshot.now
+        return self.snapshot.now + self._ahead
+
+    def _atom(self, index: int, outcome: bool) -> bool:
+        if self.atoms is not None:
+            self.atoms.append((index, outcome))
+        return outcome
 
     def _div(self, a: float, b: float) -> float:
         if b == 0:

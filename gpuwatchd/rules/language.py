@@ -24,6 +24,7 @@ from simpleeval import SimpleEval
 
 from gpuwatchd.config import parse_duration
 from gpuwatchd.metrics import PREFIX, MetricSpec
+from gpuwatchd.rules.timing import time_atoms
 
 
 class Missing(Exception):
@@ -252,6 +253,9 @@ class Compiled:
     max_window: float = 0.0
     code: Any = field(default=None, repr=False, compare=False)  # the tree as bytecode
     cost: float = 0.0  # evaluation steps, at most (see MAX_EXPRESSION_COST)
+    # time() is read only in comparisons that flip at most once (timing.py), each
+    # wrapped in _atom(): how long the outcome stands can be told
+    timed: bool = False
 
     def bytecode(self) -> Any:
         """The rewritten tree compiled by Python, once: it holds only numbers, operators
@@ -753,6 +757,7 @@ def compile_expression(text: str, catalog: Catalog, field_name: str = "expr") ->
     if checker.problems or rewritten is None:
         raise CompileError(checker.problems or [Problem(field_name, "invalid expression")])
     tree = ast.fix_missing_locations(ast.Expression(body=rewritten)).body
+    tree, timed = time_atoms(tree)
     return Compiled(
         stripped,
         tree,
@@ -760,6 +765,7 @@ def compile_expression(text: str, catalog: Catalog, field_name: str = "expr") ->
         frozenset(checker.required_sources),
         checker.max_window,
         cost=checker.cost,
+        timed=timed,
     )
 
 
