@@ -161,6 +161,14 @@ class Poller:
         elif since is None and self.health.up and self._store.is_stale(self.name, now):
             self._failed("not polled: its thread is held up by a poll of another source")
 
+    def judge(self, now: float, abandon_after: float) -> bool:
+        """Each evaluation cycle: keep a resting source's series current, mark a hung or
+        held-up source down; True if its poll in flight is given up on (`abandon_if_stuck`)."""
+        if self._resting is not None:
+            self.refresh()
+        self.check_hung(now)
+        return self._in_flight_since is not None and self.abandon_if_stuck(now, abandon_after)
+
     def abandon_if_stuck(self, now: float, after: float) -> bool:
         """Give up on a poll in flight for longer than `after` (and the timeout), unless
         one given up on earlier has still not returned; True if it was given up on."""
@@ -278,9 +286,7 @@ class ThreadedScheduler:
         """Judge every poll in flight; a stuck one past `abandon_after` gets a fresh thread.
         (Each evaluation cycle: keeps resting sources current first.)"""
         for poller in self.pollers:
-            poller.refresh()
-            poller.check_hung(now)
-            if poller.abandon_if_stuck(now, self.abandon_after):
+            if poller.judge(now, self.abandon_after):
                 self._spawn(self._lane_of[poller.name])
 
     def stop(self, join_timeout: float = 1.0) -> None:
