@@ -19,6 +19,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from gpuwatchd.metrics import Sample
 
@@ -188,9 +189,11 @@ class Store:
             owned = self._sources.get(source)
             if owned is None or not owned.log or owned.log[0][0] > since + 1:
                 return None
-            keys = {
-                key for generation, changed in owned.log if generation > since for key in changed
-            }
+            log = owned.log
+            start = len(log)  # the first update after `since`: usually the last one
+            while start and log[start - 1][0] > since:
+                start -= 1
+            keys = {key for _, changed in islice(log, start, None) for key in changed}
             known = self._series
             return [(key, known[key].value if key in known else None) for key in keys]
 
