@@ -78,10 +78,10 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import compress
-from operator import ne, sub
+from operator import attrgetter, is_not, itemgetter, ne, sub
 from typing import NamedTuple
 
 from gpuwatchd.config import InterruptsConfig, SourceConfig
@@ -120,6 +120,9 @@ _CHIP_AND_TRIGGER = re.compile(r"(.+)-(edge|fasteoi|level|simple|percpu|edge-irq
 _HWIRQ_TRIGGER = re.compile(r"([0-9]+)-(\S+)")
 # rows with one system-wide number, not one per CPU
 _SINGLE_ROWS = frozenset({"ERR", "MIS", "Err"})
+_IRQ = attrgetter("irq")
+_ROW_KEY = attrgetter("irq", "name")
+_COUNT = itemgetter(1)  # of a (column, increase)
 
 
 class ParseError(ValueError):
@@ -485,6 +488,10 @@ class InterruptsSource(Source):
         self._exclude = [re.compile(p) for p in cfg.exclude]
         self._parser = InterruptsParser()
         self._class: dict[tuple[str, str], str | None] = {}  # (label, name) -> class
+        # the last poll's rows' (label, name), their classes and interrupt_lines samples
+        self._kept_classes: (
+            tuple[tuple[tuple[str, str], ...], list[str | None], list[Sample]] | None
+        ) = None
         self._prev: dict[str, IrqLine] = {}
         self._prev_cpus: tuple[int, ...] | None = None
         self._prev_time: float | None = None
@@ -517,34 +524,47 @@ class InterruptsSource(Source):
             raise SourceError(f"{self.path}: not a /proc/interrupts table: {e}") from e
         now = float(self._clock())
 
-        lines_per_class = dict.fromkeys(CLASSES, 0)
-        classified: list[tuple[IrqLine, str]] = []
-        for line in table.lines:
-            cls = self._class_of(line)
-            if cls is not None:
-                lines_per_class[cls] += 1
-                classified.append((line, cls))
-        samples = [
-            Sample("gpuwatchd_interrupt_lines", (cls,), float(n))
-            for cls, n in lines_per_class.items()
-        ]
+        kinds, counted = self._classes(table.lines)
+        lines = list(compress(table.lines, kinds))  # the rows counted (None: excluded)
+        classes: list[str] = list(filter(None, kinds))
+        samples = counted[:]
 
         prev_time, prev_cpus = self._prev_time, self._prev_cpus
         self._prev_time, self._prev_cpus = now, table.cpus
         previous = self._prev
-        self._prev = {line.irq: line for line, _ in classified}
+        self._prev = dict(zip(map(_IRQ, lines), lines, strict=True))
         dt = now - prev_time if prev_time is not None else 0.0
         if prev_cpus != table.cpus or not (dt > 0 and math.isfinite(dt)):
             self.last_rates = None
             return samples  # first poll, CPU hot-plug or a clock that did not move
-        rates = self._rates(classified, previous, table.cpus, dt)
+        rates = self._rates(lines, classes, previous, table.cpus, dt)
         self.last_rates = rates
         samples.extend(self._rate_samples(rates))
         return samples
 
+    def _classes(self, lines: tuple[IrqLine, ...]) -> tuple[list[str | None], list[Sample]]:
+        """Each row's class (None: excluded) and the `interrupt_lines` samples; the last
+        poll's (the same objects) while the rows' labels and action names are as they
+        were: their counts move every poll, what they are rarely changes."""
+        shape = tuple(map(_ROW_KEY, lines))
+        kept = self._kept_classes
+        if kept is not None and kept[0] == shape:
+            return kept[1], kept[2]
+        classes = [self._class_of(line) for line in lines]
+        lines_per_class = dict.fromkeys(CLASSES, 0)
+        for cls in filter(None, classes):
+            lines_per_class[cls] += 1
+        samples = [
+            Sample("gpuwatchd_interrupt_lines", (cls,), float(n))
+            for cls, n in lines_per_class.items()
+        ]
+        self._kept_classes = (shape, classes, samples)
+        return classes, samples
+
     def _rates(
         self,
-        classified: Iterable[tuple[IrqLine, str]],
+        lines: list[IrqLine],
+        classes: list[str],
         previous: dict[str, IrqLine],
         cpus: tuple[int, ...],
         dt: float,
@@ -560,10 +580,12 @@ class InterruptsSource(Source):
         max_count = dict.fromkeys(DEVICE_CLASSES, 0)
         ints = self._counts
         ints.next_poll()
-        for line, cls in classified:
-            before = previous.get(line.irq)
-            if before is None or before is line:
-                continue  # new row (baseline), or unchanged text: nothing happened
+        befores = list(map(previous.get, map(_IRQ, lines)))
+        # a row whose text did not change is its last poll's object: nothing happened
+        moved = map(is_not, lines, befores)
+        for line, cls, before in compress(zip(lines, classes, befores, strict=True), moved):
+            if before is None:
+                continue  # new row: the baseline
             if before.name != line.name:
                 continue  # the IRQ number now belongs to another device
             if cls == SYSTEM:  # counted by class only
@@ -573,7 +595,7 @@ class InterruptsSource(Source):
             deltas = line_deltas(line, before, limit, ints)
             if deltas is None:
                 continue  # reset: re-registered device
-            total = sum(d for _, d in deltas)
+            total = sum(map(_COUNT, deltas))
             if not total:
                 continue
             counts_sum[cls] += total
