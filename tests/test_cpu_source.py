@@ -39,6 +39,7 @@ from gpuwatchd.sources.cpu import (
     parse_pressure,
     parse_stat,
     polled_meminfo,
+    pressure_line,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "procfs"
@@ -657,6 +658,27 @@ def meminfo_texts(draw: st.DrawFn) -> str:
     rows = draw(st.lists(st.tuples(names, _ODD_LINES, values), max_size=8))
     breaks = draw(st.lists(_ODD_LINES, min_size=len(rows), max_size=len(rows)))
     return "".join(f"{n}:{pad}{v}{end}" for (n, pad, v), end in zip(rows, breaks, strict=True))
+
+
+@st.composite
+def psi_lines(draw: st.DrawFn) -> str:
+    """PSI lines as the kernel prints them and near it: other spacing, order, widths."""
+    avg = st.sampled_from(["0.00", "0.18", "99.99", "100.00", "100.01", "150.00", "1000.00",
+                           "1.5", "1e1", "nan", "inf", "-0.00", "007.00", "x"])  # fmt: skip
+    total = st.sampled_from(["0", "159886802", "9" * 20, "9" * 21, "-1", "1.0", ""])
+    fields = [f"avg10={draw(avg)}", f"avg60={draw(avg)}", f"avg300={draw(avg)}",
+              f"total={draw(total)}"]  # fmt: skip
+    if draw(st.booleans()):
+        fields = draw(st.permutations(fields))
+    kind = draw(st.sampled_from(["some", "full", "none", " some"]))
+    sep = draw(st.sampled_from([" ", "  ", "\t"]))
+    return kind + " " + sep.join(fields) + draw(st.sampled_from(["", " ", "\t"]))
+
+
+@settings(max_examples=500, deadline=None)
+@given(line=psi_lines())
+def test_a_kernel_psi_line_matched_whole_is_what_taking_it_apart_gives(line: str) -> None:
+    assert pressure_line(line) == cpu_module.any_pressure_line(line)
 
 
 @settings(max_examples=300, deadline=None)

@@ -173,25 +173,50 @@ def parse_pressure(text: str) -> dict[str, Pressure]:
     """`some` / `full` lines of a PSI file; a malformed line is skipped."""
     result: dict[str, Pressure] = {}
     for line in text.splitlines():
-        kind, _, rest = line.strip().partition(" ")
-        if kind not in ("some", "full"):
-            continue
-        values: dict[str, str] = {}
-        for item in rest.split():
-            key, eq, value = item.partition("=")
-            if eq:
-                values[key] = value
-        try:
-            avgs = [float(values[key]) for key, _ in PSI_WINDOWS]
-            total = _uint(values["total"])
-        except (KeyError, ValueError):
-            continue
-        if total is None or not all(math.isfinite(a) and 0 <= a <= 100 for a in avgs):
-            continue
-        result[kind] = Pressure(avgs[0], avgs[1], avgs[2], total)
+        psi = pressure_line(line)
+        if psi is not None:
+            result[psi[0]] = psi[1]
     if not result:
         raise ParseError("no `some` or `full` line")
     return result
+
+
+# a line as the kernel prints it ("%s avg10=%lu.%02lu avg60=... avg300=... total=%llu"),
+# matched whole in C; any other line is taken apart as below
+_PSI_LINE = re.compile(
+    r"(some|full) avg10=([0-9]{1,3}\.[0-9]{2}) avg60=([0-9]{1,3}\.[0-9]{2})"
+    rf" avg300=([0-9]{{1,3}}\.[0-9]{{2}}) total=({_NUMBER})"
+)
+
+
+def pressure_line(line: str) -> tuple[str, Pressure] | None:
+    """A PSI line's kind and values, None if it is malformed."""
+    kernels = _PSI_LINE.fullmatch(line)
+    if kernels is None:
+        return any_pressure_line(line)
+    kind, avg10, avg60, avg300, total = kernels.groups()
+    avgs = (float(avg10), float(avg60), float(avg300))
+    return (kind, Pressure(*avgs, int(total))) if max(avgs) <= 100 else None
+
+
+def any_pressure_line(line: str) -> tuple[str, Pressure] | None:
+    """`pressure_line` of a line in any spacing and order of its fields."""
+    kind, _, rest = line.strip().partition(" ")
+    if kind not in ("some", "full"):
+        return None
+    values: dict[str, str] = {}
+    for item in rest.split():
+        key, eq, value = item.partition("=")
+        if eq:
+            values[key] = value
+    try:
+        avgs = [float(values[key]) for key, _ in PSI_WINDOWS]
+        total = _uint(values["total"])
+    except (KeyError, ValueError):
+        return None
+    if total is None or not all(math.isfinite(a) and 0 <= a <= 100 for a in avgs):
+        return None
+    return kind, Pressure(avgs[0], avgs[1], avgs[2], total)
 
 
 def parse_meminfo(text: str) -> dict[str, int]:
