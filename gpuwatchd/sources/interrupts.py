@@ -80,9 +80,9 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import compress
-from operator import attrgetter, is_not, itemgetter, ne, sub
-from typing import NamedTuple
+from itertools import compress, repeat
+from operator import attrgetter, is_, is_not, itemgetter, ne, sub
+from typing import NamedTuple, cast
 
 from gpuwatchd.config import InterruptsConfig, SourceConfig
 from gpuwatchd.metrics import Sample, gauge
@@ -123,6 +123,7 @@ _SINGLE_ROWS = frozenset({"ERR", "MIS", "Err"})
 _IRQ = attrgetter("irq")
 _ROW_KEY = attrgetter("irq", "name")
 _COUNT = itemgetter(1)  # of a (column, increase)
+_NEW = object()  # a text line the parser has not seen
 
 
 class ParseError(ValueError):
@@ -307,20 +308,19 @@ class InterruptsParser:
         cpus = header[1]
         ncpus = len(cpus)
         cache = self._rows if ncpus == self._ncpus else {}
-        rows: dict[str, IrqLine | None] = {}
-        lines: list[IrqLine] = []
+        body = raw[start + 1 :]
+        # the rows as last time looked up in C; only the new texts are parsed
+        found: list[IrqLine | None | object] = list(map(cache.get, body, repeat(_NEW)))
+        for i in compress(range(len(found)), map(is_, found, repeat(_NEW))):
+            found[i] = parse_line(body[i], ncpus)
         totals: dict[str, int] = {}
-        for text_line in raw[start + 1 :]:
-            row = cache[text_line] if text_line in cache else parse_line(text_line, ncpus)
-            rows[text_line] = row
-            if row is not None:
-                lines.append(row)
-            else:
-                single = _single(text_line)
-                if single is not None:
-                    totals[single[0]] = single[1]
-        self._rows, self._ncpus = rows, ncpus
-        return InterruptTable(cpus, tuple(lines), totals)
+        for i in compress(range(len(found)), map(is_, found, repeat(None))):
+            single = _single(body[i])
+            if single is not None:
+                totals[single[0]] = single[1]
+        rows = cast(list[IrqLine | None], found)
+        self._rows, self._ncpus = dict(zip(body, rows, strict=True)), ncpus
+        return InterruptTable(cpus, tuple(filter(None, rows)), totals)
 
 
 def parse_interrupts(text: str) -> InterruptTable:
