@@ -67,7 +67,9 @@ CPU x IRQ table, which node_exporter's interrupts collector already does.
 Cost: a row whose text did not change since the last poll (an idle queue) is not parsed
 again and contributes no work; only changed rows are split and subtracted. A row that
 moved on many CPUs (LOC, RES, ...) keeps its counts as ints for the next poll, so each
-count is converted once; a summary row is summed, not split by CPU.
+count is converted once; a summary row is summed, not split by CPU. The rows' classes
+(and the `interrupt_lines` series) are worked out again only when a row's label or
+action names change.
 """
 
 from __future__ import annotations
