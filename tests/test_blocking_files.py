@@ -73,6 +73,19 @@ def test_the_read_helpers_refuse_a_fifo_at_once(fifo_tree: Path) -> None:
     assert finishes(lambda: infiniband._read(fifo)) is None
 
 
+def test_read_each_refuses_a_fifo_even_with_data_waiting_in_it(fifo_tree: Path) -> None:
+    # the pcie source's files read in one loop: each refused as open_kernel_file refuses
+    fifo, regular = fifo_tree / "interrupts", fifo_tree / "speed"
+    regular.write_text("16.0 GT/s PCIe\n")
+    held = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer, and bytes to read
+    try:
+        os.write(held, b"8.0 GT/s PCIe\n")
+        paths = [str(fifo), str(regular), str(fifo_tree / "gone"), "nul\0byte"]
+        assert finishes(lambda: base.read_each(paths)) == [None, b"16.0 GT/s PCIe\n", None, None]
+    finally:
+        os.close(held)
+
+
 def test_kernel_pseudo_files_still_read(tmp_path: Path) -> None:
     assert base.read_text("/proc/self/stat").split()[0] == str(os.getpid())
     assert base.read_text(str(INTERRUPTS)) == INTERRUPTS.read_text()

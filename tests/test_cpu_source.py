@@ -38,6 +38,8 @@ from gpuwatchd.sources.cpu import (
     parse_meminfo,
     parse_pressure,
     parse_stat,
+    polled_meminfo,
+    pressure_line,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "procfs"
@@ -627,6 +629,87 @@ def test_parsers_never_raise_anything_but_parse_error(text: str) -> None:
     for parse in (parse_stat, parse_pressure, parse_meminfo):
         with contextlib.suppress(ParseError):
             parse(text)
+
+
+def stat_line_by_line(text: str) -> StatReading:
+    """parse_stat as it was before session 17: the matched lines assigned one by one."""
+    total, cpus = None, {}
+    for label, columns in cpu_module._STAT_LINE.findall(text):
+        times = cpu_module._padded(tuple(map(int, columns.split()[:8])))
+        if label:
+            cpus[int(label)] = times
+        else:
+            total = times
+    if total is None:
+        raise ParseError("no `cpu` line")
+    return StatReading(total, cpus)
+
+
+_ODD_LINES = st.sampled_from(["\n", "\r\n", "\r", "\x0c", "\x1e", "\u2028", " ", ":"])
+
+
+@st.composite
+def meminfo_texts(draw: st.DrawFn) -> str:
+    """meminfo-like lines (the polled names among others, kB or not, garbled) joined by
+    every line break splitlines() knows."""
+    names = st.sampled_from(["MemTotal", "MemAvailable", "SwapTotal", "SwapFree", "MemFree",
+                             " MemTotal", "SwapFree ", "Mem Total", "XMemTotal"])  # fmt: skip
+    values = st.sampled_from(["1", "17 kB", "9" * 25, "x", "", "3 kB x", "4 MB"])
+    rows = draw(st.lists(st.tuples(names, _ODD_LINES, values), max_size=8))
+    breaks = draw(st.lists(_ODD_LINES, min_size=len(rows), max_size=len(rows)))
+    return "".join(f"{n}:{pad}{v}{end}" for (n, pad, v), end in zip(rows, breaks, strict=True))
+
+
+@st.composite
+def psi_lines(draw: st.DrawFn) -> str:
+    """PSI lines as the kernel prints them and near it: other spacing, order, widths."""
+    avg = st.sampled_from(["0.00", "0.18", "99.99", "100.00", "100.01", "150.00", "1000.00",
+                           "1.5", "1e1", "nan", "inf", "-0.00", "007.00", "x"])  # fmt: skip
+    total = st.sampled_from(["0", "159886802", "9" * 20, "9" * 21, "-1", "1.0", ""])
+    fields = [f"avg10={draw(avg)}", f"avg60={draw(avg)}", f"avg300={draw(avg)}",
+              f"total={draw(total)}"]  # fmt: skip
+    if draw(st.booleans()):
+        fields = draw(st.permutations(fields))
+    kind = draw(st.sampled_from(["some", "full", "none", " some"]))
+    sep = draw(st.sampled_from([" ", "  ", "\t"]))
+    return kind + " " + sep.join(fields) + draw(st.sampled_from(["", " ", "\t"]))
+
+
+@settings(max_examples=500, deadline=None)
+@given(line=psi_lines())
+def test_a_kernel_psi_line_matched_whole_is_what_taking_it_apart_gives(line: str) -> None:
+    assert pressure_line(line) == cpu_module.any_pressure_line(line)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.one_of(meminfo_texts(), mangled()))
+def test_polled_meminfo_is_parse_meminfo_of_the_polled_names(text: str) -> None:
+    # the poll's regex finds the lines parse_meminfo's splitlines() would, odd breaks too
+    try:
+        whole = parse_meminfo(text)
+    except ParseError:
+        with pytest.raises(ParseError, match="no MemTotal"):
+            polled_meminfo(text)
+        return
+    expected = {k: whole[k] for k in cpu_module.MEMINFO_POLLED if k in whole}
+    assert polled_meminfo(text) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.one_of(mangled(), st.sampled_from([
+    "cpu12 1 2 3 4\ncpu  1 1 1 1 1 1 1 1 1 1\ncpu1 5 6 7 8 9\ncpu12 9 9 9 9\ncpu 2 2 2 2\n",
+    "cpu0 1 2 3 4 5 6 7 8\ncpu 1 2 3 4 5 6 7 8\ncpu0 8 7 6 5 4 3 2 1\ncpu3 1 1 1 1 1 1 1 1\n",
+])))  # fmt: skip
+def test_parse_stat_is_the_line_by_line_parse(text: str) -> None:
+    # which `cpu` line is the node's and which `cpuN` value stays, duplicates included
+    try:
+        expected = stat_line_by_line(text)
+    except ParseError:
+        with pytest.raises(ParseError, match="no `cpu` line"):
+            parse_stat(text)
+        return
+    got = parse_stat(text)
+    assert (got.total, list(got.cpus.items())) == (expected.total, list(expected.cpus.items()))
 
 
 @settings(max_examples=100, deadline=None)

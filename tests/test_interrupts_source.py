@@ -453,6 +453,41 @@ def test_hot_plug_rows_and_reused_irq_numbers(tmp_path: Path) -> None:
     assert by_key(source.collect())[("interrupts_per_second", ("nvme",))] == 100
 
 
+def test_rows_are_classed_again_only_when_a_label_or_name_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counts move every poll; which rows there are and what they are rarely change: the
+    classes and the interrupt_lines samples are the last poll's while they stay."""
+    header = "           CPU0       CPU1\n"
+    disk = " 40:       1000          0  IR-PCI-MSI 1048577-edge      nvme0q1\n"
+    clock = Clock()
+    write(tmp_path, header + disk)
+    source = source_for(tmp_path, clock)
+    first = source.collect()
+    asked: list[str] = []
+    real = source._class_of
+
+    def counting(line: IrqLine) -> str | None:
+        asked.append(line.irq)
+        return real(line)
+
+    monkeypatch.setattr(source, "_class_of", counting)
+    write(tmp_path, header + disk.replace("1000", "1500"))
+    clock.t = 1
+    got = source.collect()
+    assert asked == [] and by_key(got)[("interrupts_per_second", ("nvme",))] == 500
+    assert [s for s in got if s.name == "gpuwatchd_interrupt_lines"] == first
+    assert all(a is b for a, b in zip(got, first, strict=False))
+    # the IRQ number reused by a GPU: classed again, counted as nvidia, no rate from it
+    gpu = " 40:       1600          0  IR-PCI-MSI 524288-edge      nvidia\n"
+    write(tmp_path, header + gpu)
+    clock.t = 2
+    got = by_key(source.collect())
+    assert asked == ["40"]
+    assert got[("interrupt_lines", ("nvidia",))] == 1 and got[("interrupt_lines", ("nvme",))] == 0
+    assert got[("interrupts_per_second", ("nvidia",))] == 0
+
+
 def test_cpu_hot_plug_re_baselines(tmp_path: Path) -> None:
     text = X86_OLD.read_text()
     write(tmp_path, text)

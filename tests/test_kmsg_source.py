@@ -138,6 +138,24 @@ def test_it_follows_the_log_from_its_end_a_bounded_number_of_records_a_poll(node
     ]
 
 
+def test_a_poll_that_reads_no_record_returns_the_last_polls_samples(node):
+    # most polls find the log as it was: the same sample objects, nothing made anew
+    ring = ring_of(node, permitted=True)
+    gpu = node.timeline.topology.gpu(0).bdf
+    source = source_on(node, ring)
+    source.collect()
+    ring.log(3, 1.0, xid(gpu))
+    first = source.collect()
+    again = source.collect()
+    assert again == first and all(a is b for a, b in zip(again, first, strict=True))
+    ring.log(6, 2.0, "usb 1-1: new high-speed USB device")  # read, tied to nothing
+    later = source.collect()
+    assert series(later, "gpuwatchd_kmsg_records_total") == {(): 2.0}
+    assert series(later, "gpuwatchd_kmsg_xid_errors_total") == {(gpu, "13"): 1.0}
+    source.close()  # opened again at the log's end: the same series
+    assert source.collect() == later
+
+
 def test_records_overwritten_before_a_poll_are_counted_and_reading_goes_on(node):
     ring = ring_of(node, permitted=True, capacity=4)
     source = source_on(node, ring)

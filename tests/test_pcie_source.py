@@ -369,6 +369,64 @@ def test_paths_are_walked_once_and_the_listing_is_rescanned(
     assert walks == [NVME, E810]
 
 
+def test_a_poll_whose_files_read_as_the_last_makes_nothing_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where every polled file reads as at the last poll (and every maximum and NUMA node
+    is known), the poll's samples are the last poll's own, not worked out again."""
+    root = build_tree(tmp_path, relabel={NVME: GPU_LABELS, E810: GPU_LABELS})
+    source = source_for(root)
+    first = source.collect()
+    partners: list[int] = []
+    real_partner = pcie_module.link_partner
+
+    def counting_partner(path: tuple[pcie_module.PciFunction, ...], index: int) -> object:
+        partners.append(index)
+        return real_partner(path, index)
+
+    monkeypatch.setattr(pcie_module, "link_partner", counting_partner)
+    again = source.collect()
+    assert again == first and all(a is b for a, b in zip(again, first, strict=True))
+    assert partners == []
+    (device_dir(root, ROOT_PORT) / "current_link_width").write_text("2\n")  # NVME's port
+    got = by_key(source.collect())
+    assert got[("pcie_link_width", (NVME, ROOT_PORT, "bridge"))] == 2
+    assert got[("pcie_link_degraded", (NVME, ROOT_PORT, "bridge"))] == 1
+    assert partners
+
+
+@pytest.mark.parametrize("unknown", ["max_link_speed", "numa_node"])
+def test_what_was_unreadable_is_read_again_while_the_polled_files_stay(
+    tmp_path: Path, unknown: str
+) -> None:
+    """A function's maximum or a GPU's NUMA node unreadable at a poll is read at the next
+    although the polled files read the same: such a poll's samples are not kept."""
+    root = build_tree(tmp_path, devices=[ROOT_PORT, NVME], relabel={NVME: GPU_LABELS})
+    nvme = device_dir(root, NVME)
+    good = (nvme / unknown).read_text()
+    (nvme / unknown).write_text("garbage\n")
+    source = source_for(root)
+    source.collect()
+    key = {"max_link_speed": ("pcie_link_generation_max", (NVME, NVME, "gpu")),
+           "numa_node": ("pcie_gpu_numa_node", (NVME,))}[unknown]  # fmt: skip
+    assert key not in by_key(source.collect())
+    (nvme / unknown).write_text(good)
+    assert key in by_key(source.collect())
+
+
+def test_an_entry_unreadable_at_a_listing_is_looked_at_again_under_the_same_listing(
+    tmp_path: Path,
+) -> None:
+    root = build_tree(tmp_path, relabel={NVME: {"class": "0x030200\n"}})
+    vendor = device_dir(root, NVME) / "vendor"
+    vendor.unlink()  # not yet told a GPU or not
+    source = source_for(root)
+    source.collect()
+    assert source.collect() == [] and source.gpus() == []
+    vendor.write_text("0x10de\n")
+    assert {s.labels[0] for s in source.collect()} == {NVME}
+
+
 def test_samples_match_the_declared_specs(tmp_path: Path) -> None:
     root = build_tree(tmp_path, relabel={NVME: GPU_LABELS, E810: GPU_LABELS})
     specs = {spec.name: spec for spec in PcieSource.metrics}

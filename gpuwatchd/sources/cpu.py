@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import compress, repeat
-from operator import add, sub, truediv
+from operator import add, itemgetter, not_, sub, truediv
 
 from gpuwatchd.config import CpuConfig, SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
@@ -114,22 +114,20 @@ def parse_stat(text: str) -> StatReading:
     `cpu` line whose first columns are not four to eight numbers."""
     rows = _STAT_LINE.findall(text)
     width = len(STAT_FIELDS)
-    numbers = " ".join([columns for _, columns in rows]).split()
+    labels = list(map(itemgetter(0), rows))
+    numbers = " ".join(map(itemgetter(1), rows)).split()
     if len(numbers) == width * len(rows):  # every line has eight (kernels since 2.6.11)
         # a column at a time: one int() pass in C each, then the lines back together
         lines = list(zip(*[map(int, numbers[k::width]) for k in range(width)], strict=True))
     else:
         lines = [_padded(tuple(map(int, columns.split()[:width]))) for _, columns in rows]
-    total: tuple[int, ...] | None = None
-    cpus: dict[int, tuple[int, ...]] = {}
-    for (label, _), times in zip(rows, lines, strict=True):
-        if label:
-            cpus[int(label)] = times
-        else:
-            total = times
-    if total is None:
+    # the lines split by label without a Python step a line: the last `cpu` line is the
+    # node's, a `cpuN` line again replaces its first's value (as assigning in order does)
+    totals = list(compress(lines, map(not_, labels)))
+    if not totals:
         raise ParseError("no `cpu` line")
-    return StatReading(total, cpus)
+    cpus = dict(zip(map(int, filter(None, labels)), compress(lines, labels), strict=True))
+    return StatReading(totals[-1], cpus)
 
 
 class StatLines:
@@ -175,31 +173,72 @@ def parse_pressure(text: str) -> dict[str, Pressure]:
     """`some` / `full` lines of a PSI file; a malformed line is skipped."""
     result: dict[str, Pressure] = {}
     for line in text.splitlines():
-        kind, _, rest = line.strip().partition(" ")
-        if kind not in ("some", "full"):
-            continue
-        values: dict[str, str] = {}
-        for item in rest.split():
-            key, eq, value = item.partition("=")
-            if eq:
-                values[key] = value
-        try:
-            avgs = [float(values[key]) for key, _ in PSI_WINDOWS]
-            total = _uint(values["total"])
-        except (KeyError, ValueError):
-            continue
-        if total is None or not all(math.isfinite(a) and 0 <= a <= 100 for a in avgs):
-            continue
-        result[kind] = Pressure(avgs[0], avgs[1], avgs[2], total)
+        psi = pressure_line(line)
+        if psi is not None:
+            result[psi[0]] = psi[1]
     if not result:
         raise ParseError("no `some` or `full` line")
     return result
 
 
+# a line as the kernel prints it ("%s avg10=%lu.%02lu avg60=... avg300=... total=%llu"),
+# matched whole in C; any other line is taken apart as below
+_PSI_LINE = re.compile(
+    r"(some|full) avg10=([0-9]{1,3}\.[0-9]{2}) avg60=([0-9]{1,3}\.[0-9]{2})"
+    rf" avg300=([0-9]{{1,3}}\.[0-9]{{2}}) total=({_NUMBER})"
+)
+
+
+def pressure_line(line: str) -> tuple[str, Pressure] | None:
+    """A PSI line's kind and values, None if it is malformed."""
+    kernels = _PSI_LINE.fullmatch(line)
+    if kernels is None:
+        return any_pressure_line(line)
+    kind, avg10, avg60, avg300, total = kernels.groups()
+    avgs = (float(avg10), float(avg60), float(avg300))
+    return (kind, Pressure(*avgs, int(total))) if max(avgs) <= 100 else None
+
+
+def any_pressure_line(line: str) -> tuple[str, Pressure] | None:
+    """`pressure_line` of a line in any spacing and order of its fields."""
+    kind, _, rest = line.strip().partition(" ")
+    if kind not in ("some", "full"):
+        return None
+    values: dict[str, str] = {}
+    for item in rest.split():
+        key, eq, value = item.partition("=")
+        if eq:
+            values[key] = value
+    try:
+        avgs = [float(values[key]) for key, _ in PSI_WINDOWS]
+        total = _uint(values["total"])
+    except (KeyError, ValueError):
+        return None
+    if total is None or not all(math.isfinite(a) and 0 <= a <= 100 for a in avgs):
+        return None
+    return kind, Pressure(avgs[0], avgs[1], avgs[2], total)
+
+
 def parse_meminfo(text: str) -> dict[str, int]:
     """Every `Name:   value kB` line of /proc/meminfo, in bytes (unitless counts as is)."""
+    return _meminfo(text.splitlines())
+
+
+# the lines a poll reads (MEMINFO_POLLED), found in C: a node's ~55 lines parsed one by
+# one in Python cost more than the rest of the file's handling
+MEMINFO_POLLED = ("MemTotal", "MemAvailable", "SwapTotal", "SwapFree")
+_MEMINFO_POLLED = re.compile(rf"^(?:{'|'.join(MEMINFO_POLLED)}):.*$", re.M)
+
+
+def polled_meminfo(text: str) -> dict[str, int]:
+    """`parse_meminfo(text)` of the MEMINFO_POLLED names only (and the same ParseError)."""
+    # rejoined with "\n" alone, the regex's lines are splitlines()' (\r, \x0c... too)
+    return _meminfo(_MEMINFO_POLLED.findall("\n".join(text.splitlines())))
+
+
+def _meminfo(lines: list[str]) -> dict[str, int]:
     result: dict[str, int] = {}
-    for line in text.splitlines():
+    for line in lines:
         name, colon, rest = line.partition(":")
         fields = rest.split()
         if not colon or not fields or not name or " " in name:
@@ -379,7 +418,7 @@ class CpuSource(Source):
             raise SourceError(f"{self.stat_path}: not a /proc/stat file: {e}") from e
         text = self._read_required(self.meminfo_path)
         try:
-            meminfo = parse_meminfo(text)
+            meminfo = polled_meminfo(text)
         except ParseError as e:
             raise SourceError(f"{self.meminfo_path}: not a /proc/meminfo file: {e}") from e
         samples = [Sample("gpuwatchd_cpu_cores", (), float(len(stat.cpus)))]
@@ -475,6 +514,7 @@ __all__ = [
     "cpu_deltas",
     "cpu_ratios",
     "parse_meminfo",
+    "polled_meminfo",
     "parse_pressure",
     "parse_stat",
 ]

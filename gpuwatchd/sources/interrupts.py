@@ -67,7 +67,9 @@ CPU x IRQ table, which node_exporter's interrupts collector already does.
 Cost: a row whose text did not change since the last poll (an idle queue) is not parsed
 again and contributes no work; only changed rows are split and subtracted. A row that
 moved on many CPUs (LOC, RES, ...) keeps its counts as ints for the next poll, so each
-count is converted once; a summary row is summed, not split by CPU.
+count is converted once; a summary row is summed, not split by CPU. The rows' classes
+(and the `interrupt_lines` series) are worked out again only when a row's label or
+action names change.
 """
 
 from __future__ import annotations
@@ -78,11 +80,11 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import compress
-from operator import ne, sub
-from typing import NamedTuple
+from itertools import compress, repeat
+from operator import attrgetter, is_, is_not, itemgetter, ne, sub
+from typing import NamedTuple, cast
 
 from gpuwatchd.config import InterruptsConfig, SourceConfig
 from gpuwatchd.metrics import Sample, gauge
@@ -120,6 +122,10 @@ _CHIP_AND_TRIGGER = re.compile(r"(.+)-(edge|fasteoi|level|simple|percpu|edge-irq
 _HWIRQ_TRIGGER = re.compile(r"([0-9]+)-(\S+)")
 # rows with one system-wide number, not one per CPU
 _SINGLE_ROWS = frozenset({"ERR", "MIS", "Err"})
+_IRQ = attrgetter("irq")
+_ROW_KEY = attrgetter("irq", "name")
+_COUNT = itemgetter(1)  # of a (column, increase)
+_NEW = object()  # a text line the parser has not seen
 
 
 class ParseError(ValueError):
@@ -304,20 +310,19 @@ class InterruptsParser:
         cpus = header[1]
         ncpus = len(cpus)
         cache = self._rows if ncpus == self._ncpus else {}
-        rows: dict[str, IrqLine | None] = {}
-        lines: list[IrqLine] = []
+        body = raw[start + 1 :]
+        # the rows as last time looked up in C; only the new texts are parsed
+        found: list[IrqLine | None | object] = list(map(cache.get, body, repeat(_NEW)))
+        for i in compress(range(len(found)), map(is_, found, repeat(_NEW))):
+            found[i] = parse_line(body[i], ncpus)
         totals: dict[str, int] = {}
-        for text_line in raw[start + 1 :]:
-            row = cache[text_line] if text_line in cache else parse_line(text_line, ncpus)
-            rows[text_line] = row
-            if row is not None:
-                lines.append(row)
-            else:
-                single = _single(text_line)
-                if single is not None:
-                    totals[single[0]] = single[1]
-        self._rows, self._ncpus = rows, ncpus
-        return InterruptTable(cpus, tuple(lines), totals)
+        for i in compress(range(len(found)), map(is_, found, repeat(None))):
+            single = _single(body[i])
+            if single is not None:
+                totals[single[0]] = single[1]
+        rows = cast(list[IrqLine | None], found)
+        self._rows, self._ncpus = dict(zip(body, rows, strict=True)), ncpus
+        return InterruptTable(cpus, tuple(filter(None, rows)), totals)
 
 
 def parse_interrupts(text: str) -> InterruptTable:
@@ -485,6 +490,10 @@ class InterruptsSource(Source):
         self._exclude = [re.compile(p) for p in cfg.exclude]
         self._parser = InterruptsParser()
         self._class: dict[tuple[str, str], str | None] = {}  # (label, name) -> class
+        # the last poll's rows' (label, name), their classes and interrupt_lines samples
+        self._kept_classes: (
+            tuple[tuple[tuple[str, str], ...], list[str | None], list[Sample]] | None
+        ) = None
         self._prev: dict[str, IrqLine] = {}
         self._prev_cpus: tuple[int, ...] | None = None
         self._prev_time: float | None = None
@@ -517,34 +526,47 @@ class InterruptsSource(Source):
             raise SourceError(f"{self.path}: not a /proc/interrupts table: {e}") from e
         now = float(self._clock())
 
-        lines_per_class = dict.fromkeys(CLASSES, 0)
-        classified: list[tuple[IrqLine, str]] = []
-        for line in table.lines:
-            cls = self._class_of(line)
-            if cls is not None:
-                lines_per_class[cls] += 1
-                classified.append((line, cls))
-        samples = [
-            Sample("gpuwatchd_interrupt_lines", (cls,), float(n))
-            for cls, n in lines_per_class.items()
-        ]
+        kinds, counted = self._classes(table.lines)
+        lines = list(compress(table.lines, kinds))  # the rows counted (None: excluded)
+        classes: list[str] = list(filter(None, kinds))
+        samples = counted[:]
 
         prev_time, prev_cpus = self._prev_time, self._prev_cpus
         self._prev_time, self._prev_cpus = now, table.cpus
         previous = self._prev
-        self._prev = {line.irq: line for line, _ in classified}
+        self._prev = dict(zip(map(_IRQ, lines), lines, strict=True))
         dt = now - prev_time if prev_time is not None else 0.0
         if prev_cpus != table.cpus or not (dt > 0 and math.isfinite(dt)):
             self.last_rates = None
             return samples  # first poll, CPU hot-plug or a clock that did not move
-        rates = self._rates(classified, previous, table.cpus, dt)
+        rates = self._rates(lines, classes, previous, table.cpus, dt)
         self.last_rates = rates
         samples.extend(self._rate_samples(rates))
         return samples
 
+    def _classes(self, lines: tuple[IrqLine, ...]) -> tuple[list[str | None], list[Sample]]:
+        """Each row's class (None: excluded) and the `interrupt_lines` samples; the last
+        poll's (the same objects) while the rows' labels and action names are as they
+        were: their counts move every poll, what they are rarely changes."""
+        shape = tuple(map(_ROW_KEY, lines))
+        kept = self._kept_classes
+        if kept is not None and kept[0] == shape:
+            return kept[1], kept[2]
+        classes = [self._class_of(line) for line in lines]
+        lines_per_class = dict.fromkeys(CLASSES, 0)
+        for cls in filter(None, classes):
+            lines_per_class[cls] += 1
+        samples = [
+            Sample("gpuwatchd_interrupt_lines", (cls,), float(n))
+            for cls, n in lines_per_class.items()
+        ]
+        self._kept_classes = (shape, classes, samples)
+        return classes, samples
+
     def _rates(
         self,
-        classified: Iterable[tuple[IrqLine, str]],
+        lines: list[IrqLine],
+        classes: list[str],
         previous: dict[str, IrqLine],
         cpus: tuple[int, ...],
         dt: float,
@@ -560,10 +582,12 @@ class InterruptsSource(Source):
         max_count = dict.fromkeys(DEVICE_CLASSES, 0)
         ints = self._counts
         ints.next_poll()
-        for line, cls in classified:
-            before = previous.get(line.irq)
-            if before is None or before is line:
-                continue  # new row (baseline), or unchanged text: nothing happened
+        befores = list(map(previous.get, map(_IRQ, lines)))
+        # a row whose text did not change is its last poll's object: nothing happened
+        moved = map(is_not, lines, befores)
+        for line, cls, before in compress(zip(lines, classes, befores, strict=True), moved):
+            if before is None:
+                continue  # new row: the baseline
             if before.name != line.name:
                 continue  # the IRQ number now belongs to another device
             if cls == SYSTEM:  # counted by class only
@@ -573,7 +597,7 @@ class InterruptsSource(Source):
             deltas = line_deltas(line, before, limit, ints)
             if deltas is None:
                 continue  # reset: re-registered device
-            total = sum(d for _, d in deltas)
+            total = sum(map(_COUNT, deltas))
             if not total:
                 continue
             counts_sum[cls] += total

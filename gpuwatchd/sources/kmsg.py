@@ -191,6 +191,9 @@ class KmsgSource(Source):
         self._counts: Counter[tuple[str, tuple[str, ...]]] = Counter()
         self._last: dict[tuple[str, str], float] = {}  # (GPU, event) -> when
         self._messages: dict[tuple[str, str], tuple[tuple[str, ...], float]] = {}
+        # the samples last made and what they were made at: (state, records read); the
+        # series change only with a record read (or the state), and most polls read none
+        self._made: tuple[tuple[str, int], list[Sample]] | None = None
 
     def close(self) -> None:
         if self._device is not None:
@@ -224,7 +227,10 @@ class KmsgSource(Source):
                     self._refresh_gpus()
                     refreshed = True
                 self._take(line, now)
-        return self._samples()
+        made, at = self._made, (self._state, self.records)
+        if made is None or made[0] != at:
+            made = self._made = (at, self._samples())
+        return made[1][:]
 
     # -- the device -----------------------------------------------------------------
 

@@ -31,7 +31,10 @@ the poll. Only a missing `bus/pci/devices` directory fails it (SourceError).
 
 Every poll reads each function's five polled files (a link retrains, an AER total moves
 at any time); where they read as at the last poll, the function's reading and samples
-are the last poll's, not parsed and made again.
+are the last poll's, not parsed and made again, and where every file of the poll does
+(and every maximum and NUMA node is known) so is the whole poll's list. A listing of
+`bus/pci/devices` as the last one, every entry in it told a GPU or not, is not looked
+through again.
 """
 
 from __future__ import annotations
@@ -44,7 +47,14 @@ from dataclasses import dataclass, field
 from gpuwatchd.config import SourceConfig
 from gpuwatchd.metrics import Sample, counter, gauge
 from gpuwatchd.sources import register
-from gpuwatchd.sources.base import Context, Source, SourceError, not_mounted, read_small
+from gpuwatchd.sources.base import (
+    Context,
+    Source,
+    SourceError,
+    not_mounted,
+    read_each,
+    read_small,
+)
 
 NVIDIA_VENDOR = 0x10DE
 DISPLAY_CLASS = 0x03  # PCI base class: display controller (0x0300 VGA, 0x0302 3D)
@@ -309,11 +319,16 @@ class PcieSource(Source):
         # (max speed, max width), its LnkCap; a GPU's NUMA node
         self._caps: dict[str, tuple[float | None, int | None]] = {}
         self._numa: dict[str, int] = {}
-        # most polls find every file as it was: per function, its files' paths, their last
-        # texts and the reading made of them; per (GPU, function), its last samples
-        self._polled: dict[str, tuple[tuple[str, ...], tuple[str | None, ...], LinkReading]] = {}
+        # most polls find every file as it was: per function, its last files' bytes and
+        # the reading made of them; per (GPU, function), its last samples
+        self._polled: dict[str, tuple[tuple[bytes | None, ...], LinkReading]] = {}
         self._samples: dict[tuple[str, str], tuple[LinkReading, LinkReading | None, list[Sample]]]
         self._samples = {}
+        # for the GPUs' paths as listed: the functions to read, each once, and their files
+        self._layout: tuple[object, list[str], list[str]] | None = None
+        # the last poll: its files' bytes and its samples, where a poll that reads the same
+        # bytes makes the same samples (every function's maxima known, every GPU's NUMA node)
+        self._last: tuple[list[bytes | None], list[Sample]] | None = None
 
     def gpus(self) -> list[tuple[PciFunction, ...]]:
         """The path of every GPU found by the last poll: the GPU first, the root port last."""
@@ -329,17 +344,40 @@ class PcieSource(Source):
         if self._gpus.refresh(entries):  # a function left the bus: read what is back anew
             for known in (self._caps, self._numa, self._polled, self._samples):
                 known.clear()
+            self._last = None
+        gpus = self._gpus.listed()
+        layout = self._layout
+        if layout is None or layout[0] is not gpus:
+            functions = list(dict.fromkeys(fn.path for path in gpus for fn in path))
+            files = [f"{fn}/{name}" for fn in functions for name in _POLLED_FILES]
+            layout = self._layout = (gpus, functions, files)
+            self._last = None
+        raw = read_each(layout[2], 8192)
+        last = self._last
+        if last is not None and last[0] == raw:
+            return last[1][:]  # what the same bytes made last time
+        samples = self._poll(gpus, layout[1], raw)
+        settled = all(path in self._caps for path in layout[1]) and all(
+            path[0].path in self._numa for path in gpus
+        )
+        self._last = (raw, samples[:]) if settled else None
+        return samples
 
+    def _poll(
+        self,
+        gpus: tuple[tuple[PciFunction, ...], ...],
+        functions: list[str],
+        raw: list[bytes | None],
+    ) -> list[Sample]:
+        """The samples of the files' `raw` bytes (each function's, in `functions`' order)."""
+        width = len(_POLLED_FILES)
+        readings = {  # a shared bridge is read once per poll
+            fn: self._read_link(fn, tuple(raw[i * width : (i + 1) * width]))
+            for i, fn in enumerate(functions)
+        }
         samples: list[Sample] = []
-        readings: dict[str, LinkReading] = {}  # a shared bridge is read once per poll
-        for name in sorted(entries):
-            path = self._gpus.path(name)
-            if not path:
-                continue
+        for path in gpus:
             gpu = path[0]
-            for fn in path:
-                if fn.path not in readings:
-                    readings[fn.path] = self._read_link(fn.path)
             for i, fn in enumerate(path):
                 other = link_partner(path, i)
                 partner = None if other is None else readings[other.path]
@@ -356,17 +394,17 @@ class PcieSource(Source):
                 samples.append(Sample("gpuwatchd_pcie_gpu_numa_node", (gpu.bdf,), float(numa)))
         return samples
 
-    def _read_link(self, path: str) -> LinkReading:
-        """The function's link; its maxima from the first poll that read both. The last
-        poll's reading (the same object) where its files read the same."""
+    def _read_link(self, path: str, raw: tuple[bytes | None, ...]) -> LinkReading:
+        """The function's link from its polled files' `raw` bytes; its maxima from the
+        first poll that read both. The last poll's reading (the same object) where its
+        files read the same."""
         caps = self._caps.get(path)
         last = self._polled.get(path)
-        files = last[0] if last is not None else tuple(f"{path}/{n}" for n in _POLLED_FILES)
-        polled = tuple(map(_read, files))
-        if last is not None and last[1] == polled and caps is not None and polled[0] is not None:
-            return last[2]
+        if last is not None and last[0] == raw and caps is not None and raw[0] is not None:
+            return last[1]
+        polled = tuple(None if data is None else data.decode("utf-8", "replace") for data in raw)
         reading = link_reading(path, polled, caps)
-        self._polled[path] = (files, polled, reading)
+        self._polled[path] = (raw, reading)
         if not reading.present:
             self._caps.pop(path, None)
         elif reading.speed_max is not None and reading.width_max is not None:
@@ -432,6 +470,10 @@ class GpuPaths:
         self.devices_dir = devices_dir
         # entry name -> its path (GPU first, root port last), or None: not a GPU
         self._paths: dict[str, tuple[PciFunction, ...] | None] = {}
+        # the last listing, where every entry in it was told a GPU or not (None: one was
+        # unreadable, to be looked at again): the same listing again has nothing new
+        self._listing: list[str] | None = None
+        self._listed: tuple[tuple[PciFunction, ...], ...] = ()
 
     def path(self, name: str) -> tuple[PciFunction, ...] | None:
         return self._paths.get(name)
@@ -439,12 +481,20 @@ class GpuPaths:
     def paths(self) -> list[tuple[PciFunction, ...]]:
         return [path for path in self._paths.values() if path is not None]
 
+    def listed(self) -> tuple[tuple[PciFunction, ...], ...]:
+        """Every GPU's path in the order of the GPUs' entry names; the same object until
+        a GPU comes or goes."""
+        return self._listed
+
     def refresh(self, entries: list[str]) -> bool:
         """Walk the functions new to `entries`; forget the ones that left (True if any)."""
+        if entries == self._listing:
+            return False
         present = set(entries)
         gone = [name for name in self._paths if name not in present]
         for name in gone:
             del self._paths[name]
+        told = True
         for name in entries:
             if name in self._paths:
                 continue
@@ -452,14 +502,20 @@ class GpuPaths:
             vendor = parse_hex(_read(os.path.join(entry, "vendor")) or "")
             pci_class = parse_hex(_read(os.path.join(entry, "class")) or "")
             if vendor is None or pci_class is None:
+                told = False
                 continue  # unreadable now: look again next poll
             if vendor != NVIDIA_VENDOR or pci_class >> 16 != DISPLAY_CLASS:
                 self._paths[name] = None
                 continue
             resolved = os.path.realpath(entry)
             if not os.path.isdir(resolved):
+                told = False
                 continue
             self._paths[name] = walk_to_root(resolved)
+        self._listing = list(entries) if told else None
+        listed = tuple(path for _, path in sorted(self._paths.items()) if path is not None)
+        if listed != self._listed:
+            self._listed = listed
         return bool(gone)
 
 
