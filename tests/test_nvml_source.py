@@ -1082,7 +1082,8 @@ def scrambled(sim: Sim) -> None:
     ("nvlink-loss-8xh100-nvswitch", 170.0, SLOW_EVERY + 3, False),
     ("fabric-registration-at-boot-8xh100", 0.0, 3 * SLOW_EVERY, False),
     ("gpu-fallen-off-bus", 290.0, SLOW_EVERY + 5, False),
-    ("mig-mode-change-a100", 0.0, 2 * SLOW_EVERY + 3, False),
+    ("mig-mode-change-a100", 350.0, 2 * SLOW_EVERY + 3, False),  # MIG enabled at 360 s
+    ("mig-mode-change-a100", 650.0, 2 * SLOW_EVERY + 3, False),  # 2 x 3g -> 7 x 1g at 660 s
     ("nccl-hang-r535-dcgm-8xh100", 0.0, SLOW_EVERY + 3, False),
 ])
 def test_planned_polls_give_what_reading_each_field_and_read_gives(
