@@ -18,8 +18,10 @@ from gpuwatchd.sim.scenario import CLOCK_EVENT_REASONS, Scenario, Timeline, load
 from gpuwatchd.sources import REGISTRY, load_builtin_sources
 from gpuwatchd.sources.base import Context, SourceError
 from gpuwatchd.sources.nvml import NvmlSource
+from gpuwatchd.sources.nvml import source as nvml_source
 from gpuwatchd.sources.nvml.metrics import CLOCK_REASONS
-from gpuwatchd.sources.nvml.reads import SLOW_EVERY
+from gpuwatchd.sources.nvml.plans import ReadPlan
+from gpuwatchd.sources.nvml.reads import NVLINK_STATE, SLOW_EVERY
 from gpuwatchd.sources.nvmlapi import (
     Direct,
     FieldValues,
@@ -1047,3 +1049,109 @@ def test_sm_count_from_the_cores_and_the_compute_capability():
     assert Sim("healthy-8gpu", at=10.0).collect().value("gpu_multiprocessors", 7) == 108
     old = Sim("healthy-8gpu", at=10.0, missing_functions=["nvmlDeviceGetNumGpuCores"])
     assert old.collect().gpus_with("gpu_multiprocessors") == set()
+
+
+# -- the plans a poll follows (plans.py): the same samples and calls as reading each
+# field and each read by the tables, made again as what they were made from changes
+
+
+def unplanned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Polls without plans: every field by the loop, every read by `_read_one`."""
+    monkeypatch.setattr(nvml_source, "field_plan", lambda entries, success: None)
+
+    def steps(self: ReadPlan, phase: int) -> list[Any]:
+        return [(r, None, (), False, None) for r in self.reads if r.key not in self.disabled]
+
+    monkeypatch.setattr(ReadPlan, "_steps", steps)
+
+
+def scrambled(sim: Sim) -> None:
+    """Each GPU's batch with its NVLink states split by a field (as a field asked again
+    after a MIG change can leave it): not one run."""
+    for gpu in sim.source._gpus:
+        batch = list(gpu.batch)
+        links = [i for i, e in enumerate(batch) if e.field is NVLINK_STATE]
+        if len(links) > 1:
+            batch.insert(links[1], batch.pop(0))
+            sim.source._ask(gpu, batch)
+
+
+@pytest.mark.parametrize(("name", "at", "polls", "scramble"), [
+    ("nvlink-down", 170.0, 2 * SLOW_EVERY + 3, False),
+    ("nvlink-down", 170.0, 2 * SLOW_EVERY + 3, True),
+    ("nvlink-loss-8xh100-nvswitch", 170.0, SLOW_EVERY + 3, False),
+    ("fabric-registration-at-boot-8xh100", 0.0, 3 * SLOW_EVERY, False),
+    ("gpu-fallen-off-bus", 290.0, SLOW_EVERY + 5, False),
+    ("mig-mode-change-a100", 350.0, 2 * SLOW_EVERY + 3, False),  # MIG enabled at 360 s
+    ("mig-mode-change-a100", 650.0, 2 * SLOW_EVERY + 3, False),  # 2 x 3g -> 7 x 1g at 660 s
+    ("nccl-hang-r535-dcgm-8xh100", 0.0, SLOW_EVERY + 3, False),
+])
+def test_planned_polls_give_what_reading_each_field_and_read_gives(
+    monkeypatch: pytest.MonkeyPatch, name: str, at: float, polls: int, scramble: bool
+) -> None:
+    planned = Sim(name, at=at)
+    with monkeypatch.context() as patched:
+        unplanned(patched)
+        sim = Sim(name, at=at)
+        expected = []
+        for i in range(polls):
+            expected.append(sim.source.collect())
+            if scramble and i == 1:
+                scrambled(sim)
+            sim.advance(1)
+        calls = dict(sim.fake.gpu_calls)
+    for i in range(polls):
+        assert planned.source.collect() == expected[i], f"poll {i}"
+        if scramble and i == 1:
+            scrambled(planned)
+        planned.advance(1)
+    assert dict(planned.fake.gpu_calls) == calls
+
+
+def test_a_read_that_falls_back_later_is_planned_with_its_fallback():
+    sim = Sim("idle-8gpu")
+    sim.polls(2)  # the plans made, fabric's NOT_SUPPORTED found
+    nv, calls = sim.nv, sim.fake.gpu_calls
+    sim.fake.fail("nvmlDeviceGetCurrentClocksEventReasons", nv.NVML_ERROR_FUNCTION_NOT_FOUND, gpu=0)
+    for _ in range(3):
+        assert sim.collect().value("gpu_clock_event_reason_active", 0, "gpu_idle") == 1
+    assert calls[("nvmlDeviceGetCurrentClocksEventReasons", 0)] == 2 + 1  # then its fallback
+    assert calls[("nvmlDeviceGetCurrentClocksThrottleReasons", 0)] == 3
+    assert calls[("nvmlDeviceGetCurrentClocksEventReasons", 1)] == 5
+
+
+def test_a_read_found_unsupported_later_leaves_the_plan():
+    sim = Sim("idle-8gpu")
+    sim.polls(2)
+    sim.fake.fail("nvmlDeviceGetPerformanceState", sim.nv.NVML_ERROR_NOT_SUPPORTED, gpu=0)
+    for _ in range(3):
+        got = sim.collect()
+        assert got.gpu("gpu_performance_state", 0) == {}
+        assert got.value("gpu_performance_state", 1) == 8
+    assert sim.fake.gpu_calls[("nvmlDeviceGetPerformanceState", 0)] == 3  # 2 + 1, not again
+    assert sim.fake.gpu_calls[("nvmlDeviceGetPerformanceState", 1)] == 5
+
+
+def test_a_fallback_read_added_later_joins_the_plan():
+    sim = Sim("idle-8gpu")
+    assert sim.polls(2).value("gpu_power_watts", 0) == 61
+    sim.fake.fail_field(sim.nv.NVML_FI_DEV_POWER_INSTANT, sim.nv.NVML_ERROR_NOT_SUPPORTED)
+    for _ in range(3):  # the field found unsupported, its call read in the same poll
+        assert sim.collect().value("gpu_power_watts", 0) == 61
+    assert sim.fake.gpu_calls[("nvmlDeviceGetPowerUsage", 0)] == 3
+
+
+def test_a_field_plan_needs_the_nvlink_states_in_one_run():
+    sim = Sim("nvlink-down", at=170.0)
+    sim.collect()
+    gpu = sim.source._gpus[0]
+    fast, batch = gpu.plans
+    assert batch is not None and fast is not None
+    assert batch.scopes == tuple(range(12)) and batch.links == slice(9, 21)
+    # power; the two PCIe rates; the replay counter (SLOW); the ECC fields; row remapping
+    assert [(slow, start, end, rate is not None) for slow, start, end, *_, rate in batch.runs] == [
+        (False, 0, 1, False), (False, 1, 2, True), (False, 2, 3, True), (True, 3, 4, False),
+        (False, 4, 7, False), (True, 7, 9, False),
+    ]
+    scrambled(sim)
+    assert gpu.plans[1] is None

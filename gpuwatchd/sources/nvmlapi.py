@@ -13,7 +13,7 @@ import importlib
 import logging
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
@@ -146,6 +146,10 @@ class FieldValues:
         self._decoders: dict[tuple[int, ...], tuple[struct.Struct, tuple[Any, ...], bool]] = {}
 
     def read(self, array: Any) -> list[tuple[int, int, float | None, int | None]]:
+        return list(zip(*self.columns(array), strict=True))
+
+    def columns(self, array: Any) -> tuple[Sequence[int], Sequence[int], Sequence[Any], Any]:
+        """What `read` gives, as its four columns (codes, timestamps, numbers, moduli)."""
         data = memoryview(array).cast("B")
         count = len(data) // self._size
         kinds = self._kinds.get(count)
@@ -167,7 +171,7 @@ class FieldValues:
                 n if m is not _UNKNOWN else None for n, m in zip(numbers, moduli, strict=True)
             ]
             moduli = tuple(None if m is _UNKNOWN else m for m in moduli)
-        return list(zip(flat[code::step], flat[stamp::step], numbers, moduli, strict=True))
+        return flat[code::step], flat[stamp::step], numbers, moduli
 
     def _decoder(self, types: tuple[int, ...]) -> tuple[struct.Struct, tuple[Any, ...], bool]:
         """The struct reading a whole array whose values have these types, each value's
@@ -229,15 +233,21 @@ class Direct:
     def field_values(
         self, handle: Any, request: Any
     ) -> list[tuple[int, int, float | None, int | None]]:
+        return list(zip(*self.field_columns(handle, request), strict=True))
+
+    def field_columns(
+        self, handle: Any, request: Any
+    ) -> tuple[Sequence[int], Sequence[int], Sequence[Any], Any]:
+        """`field_values` as `FieldValues.columns`: one column per item, not a tuple per field."""
         nv = self.nv
         if self._pointer is None:
             ids = [(v.fieldId, v.scopeId) for v in request]
-            return self.values.read(nv.nvmlDeviceGetFieldValues(handle, ids))
+            return self.values.columns(nv.nvmlDeviceGetFieldValues(handle, ids))
         call = self._pointer("nvmlDeviceGetFieldValues")
         code = call(handle, ctypes.c_int32(len(request)), ctypes.byref(request))
         if code != nv.NVML_SUCCESS:
             raise nv.NVMLError(code)
-        return self.values.read(request)
+        return self.values.columns(request)
 
     def lister(self, name: str) -> Callable[[Any], dict[int, float]]:
         """nvmlDevice{Compute,Graphics}RunningProcesses[_vN] as {pid: GPU memory bytes}."""

@@ -15,7 +15,7 @@ GPUs behind it with them).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpuwatchd.config import NvmlConfig, SourceConfig
@@ -52,7 +52,9 @@ class NvLinks:
             return 0
         return int(count) if code == nv.NVML_SUCCESS and count is not None else 0
 
-    def _nvlink_samples(self, gpu: _Gpu, states: list[tuple[int, bool]], out: list[Sample]) -> None:
+    def _nvlink_samples(
+        self, gpu: _Gpu, states: Sequence[tuple[int, bool]], out: list[Sample]
+    ) -> None:
         """The GPU's active and expected links from this poll's (link, active) states, each
         link down, and the GPU the down links reached (the lowest). The same states as the
         last poll's, with no GPU found on an NVSwitch since (what else makes a link

@@ -86,6 +86,8 @@ class _Gpu:
         self.request: Any = None  # ... as the nvmlFieldValue_t array it is asked with
         self.fast: list[_Entry] = []  # the batch's fields read every poll (the others: SLOW)
         self.fast_request: Any = None
+        self.plans: tuple[Any, Any] = (None, None)  # plans.FieldPlan of fast and batch
+        self.read_plan: Any = None  # plans.ReadPlan, made again when what it used changes
         # fields dropped NOT_SUPPORTED (no fallback): asked again when the MIG layout
         # changes (nvml.h: no remapped rows on a MIG GPU with instances)
         self.dropped: set[_Entry] = set()

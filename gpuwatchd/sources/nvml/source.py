@@ -12,6 +12,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from itertools import chain
+from operator import mul
 from typing import Any
 
 from gpuwatchd.config import SourceConfig
@@ -34,6 +36,7 @@ from gpuwatchd.sources.nvml.metrics import (
 )
 from gpuwatchd.sources.nvml.mig import MIG_SPECS, MigReads
 from gpuwatchd.sources.nvml.nvlink import NvLinks
+from gpuwatchd.sources.nvml.plans import ReadPlan, field_plan
 from gpuwatchd.sources.nvml.reader import Polling, _Reader, _wait
 from gpuwatchd.sources.nvml.reads import (
     EVERY_POLL,
@@ -300,51 +303,97 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
             out.append(Sample(LAST_XID.name, gpu.labels, gpu.last_xid))
 
     def _reads(self, gpu: _Gpu, out: list[Sample]) -> None:
-        polls, kept = gpu.polls, gpu.kept
-        for read in gpu.reads:
-            every = read.every
-            if every != EVERY_POLL:
-                samples = kept.get(read.key)
-                if samples is not None and (every == ONCE or polls % every):
-                    out += samples  # what it gave when it was read
-                    continue
-            key = read.key
-            value = self._read(gpu, read)
-            if value is _MISSING:
-                kept.pop(key, None)  # asked again next poll
-                if read.listing:
-                    gpu.lists.pop(read.listing, None)
+        """The GPU's reads by its plan: each due read's call, the others' kept samples."""
+        plan = gpu.read_plan
+        if plan is None or not plan.fits(gpu.reads, gpu.disabled, gpu.choice):
+            plan = gpu.read_plan = ReadPlan(gpu.reads, gpu.disabled, gpu.choice, self._calls)
+        kept, lists, labels, handle = gpu.kept, gpu.lists, gpu.labels, gpu.handle
+        error = self._nv.NVMLError
+        for read, function, args, keep, keys in plan.steps(gpu.polls):
+            if keys is not None:  # reads not due: what they gave when they were read
+                got: list[Any] = list(map(kept.get, keys))
+                if None in got:  # one has none: each as _read_one says
+                    for idle in read:
+                        self._read_one(gpu, idle, out)
+                else:
+                    out += chain.from_iterable(got)
                 continue
+            if function is None:
+                self._read_one(gpu, read, out)
+                continue
+            try:
+                value = function(handle, *args)
+            except error as e:
+                value = self._read_failed(gpu, read, gpu.choice.get(read.key, 0), e)
+                if value is _MISSING:
+                    self._forget(gpu, read)
+                    continue
             if read.listing:
-                gpu.lists[read.listing] = value
+                lists[read.listing] = value
             if read.emit is None:
-                samples = [Sample(read.metric, gpu.labels, value * read.scale)]
+                samples = [Sample(read.metric, labels, value * read.scale)]
             else:
                 samples = []
                 read.emit(gpu, value, samples)
-            if every != EVERY_POLL:
-                kept[key] = samples
-            out.extend(samples)
+            if keep:
+                kept[read.key] = samples
+            out += samples
+
+    def _read_one(self, gpu: _Gpu, read: Read, out: list[Sample]) -> None:
+        """One read, unplanned: its kept samples if it is not due, else its call."""
+        every = read.every
+        if every != EVERY_POLL:
+            samples = gpu.kept.get(read.key)
+            if samples is not None and (every == ONCE or gpu.polls % every):
+                out += samples  # what it gave when it was read
+                return
+        value = self._read(gpu, read)
+        if value is _MISSING:
+            self._forget(gpu, read)
+            return
+        if read.listing:
+            gpu.lists[read.listing] = value
+        if read.emit is None:
+            samples = [Sample(read.metric, gpu.labels, value * read.scale)]
+        else:
+            samples = []
+            read.emit(gpu, value, samples)
+        if every != EVERY_POLL:
+            gpu.kept[read.key] = samples
+        out.extend(samples)
+
+    def _forget(self, gpu: _Gpu, read: Read) -> None:
+        """A read that gave nothing: asked again next poll, no list kept."""
+        gpu.kept.pop(read.key, None)
+        if read.listing:
+            gpu.lists.pop(read.listing, None)
 
     def _read(self, gpu: _Gpu, read: Read) -> Any:
         key = read.key
         if key in gpu.disabled:
             return _MISSING
-        calls = self._calls[key]
         choice = gpu.choice.get(key, 0)
-        name, function, args = calls[choice]
+        _, function, args = self._calls[key][choice]
         try:
             if function is None:  # this pynvml predates the function
                 raise self._nv.NVMLError(self._nv.NVML_ERROR_FUNCTION_NOT_FOUND)
             value = function(gpu.handle, *args)
         except self._nv.NVMLError as e:
-            if e.value in self._fall_back and choice + 1 < len(calls):
-                gpu.choice[key] = choice + 1
-                self._log_once(key, name, gpu, f"{self._describe(e)}, using {calls[choice + 1][0]}")
-                return self._read(gpu, read)
-            self._failed(gpu, key, name, e)
-            return _MISSING
+            return self._read_failed(gpu, read, choice, e)
         return value
+
+    def _read_failed(self, gpu: _Gpu, read: Read, choice: int, error: Any) -> Any:
+        """A read's call failed: its next call where this one is missing (the value it
+        gives), else the error handled (_MISSING)."""
+        key = read.key
+        calls = self._calls[key]
+        name = calls[choice][0]
+        if error.value in self._fall_back and choice + 1 < len(calls):
+            gpu.choice[key] = choice + 1
+            self._log_once(key, name, gpu, f"{self._describe(error)}, using {calls[choice + 1][0]}")
+            return self._read(gpu, read)
+        self._failed(gpu, key, name, error)
+        return _MISSING
 
     def _field_values(self, gpu: _Gpu, out: list[Sample]) -> None:
         """FIELDS and the NVLink states in one call; each field has its own nvmlReturn.
@@ -359,17 +408,32 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         nv, direct = self._nv, self._direct
         assert direct is not None
         try:
-            values = direct.field_values(gpu.handle, request)
+            codes, stamps, numbers, moduli = direct.field_columns(gpu.handle, request)
         except nv.NVMLError as e:
             self._failed(gpu, FIELDS_KEY, "nvmlDeviceGetFieldValues", e)
             gpu.kept.pop(SLOW_FIELDS_KEY, None)  # nothing stale: all asked again next poll
             if FIELDS_KEY in gpu.disabled:
                 self._unsupported(gpu, set(gpu.batch))
             return
+        slow: list[Sample] = []  # a SLOW field that failed is asked again at its next read
+        plan = gpu.plans[full]
+        if plan is not None and codes == plan.ok and None not in numbers:  # all answered
+            for to_slow, at, end, metrics, labels, scales, rate in plan.runs:
+                mine = slow if to_slow else out
+                if rate is None:
+                    mine += map(Sample, metrics, labels, map(mul, numbers[at:end], scales))
+                else:
+                    self._rate(gpu, rate, int(numbers[at]), moduli[at], stamps[at], mine)
+            states = tuple(zip(plan.scopes, map(bool, numbers[plan.links]), strict=True))
+            self._nvlink_samples(gpu, states, out)
+            if full:
+                gpu.kept[SLOW_FIELDS_KEY] = slow
+            out.extend(gpu.kept[SLOW_FIELDS_KEY])
+            return
         success = nv.NVML_SUCCESS
         unsupported: set[_Entry] = set()
-        slow: list[Sample] = []  # a SLOW field that failed is asked again at its next read
         links: list[tuple[int, bool]] = []  # (NVLink, active), counted per GPU
+        values = zip(codes, stamps, numbers, moduli, strict=True)
         for (code, stamp, number, modulus), entry in zip(values, entries, strict=True):
             if code == success and number is not None:
                 field = entry.field
@@ -411,6 +475,8 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         gpu.request = self._direct.request([(e.field_id, e.scope) for e in entries])
         gpu.fast = [e for e in entries if e.field.every == EVERY_POLL]
         gpu.fast_request = self._direct.request([(e.field_id, e.scope) for e in gpu.fast])
+        success = self._nv.NVML_SUCCESS
+        gpu.plans = (field_plan(gpu.fast, success), field_plan(entries, success))
 
     def _rate(
         self,
