@@ -79,7 +79,8 @@ class Watch:
     profiling: bool
     indices: bool = False  # holds DCGM_FI_DEV_NVML_INDEX
     entity_group: int = FE_GPU  # `gpus` are GPUs, or (FE_GPU_I) MIG GPU instances
-    made: Any = None  # what its last read became (session.Made), kept for the next
+    # what its last read became (session.Made), kept for the next
+    made: Any = field(default=None, compare=False, repr=False)
 
 
 class Host(Protocol):
