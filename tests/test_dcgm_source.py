@@ -612,6 +612,63 @@ def test_text_blanks_are_absent_without_a_warning(make, caplog):
     assert not caplog.records
 
 
+def lost_at_20s() -> Any:
+    """Two GPUs; GPU 1 falls off the bus 20 s in (DCGM: its values' status GPU_IS_LOST)."""
+    run = scenario().model_dump(mode="json", exclude_defaults=True)["phases"][0]
+    lost = {"name": "lost", "duration": 600, "changes": [{"gpus": [1], "set": {"lost": True}}]}
+    return scenario([{**run, "duration": 20}, {**lost, "set": run["set"]}])
+
+
+@pytest.mark.parametrize("compat", [False, True])
+def test_odd_values_read_in_bulk_as_one_by_one(make, compat):
+    # the bulk read (numbers in columns, samples made in one pass) against the fallback's
+    # value-by-value decoding: blanks of either type, NaN, infinities, ints past 2**53,
+    # an Xid (dcgm-exporter's labels), and GPU 1 lost 20 s in
+    odd = {
+        (0, 1002): math.nan,
+        (0, 1003): math.inf,  # at or above DCGM_FP64_BLANK: blank
+        (0, 1004): -math.inf,
+        (0, 155): simdcgm.FP64_BLANK - 1,
+        (0, 156): simdcgm.INT64_BLANK - 1,
+        (0, 202): 2**53 + 1,
+        (0, 1009): simdcgm.INT64_BLANK + 3,
+        (0, 240): -7,
+        (1, 1005): simdcgm.FP64_BLANK,
+        (1, 230): 43,
+    }
+    runs = []
+    for without in ((), ("dcgmEntitiesGetLatestValues",)):
+        with simdcgm.library_without(*without):
+            sim = make(lost_at_20s(), exporter_compat=compat)
+            for (gpu, field), value in odd.items():
+                sim.engine.set_value(field, value, gpu=gpu)
+            runs.append(polls(sim, 6))
+    assert repr(runs[0]) == repr(runs[1])  # a NaN is not equal to itself
+    first, last = Metrics(runs[0][0]), Metrics(runs[0][-1])
+    assert math.isnan(first.value("gpu_sm_active_ratio", 0))
+    assert first.value("gpu_dcgm_energy_joules_total", 0) == (simdcgm.INT64_BLANK - 1) * 0.001
+    assert first.value("gpu_dcgm_pcie_replay_errors_total", 0) == float(2**53 + 1)
+    assert 0 not in {int(labels[0]) for labels in first.by_name[P + "gpu_sm_occupancy_ratio"]}
+    assert {labels[0] for labels in last.by_name[P + "gpu_dcgm_power_watts"]} == {"0"}
+
+
+def test_a_watch_read_as_before_keeps_what_its_values_become(make):
+    sim = make(lost_at_20s())
+    sim.collect()
+    device = sim.source._session.watches[0]
+    made = device.made
+    sim.advance(5)
+    sim.engine.set_value(155, simdcgm.FP64_BLANK, gpu=0)
+    m = sim.collect()
+    assert device.made is made  # a blank is a value: the records read as before
+    assert {labels[0] for labels in m.by_name[P + "gpu_dcgm_power_watts"]} == {"1"}
+    sim.engine.clear_values()
+    sim.advance(10)
+    m = sim.collect()  # GPU 1's values now answer DCGM_ST_GPU_IS_LOST
+    assert device.made is not made
+    assert {labels[0] for labels in m.by_name[P + "gpu_dcgm_power_watts"]} == {"0"}
+
+
 def test_our_group_removed_by_another_client_means_setting_up_again(make):
     sim = make(interval=5.0)
     assert sim.collect().state() == "connected"

@@ -6,6 +6,7 @@ Field ids are DCGM's and stable across versions (DCGM 4.6 renamed the constants)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -71,7 +72,7 @@ class FieldPlan:
         native = tuple(dict.fromkeys(configured))
         return cls(native, tuple(dict.fromkeys([*native, *compat])))
 
-    @property
+    @functools.cached_property  # read by every poll's status
     def profiling(self) -> list[int]:
         return [f for f in self.watched if f in self.profiling_ids]
 

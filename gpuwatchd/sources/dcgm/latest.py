@@ -32,7 +32,7 @@ import ctypes
 import logging
 import struct
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwatchd.sources.dcgm.fields import FE_GPU
 
@@ -77,6 +77,18 @@ class Layout:
         self.text = (value.offset + (text.offset if text else 0), text.size if text else 256)
         self.ints = self._struct([*members, (value.offset, "q")])
         self.doubles = self._struct([(value.offset, "d")])
+        self.value_offset = value.offset
+        self._head = self._struct(members).format[1:]  # one record's members, padded
+        self._heads: dict[int, struct.Struct] = {}
+
+    def heads(self, count: int) -> struct.Struct:
+        """Reads the members (not the value) of `count` records in one call."""
+        heads = self._heads.get(count)
+        if heads is None:
+            if len(self._heads) >= 16:
+                self._heads.clear()
+            heads = self._heads[count] = struct.Struct("=" + self._head * count)
+        return heads
 
     def _struct(self, members: list[tuple[int, str | None]]) -> struct.Struct:
         fmt, at = "=", 0
@@ -90,6 +102,68 @@ class Layout:
         if at > self.stride:
             raise TypeError("dcgmFieldValue is shorter than its members")
         return struct.Struct(fmt + (f"{self.stride - at}x" if self.stride > at else ""))
+
+
+class Plan:
+    """What an array whose records have these members (`head`: entity group, entity, field,
+    type, status, record by record) holds, by `_decode`'s rules: the numbers of entity group
+    `wanted` (`keys`: their (entity, field)), read by `values` in one call, with a number at
+    or above its `limits` blank; `values` None: text or blobs, decoded one by one. Kept
+    while the records' members read the same (the same watch, fields, GPUs and statuses)."""
+
+    def __init__(self, owner: LatestValues, layout: Layout, head: tuple[int, ...], wanted: int):
+        self.head = head
+        self.keys: list[tuple[int, int]] = []
+        self.watched = False
+        self.failed: set[int] = set()
+        members: list[tuple[int, str | None]] = []
+        limits: list[float] = []
+        numbers = {FT_DOUBLE: ("d", owner.fp64_blank), FT_INT64: ("q", owner.int64_blank)}
+        numbers[FT_TIMESTAMP] = numbers[FT_INT64]
+        bulk = True
+        records = zip(*(head[m::5] for m in range(5)), strict=True)
+        for k, (group, entity, fid, kind, status) in enumerate(records):
+            if status != owner.ok:
+                self.watched = self.watched or status != owner.not_watched
+                if status not in owner._quiet_statuses:
+                    self.failed.add(entity)
+                continue
+            self.watched = True
+            if group != wanted:
+                continue
+            code, limit = numbers.get(kind, (None, 0.0))
+            bulk = bulk and code is not None
+            self.keys.append((entity, fid))
+            members.append((k * layout.stride + layout.value_offset, code))
+            limits.append(limit)
+        self.limits = tuple(limits)
+        self.values = _values_struct(members) if bulk else None
+        self.entities = list(dict.fromkeys(entity for entity, _ in self.keys))
+        self._found: dict[int, list[tuple[int, int]]] = {}
+
+    def find(self, field: int) -> list[tuple[int, int]]:
+        """(index in the values, entity) of the values of `field`."""
+        found = self._found.get(field)
+        if found is None:
+            keys = enumerate(self.keys)
+            found = self._found[field] = [(j, e) for j, (e, f) in keys if f == field]
+        return found
+
+
+class Columns(NamedTuple):
+    """One read's numbers as its plan reads them (blanks in; `Plan.limits` tell them)."""
+
+    plan: Plan
+    values: tuple[float, ...]
+
+
+def _values_struct(members: list[tuple[int, str | None]]) -> struct.Struct:
+    fmt, at = "=", 0
+    for offset, code in members:  # in the records' order: offsets rise
+        assert code is not None
+        fmt += (f"{offset - at}x" if offset > at else "") + code
+        at = offset + 8
+    return struct.Struct(fmt)
 
 
 class LatestValues:
@@ -148,6 +222,26 @@ class LatestValues:
         entity group `group` (GPUs; FE_GPU_I: MIG GPU instances), in the order DCGM
         returns them. Raises DCGMError; DCGM_ST_NOT_WATCHED when every value says so: our
         watch is gone (another client removed our group or field group)."""
+        read = self.columns(handle, gpus, field_ids, group, flags)
+        if not isinstance(read, Columns):
+            return read
+        plan = read.plan
+        rows = zip(plan.keys, read.values, plan.limits, strict=True)
+        # a NaN is not blank
+        return [(e, fid, float(n)) for (e, fid), n, limit in rows if not n >= limit]
+
+    def columns(
+        self,
+        handle: Any,
+        gpus: list[int],
+        field_ids: list[int],
+        group: int = FE_GPU,
+        flags: int = 0,
+        last: Plan | None = None,
+    ) -> Columns | list[Value]:
+        """`read`'s values as `Columns`, blanks in (`last`: the plan of this watch's last
+        read, kept if the records read the same); where the array holds text or blobs,
+        `read`'s list."""
         assert self.fetch is not None and self.layout is not None
         key = (group, *gpus)
         pairs = self._pairs.get(key)
@@ -157,12 +251,20 @@ class LatestValues:
             pairs = self._pairs[key] = [self.pair(group, gpu) for gpu in gpus]
         array = self.fetch(handle, pairs, field_ids, flags)
         layout = self.layout
-        rows = zip(layout.ints.iter_unpack(array), layout.doubles.iter_unpack(array), strict=True)
-        records = (
-            (group, entity, fid, kind, status, i64, dbl, array, k)
-            for k, ((group, entity, fid, kind, status, i64), (dbl,)) in enumerate(rows)
-        )
-        return self._decode(layout, records, bool(field_ids and gpus), group)
+        head = layout.heads(len(array)).unpack_from(array)
+        plan = last if last is not None and last.head == head else Plan(self, layout, head, group)
+        self.failed = plan.failed
+        if not plan.watched and field_ids and gpus:
+            raise self.structs.DCGMError(self.not_watched)
+        if plan.values is None:
+            ints, doubles = layout.ints.iter_unpack(array), layout.doubles.iter_unpack(array)
+            rows = zip(ints, doubles, strict=True)
+            records = (
+                (group, entity, fid, kind, status, i64, dbl, array, k)
+                for k, ((group, entity, fid, kind, status, i64), (dbl,)) in enumerate(rows)
+            )
+            return self._decode(layout, records, bool(field_ids and gpus), group)
+        return Columns(plan, plan.values.unpack_from(array))
 
     def read_by_callback(
         self,

@@ -31,7 +31,7 @@ compat rows move to its instances (or back) in the poll that saw the change.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpuwatchd.sources.dcgm.fields import (
     FE_GPU,
@@ -43,9 +43,6 @@ from gpuwatchd.sources.dcgm.fields import (
 from gpuwatchd.sources.dcgm.model import Host, Instance, Row, Watch
 
 GR_ENGINE_FIELD = 1001  # DCGM_FI_PROF_GR_ENGINE_ACTIVE
-
-if TYPE_CHECKING:
-    from gpuwatchd.sources.dcgm.latest import Value
 
 log = logging.getLogger(__package__)
 
@@ -233,10 +230,9 @@ class MigInstances:
         for watch in (self.device_watch, None if session.profiling_paused else self.watch):
             if watch is None:
                 continue
-            values = session.read_watch(watch)
+            session.emit_watch(watch, self.instances, out)
             if session.latest.failed & set(self.instances):
                 self._stale = True  # one is gone: find out what is left at the next poll
-            self._emit(values, out)
 
     def prepare(self, instance: Instance) -> None:
         """Precompute what each of the instance's values becomes."""
@@ -255,12 +251,3 @@ class MigInstances:
             if compat and mapping is not None and mapping.compat:
                 rows.append((mapping.compat, instance.compat, 1.0))
             instance.emit[fid] = rows
-
-    def _emit(self, values: list[Value], out: list[Any]) -> None:
-        sample = self.session.sample
-        instances = self.instances
-        for entity, fid, number in values:
-            instance = instances.get(entity)
-            rows = instance.emit.get(fid) if instance is not None else None
-            if rows:
-                sample(fid, number, rows, out)

@@ -7,6 +7,7 @@ either, so each arrow runs one way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from gpuwatchd.config import DcgmConfig
     from gpuwatchd.sources.dcgm.bindings import Bindings
     from gpuwatchd.sources.dcgm.fields import FieldPlan
-    from gpuwatchd.sources.dcgm.latest import LatestValues, Value
+    from gpuwatchd.sources.dcgm.latest import LatestValues
 
 Row = tuple[str, tuple[str, ...], float]  # a value becomes (metric, labels, scale)
 
@@ -66,6 +67,9 @@ class Instance:
         return (*c[:5], self.profile, self.gi, *c[7:])
 
 
+Owner = Gpu | Instance  # whose rows a value of an entity becomes
+
+
 @dataclass
 class Watch:
     group: Any  # pydcgm.DcgmGroup
@@ -75,6 +79,8 @@ class Watch:
     profiling: bool
     indices: bool = False  # holds DCGM_FI_DEV_NVML_INDEX
     entity_group: int = FE_GPU  # `gpus` are GPUs, or (FE_GPU_I) MIG GPU instances
+    # what its last read became (session.Made), kept for the next
+    made: Any = field(default=None, compare=False, repr=False)
 
 
 class Host(Protocol):
@@ -99,6 +105,4 @@ class Host(Protocol):
 
     def drop(self, watch: Watch) -> None: ...
 
-    def read_watch(self, watch: Watch) -> list[Value]: ...
-
-    def sample(self, fid: int, number: Any, rows: list[Row], out: list[Sample]) -> None: ...
+    def emit_watch(self, watch: Watch, owners: Mapping[int, Owner], out: list[Sample]) -> None: ...

@@ -17,9 +17,12 @@ id, as dcgm-exporter does.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
+import operator
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from gpuwatchd.config import DcgmConfig
@@ -35,9 +38,9 @@ from gpuwatchd.sources.dcgm.fields import (
     FieldPlan,
     instance_level,
 )
-from gpuwatchd.sources.dcgm.latest import LatestValues, Value
+from gpuwatchd.sources.dcgm.latest import Columns, LatestValues, Plan, Value
 from gpuwatchd.sources.dcgm.mig import MigInstances
-from gpuwatchd.sources.dcgm.model import Gpu, Row, Watch
+from gpuwatchd.sources.dcgm.model import Gpu, Owner, Row, Watch
 from gpuwatchd.sources.dcgm.xid import UNKNOWN_XID, XID_MESSAGES
 
 log = logging.getLogger(__package__)
@@ -369,23 +372,38 @@ class Session:
                 continue  # blank while paused
             if watch.entity_group != FE_GPU:
                 continue  # MIG GPU instances: read by self.mig
-            values = self.read_watch(watch)
-            if watch.indices:
-                self._follow_indices(values)
-            self._emit(values, out)
+            self.emit_watch(watch, self.gpus, out)
         self.mig.poll(out)
         return out
 
-    def read_watch(self, watch: Watch) -> list[Value]:
+    def emit_watch(self, watch: Watch, owners: Mapping[int, Owner], out: list[Sample]) -> None:
+        """The watch's latest values as samples into `out`, by the rows (`prepare`) of
+        their entities' `owners` (GPUs, or MIG GPU instances)."""
+        read = self.read_watch(watch)
+        if not isinstance(read, Columns):  # read one by one
+            if watch.indices:
+                self._follow_indices(read)
+            self._emit(read, owners, out)
+            return
+        if watch.indices:
+            self._follow_index_columns(read)
+        made = watch.made
+        if not isinstance(made, Made) or not made.fits(read.plan, owners):
+            made = watch.made = Made(read.plan, owners)
+        made.samples(read.values, out)
+
+    def read_watch(self, watch: Watch) -> Columns | list[Value]:
         """(DCGM GPU id, field id, number or not) of the watch's non-blank latest values:
-        all in one dcgmEntitiesGetLatestValues call, or, where libdcgm lacks it, through
-        dcgmGetLatestValues_v2 with our own callback (latest.py: never pydcgm's)."""
+        all in one dcgmEntitiesGetLatestValues call (as `Columns` where all are numbers),
+        or, where libdcgm lacks it, through dcgmGetLatestValues_v2 with our own callback
+        (latest.py: never pydcgm's)."""
         latest = self.latest
         handle = self.handle.handle
         if latest.available:
             structs = self.bindings.structs
+            last = watch.made.plan if isinstance(watch.made, Made) else None
             try:
-                return latest.read(handle, watch.gpus, watch.fields, watch.entity_group)
+                return latest.columns(handle, watch.gpus, watch.fields, watch.entity_group, 0, last)
             except structs.DCGMError as e:
                 if e.value != structs.DCGM_ST_FUNCTION_NOT_FOUND:
                     raise
@@ -395,11 +413,11 @@ class Session:
             handle, group, field_group, watch.gpus, watch.fields, watch.entity_group
         )
 
-    def _emit(self, values: list[Value], out: list[Sample]) -> None:
-        gpus, sample = self.gpus, self.sample
-        for gpu_id, fid, number in values:
-            gpu = gpus.get(gpu_id)
-            rows = gpu.emit.get(fid) if gpu is not None else None
+    def _emit(self, values: list[Value], owners: Mapping[int, Owner], out: list[Sample]) -> None:
+        sample = self.sample
+        for entity, fid, number in values:
+            owner = owners.get(entity)
+            rows = owner.emit.get(fid) if owner is not None else None
             if rows:
                 sample(fid, number, rows, out)
 
@@ -410,8 +428,7 @@ class Session:
             return
         for name, labels, scale in rows:
             if name == _XID:
-                code = int(number)
-                labels = labels + (str(code), XID_MESSAGES.get(code, UNKNOWN_XID))
+                labels = _xid_labels(labels, number)
             out.append(Sample(name, labels, number * scale))
 
     def _follow_indices(self, values: list[Value]) -> None:
@@ -419,9 +436,22 @@ class Session:
         for gpu_id, fid, number in values:
             gpu = self.gpus.get(gpu_id) if fid == NVML_INDEX else None
             if gpu is not None and type(number) is float and int(number) != gpu.label:
-                gpu.index = int(number)
-                log.info("dcgm: DCGM GPU %d is NVML GPU %d now", gpu.id, gpu.index)
-                self.prepare(gpu)
+                self._relabel(gpu, int(number))
+
+    def _follow_index_columns(self, read: Columns) -> None:
+        """`_follow_indices` over a read's columns."""
+        numbers, limits = read.values, read.plan.limits
+        for j, gpu_id in read.plan.find(NVML_INDEX):
+            gpu = self.gpus.get(gpu_id)
+            if gpu is not None and not numbers[j] >= limits[j]:
+                index = int(float(numbers[j]))
+                if index != gpu.label:
+                    self._relabel(gpu, index)
+
+    def _relabel(self, gpu: Gpu, index: int) -> None:
+        gpu.index = index
+        log.info("dcgm: DCGM GPU %d is NVML GPU %d now", gpu.id, gpu.index)
+        self.prepare(gpu)
 
     def _not_a_number(self, fid: int, value: Any) -> None:
         if fid not in self._not_numbers:
@@ -475,3 +505,60 @@ def ranges(ids: Iterable[int]) -> str:
     if run:
         parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(parts)
+
+
+def _xid_labels(labels: tuple[str, ...], number: float) -> tuple[str, ...]:
+    """dcgm-exporter's Xid row: its labels, with the code and its text."""
+    code = int(number)
+    return labels + (str(code), XID_MESSAGES.get(code, UNKNOWN_XID))
+
+
+# Sample._make without its Python frame (a namedtuple's __new__ is Python)
+_make_sample: Callable[[tuple[Any, ...]], Sample] = functools.partial(tuple.__new__, Sample)
+
+
+def _tables(plan: Plan, owners: Mapping[int, Owner]) -> list[dict[int, list[Row]] | None]:
+    """The rows (`emit`) of each entity's owner in `plan`, None where it has none."""
+    found = map(owners.get, plan.entities)
+    return list(map(getattr, found, itertools.repeat("emit"), itertools.repeat(None)))
+
+
+class Made:
+    """What a watch's read (`Columns`) becomes: a sample per row of each value's owner
+    (`prepare`), made without a Python call a value. Kept while the read's plan and the
+    owners' rows are the same objects (`prepare` makes new ones)."""
+
+    def __init__(self, plan: Plan, owners: Mapping[int, Owner]) -> None:
+        self.plan = plan
+        self.tables = _tables(plan, owners)
+        self.index: list[int] = []  # the value each sample is made of
+        self.names: list[str] = []
+        self.labels: list[tuple[str, ...]] = []
+        self.scales: list[float] = []
+        self.xids: list[tuple[int, int, tuple[str, ...]]] = []  # (sample, value, labels)
+        tables = dict(zip(plan.entities, self.tables, strict=True))
+        for j, (entity, fid) in enumerate(plan.keys):
+            table = tables[entity]
+            for name, labels, scale in (table.get(fid) or ()) if table is not None else ():
+                if name == _XID:
+                    self.xids.append((len(self.index), j, labels))
+                self.index.append(j)
+                self.names.append(name)
+                self.labels.append(labels)
+                self.scales.append(float(scale))  # a float sample, as number * scale was
+
+    def fits(self, plan: Plan, owners: Mapping[int, Owner]) -> bool:
+        return plan is self.plan and all(map(operator.is_, _tables(plan, owners), self.tables))
+
+    def samples(self, numbers: tuple[float, ...], out: list[Sample]) -> None:
+        """`sample` over every value, blanks left out, in one pass of C calls."""
+        kept = list(map(operator.not_, map(operator.ge, numbers, self.plan.limits)))
+        labels = self.labels
+        if self.xids:
+            labels = labels.copy()
+            for at, j, base in self.xids:
+                if kept[j]:
+                    labels[at] = _xid_labels(base, float(numbers[j]))
+        values = map(operator.mul, map(numbers.__getitem__, self.index), self.scales)
+        made = map(_make_sample, zip(self.names, labels, values, strict=True))
+        out.extend(itertools.compress(made, map(kept.__getitem__, self.index)))
