@@ -579,7 +579,13 @@ TIMED = [
     # not monotone in time(), true for less than TIME_HORIZON: evaluated every cycle
     "abs(time() - gpu_last_xid_timestamp_seconds - 300) < 20",
     "100 < time() - gpu_last_xid_timestamp_seconds < 130",
+    # both sides grow with time(): they cross twice
+    "max(time(), gpu_last_xid_timestamp_seconds + 100)"
+    " <= min(time(), gpu_last_xid_timestamp_seconds + 130)",
+    # a comparison that can be told beside a time() that cannot: evaluated every cycle
+    "time() - gpu_last_xid_timestamp_seconds < 400 and abs(time() - 1000) > 10",
 ]
+EVERY_CYCLE = ("abs", "100 <", "max(time(), ", "time() - gpu_last_xid_timestamp_seconds < 400 and")
 
 
 @pytest.mark.parametrize("expr", TIMED)
@@ -604,8 +610,25 @@ def test_time_rules_skipped_come_out_as_evaluated_every_cycle(monkeypatch, expr)
         every_cycle, all_of_them = replay()
     assert skipping == every_cycle
     assert {s for _, _, s, _ in skipping} >= {INACTIVE, FIRING}
-    monotone = not expr.startswith(("abs", "100 <"))
+    monotone = not expr.startswith(EVERY_CYCLE)
     assert (evaluations < all_of_them / 2) if monotone else evaluations == all_of_them
+
+
+def test_a_window_of_equal_points_gives_their_value_however_many(monkeypatch):
+    """Skipped while its points are all the same, a window's function must come out as
+    it would evaluated each cycle: the average of three 0.7s is 0.7, not fsum's
+    0.6999999999999998."""
+    from gpuwatchd.rules.evaluator import Reads
+
+    monkeypatch.setattr(Reads, "still", lambda self, now, changed, polled: False)
+    for expr in (
+        "avg_over(gpu_utilization_ratio, '2m') < 0.7",
+        "quantile_over(0.3, gpu_utilization_ratio, '2m') < 0.7",
+        "stddev_over(gpu_utilization_ratio, '2m') > 0",
+    ):
+        node = Node(rule(expr))
+        states = {node.step(t, gpu_utilization_ratio=[0.7, 0.7]) for t in range(10)}
+        assert states == {INACTIVE}, expr
 
 
 @pytest.mark.parametrize(

@@ -512,17 +512,27 @@ class Evaluator:
             raise Missing(selector.describe(), family.source)
         return values
 
+    # A window whose points are all the same gives that value (a spread of 0) exactly,
+    # however many points it holds: `_single` lets such a window gain points unevaluated,
+    # and fsum([0.7] * 3) / 3 is 0.6999999999999998.
     def _w_avg_over(self, index: int, seconds: float) -> float:
         values = self._single(index, seconds)
-        return math.fsum(values) / len(values)
+        same = _all_same(values)
+        return math.fsum(values) / len(values) if same is None else same
 
     def _w_stddev_over(self, index: int, seconds: float) -> float:
         values = self._single(index, seconds)
+        if _all_same(values) is not None:
+            return 0.0
         mean = math.fsum(values) / len(values)
         return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
 
     def _w_quantile_over(self, q: float, index: int, seconds: float) -> float:
-        return _quantile(q, sorted(self._single(index, seconds)))
+        values = self._single(index, seconds)
+        same = _all_same(values)
+        if same is not None and 0 <= q <= 1:
+            return same
+        return _quantile(q, sorted(values))
 
     def _extreme(
         self, index: int, seconds: float, pick: Callable[[Iterable[float]], float]
@@ -549,6 +559,12 @@ class Evaluator:
             if span > 0:
                 total += increase / span
         return total
+
+
+def _all_same(values: Sequence[float]) -> float | None:
+    """The one value of a window whose points are all equal to it; None otherwise."""
+    first = values[0]
+    return first if values.count(first) == len(values) else None
 
 
 def _reduce(how: str, values: Sequence[float]) -> float:

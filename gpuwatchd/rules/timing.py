@@ -15,6 +15,7 @@ which the evaluator records.
 from __future__ import annotations
 
 import ast
+import copy
 
 ATOM = "_atom"
 TIME = "_time"
@@ -32,7 +33,7 @@ def time_atoms(tree: ast.expr) -> tuple[ast.expr, bool]:
     if not _reads_time(tree):
         return tree, False
     wrapper = _Wrap()
-    wrapped = wrapper.visit(tree)
+    wrapped = wrapper.visit(copy.deepcopy(tree))  # the transformer rewrites in place
     if any(_is_time(node) for node in ast.walk(wrapped) if node not in wrapper.inside):
         return tree, False
     return ast.fix_missing_locations(wrapped), True
@@ -54,10 +55,13 @@ class _Wrap(ast.NodeTransformer):
 
 
 def _is_atom(node: ast.Compare) -> bool:
-    """One ordering comparison of two numbers, each monotone in time()."""
+    """One ordering comparison of two numbers whose difference is monotone in time(): one
+    grows and the other falls, or does not move. (Two that both grow can cross twice:
+    `max(time(), a) <= min(time(), b)` holds only between a and b.)"""
     if len(node.ops) != 1 or not isinstance(node.ops[0], _ORDER):
         return False
-    return _trend(node.left) is not None and _trend(node.comparators[0]) is not None
+    left, right = _trend(node.left), _trend(node.comparators[0])
+    return left is not None and right is not None and _same([left, -right]) is not None
 
 
 def _trend(node: ast.expr) -> int | None:
