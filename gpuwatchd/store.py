@@ -21,7 +21,8 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from itertools import compress
+from operator import itemgetter, ne
 
 from gpuwatchd.metrics import Sample
 
@@ -171,8 +172,8 @@ class Store:
                 owned.axes = _axes(owned.order)
             else:  # the usual poll: the same series in the same order, new values
                 if values != owned.values:
-                    order, before = owned.order, owned.values
-                    for i in [i for i, value in enumerate(values) if value != before[i]]:
+                    order = owned.order  # the places that changed, found in C
+                    for i in compress(range(len(values)), map(ne, values, owned.values)):
                         key, series = order[i]
                         series.value = values[i]
                         changed.append(key)
