@@ -4,10 +4,12 @@ Each source replaces its whole set of series on every successful poll, so a seri
 source stops reporting (a GPU lost, a function found unsupported) disappears at once
 and its history is freed: memory follows the number of live series, not uptime.
 
-History is kept in flat arrays of doubles (16 bytes a point) rather than a deque of
-tuples (about 110 bytes a point), and only for the families a rule's window function
-reads (`keep_history`; every family until it is called): the others keep their latest
-value only.
+History is kept in flat arrays of doubles rather than a deque of tuples (about 110
+bytes a point), and only for the families a rule's window function reads
+(`keep_history`; every family until it is called): the others keep their latest value
+only. The histories one update of a source made share an `Axis`, one array of times and
+one of values row by row (8 bytes a point and 8 a row), so that an update adds a row
+with one call, not a point with a call for each history.
 """
 
 from __future__ import annotations
@@ -17,52 +19,86 @@ import threading
 from array import array
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import compress, islice
+from operator import itemgetter, ne
 
 from gpuwatchd.metrics import Sample
 
 SeriesKey = tuple[str, tuple[str, ...]]
 
 
-class History:
-    """(timestamp, value) points, oldest first, trimmed to a horizon and a point cap."""
+class Axis:
+    """The points of the histories one update of a source made: they take a point at the
+    same updates from then on, so they share one array of times and one of values, a row
+    (a value a history) per point, trimmed to a horizon and a point cap at once."""
 
-    __slots__ = ("_times", "_values", "_start")
+    __slots__ = ("times", "values", "start", "width")
 
-    def __init__(self) -> None:
-        self._times = array("d")
-        self._values = array("d")
-        self._start = 0  # points before it are expired; compacted when half are
+    def __init__(self, width: int = 0) -> None:
+        self.times = array("d")
+        self.values = array("d")
+        self.start = 0  # rows before it are expired; compacted when half are
+        self.width = width
 
-    def append(self, t: float, value: float, horizon: float, max_points: int) -> None:
-        self._times.append(t)
-        self._values.append(value)
-        times, start = self._times, self._start
-        end = len(times)
+    def append(self, t: float, row: Sequence[float], horizon: float, max_points: int) -> None:
+        times = self.times
+        times.append(t)
+        self.values.extend(row)
+        start, end = self.start, len(times)
         start = max(start, end - max_points)
         while start < end and times[start] < horizon:
             start += 1
         if start > end // 2:
-            del self._times[:start], self._values[:start]
+            del times[:start], self.values[: start * self.width]
             start = 0
-        self._start = start
+        self.start = start
+
+    def keep(self, histories: list[History]) -> Axis:
+        """A new axis with these histories' points alone, the histories moved to it."""
+        kept = Axis(len(histories))
+        kept.times = times = self.times[self.start :]
+        kept.values = array("d", bytes(8 * len(times) * kept.width))
+        first, width = self.start * self.width, self.width
+        for column, history in enumerate(histories):
+            kept.values[column :: kept.width] = self.values[first + history.column :: width]
+            history.axis, history.column = kept, column
+        return kept
+
+
+class History:
+    """(timestamp, value) points of one series, oldest first: a column of its axis."""
+
+    __slots__ = ("axis", "column")
+
+    def __init__(self, axis: Axis | None = None, column: int = 0) -> None:
+        self.axis = Axis(1) if axis is None else axis
+        self.column = column
+
+    def append(self, t: float, value: float, horizon: float, max_points: int) -> None:
+        """A point of a history alone on its axis."""
+        self.axis.append(t, (value,), horizon, max_points)
 
     def since(self, since: float) -> list[tuple[float, float]]:
-        first = bisect_left(self._times, since, lo=self._start)
-        return list(zip(self._times[first:], self._values[first:], strict=True))
+        axis = self.axis
+        first = bisect_left(axis.times, since, lo=axis.start)
+        values = axis.values[first * axis.width + self.column :: axis.width]
+        return list(zip(axis.times[first:], values, strict=True))
 
     def values_since(self, since: float) -> tuple[float, float, array[float]]:
         """(times of the first and of the last point newer than `since`, inf if none;
         the values from the first on)."""
-        first = bisect_left(self._times, since, lo=self._start)
-        if first == len(self._times):
-            return math.inf, math.inf, self._values[first:]
-        return self._times[first], self._times[-1], self._values[first:]
+        axis = self.axis
+        times = axis.times
+        first = bisect_left(times, since, lo=axis.start)
+        values = axis.values[first * axis.width + self.column :: axis.width]
+        if first == len(times):
+            return math.inf, math.inf, values
+        return times[first], times[-1], values
 
     def __len__(self) -> int:
-        return len(self._times) - self._start
+        return len(self.axis.times) - self.axis.start
 
 
 class Series:
@@ -88,7 +124,10 @@ class SourceSeries:
     names: tuple[str, ...] = ()
     labels: tuple[tuple[str, ...], ...] = ()
     values: tuple[float, ...] = ()
-    histories: list[tuple[int, History]] = field(default_factory=list)  # (place, its history)
+    # the axes of its histories, each with what picks its row out of an update's values
+    axes: list[tuple[Axis, Callable[[tuple[float, ...]], Sequence[float]]]] = field(
+        default_factory=list
+    )
 
 
 class Store:
@@ -105,13 +144,15 @@ class Store:
         history of every other series is dropped."""
         with self._lock:
             self._windowed = windowed = frozenset(names)
-            for (name, _), series in self._series.items():
-                if name not in windowed:
-                    series.history = None
-                elif series.history is None:
-                    series.history = History()
             for owned in self._sources.values():
-                owned.histories = _histories(owned.order)
+                born = Axis()  # the source's series that take a history now
+                for (name, _), series in owned.order:
+                    if name not in windowed:
+                        series.history = None
+                    elif series.history is None:
+                        series.history = History(born, born.width)
+                        born.width += 1
+                owned.axes = _axes(owned.order)
 
     def register_source(self, source: str, stale_after: float) -> None:
         with self._lock:
@@ -126,44 +167,46 @@ class Store:
             changed: list[SeriesKey] = []
             horizon = now - self._history_seconds
             if names != owned.names or labels != owned.labels:
-                self._replace(owned, samples, now, changed)
+                self._replace(owned, samples, changed)
                 owned.names, owned.labels = names, labels
-                owned.histories = _histories(owned.order)
+                owned.axes = _axes(owned.order)
             else:  # the usual poll: the same series in the same order, new values
                 if values != owned.values:
-                    order, before = owned.order, owned.values
-                    for i in [i for i, value in enumerate(values) if value != before[i]]:
+                    order = owned.order  # the places that changed, found in C
+                    for i in compress(range(len(values)), map(ne, values, owned.values)):
                         key, series = order[i]
                         series.value = values[i]
                         changed.append(key)
-                max_points = self._max_points
-                for i, history in owned.histories:
-                    history.append(now, values[i], horizon, max_points)
+            max_points = self._max_points
+            for axis, row in owned.axes:
+                axis.append(now, row(values), horizon, max_points)
             owned.values = values
             owned.updated_at = now
             owned.generation += 1
             owned.log.append((owned.generation, changed))
 
     def _replace(
-        self, owned: SourceSeries, samples: list[Sample], now: float, changed: list[SeriesKey]
+        self, owned: SourceSeries, samples: list[Sample], changed: list[SeriesKey]
     ) -> None:
+        """A source's series replaced; their histories take this update's point after."""
         fresh: set[SeriesKey] = set()
         order: list[tuple[SeriesKey, Series]] = []
-        horizon = now - self._history_seconds
-        max_points, windowed, known = self._max_points, self._windowed, self._series
+        windowed, known = self._windowed, self._series
+        born = Axis()  # the histories of the series new in this update
         for name, labels, value in samples:
             key = (name, labels)
             fresh.add(key)
             series = known.get(key)
             if series is None:
-                keep = windowed is None or name in windowed
-                series = known[key] = Series(value, History() if keep else None)
+                history = None
+                if windowed is None or name in windowed:
+                    history = History(born, born.width)
+                    born.width += 1
+                series = known[key] = Series(value, history)
                 changed.append(key)
             elif series.value != value:
                 series.value = value
                 changed.append(key)
-            if series.history is not None:
-                series.history.append(now, value, horizon, max_points)
             order.append((key, series))
         for gone in owned.keys - fresh:
             known.pop(gone, None)
@@ -249,6 +292,36 @@ class Store:
             return len(self._series)
 
 
-def _histories(order: list[tuple[SeriesKey, Series]]) -> list[tuple[int, History]]:
-    """The places in a source's order of the series that keep a history."""
-    return [(i, s.history) for i, (_, s) in enumerate(order) if s.history is not None]
+def _axes(
+    order: list[tuple[SeriesKey, Series]],
+) -> list[tuple[Axis, Callable[[tuple[float, ...]], Sequence[float]]]]:
+    """The axes of a source's histories, each with what picks its row (its columns'
+    values, in order) out of an update's values, in `order`. An axis half of whose
+    columns are no longer in `order` (series gone, or no longer windowed) is copied
+    without them (until then theirs take any value: no one reads them); a series in
+    `order` twice (a point for each) has an axis of its own."""
+    places: dict[Axis, dict[History, list[int]]] = {}
+    for i, (_, series) in enumerate(order):
+        if series.history is not None:
+            places.setdefault(series.history.axis, {}).setdefault(series.history, []).append(i)
+    axes: list[tuple[Axis, Callable[[tuple[float, ...]], Sequence[float]]]] = []
+    for axis, held in places.items():
+        if any(len(at) > 1 for at in held.values()):
+            for history, at in held.items():
+                alone = axis.keep([history])
+                axes += [(alone, _row([i])) for i in at]
+            continue
+        if len(held) * 2 <= axis.width:
+            axis = axis.keep(sorted(held, key=lambda history: history.column))
+        row = [next(iter(held.values()))[0]] * axis.width
+        for history, at in held.items():
+            row[history.column] = at[0]
+        axes.append((axis, _row(row)))
+    return axes
+
+
+def _row(places: list[int]) -> Callable[[tuple[float, ...]], Sequence[float]]:
+    if len(places) == 1:
+        place = places[0]
+        return lambda values: (values[place],)
+    return itemgetter(*places)

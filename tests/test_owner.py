@@ -26,6 +26,7 @@ from gpuwatchd.sources.owner import (
     Placement,
     PodContainer,
     PodResources,
+    ProcessFacts,
     owners_by_gpu,
     parse_cgroup,
     read_job_files,
@@ -736,3 +737,20 @@ def test_no_kubelet_socket_is_no_kubernetes(
         assert client.devices() == {}
     assert caplog.records == []
     client.close()
+
+
+def test_the_gpus_of_one_process_and_job_share_one_owner(tmp_path: Path) -> None:
+    add_process(tmp_path, 100, cgroup("bare-v2-init"), env(RANK="1"))
+    add_process(tmp_path, 200, cgroup("bare-v2-init"), env(RANK="2"))
+    gpus = [GpuProcesses(i, f"GPU-{i}", {100 if i < 3 else 200: 1.0}) for i in range(4)]
+    memo: dict[int, ProcessFacts | None] = {}  # as the processes source reads: once a pid
+
+    def facts(pid: int) -> ProcessFacts | None:
+        return memo[pid] if pid in memo else memo.setdefault(pid, ProcessReader(tmp_path).read(pid))
+
+    owners = owners_by_gpu(gpus, facts, jobs={2: "77"}, users=users)
+    assert owners["GPU-0"] is owners["GPU-1"]  # made once, with its labels' tuple
+    assert owners["GPU-0"] == Owner(rank="1", user="alice")
+    assert owners["GPU-2"] == Owner("slurm", "77", rank="1", user="alice")  # its own job
+    assert owners["GPU-3"] == Owner(rank="2", user="alice")
+    assert owners["GPU-3"].values() == ("process", "", "", "2", "alice", "", "", "")

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -1473,3 +1474,32 @@ def test_a_main_process_on_several_gpus_gives_each_this_polls_facts(node_factory
         assert [m.gpu("gpu_process_threads", g) for g in range(3)] == [threads] * 3, t
         assert len({m.gpu("gpu_process_cpu_cores", g) for g in range(3)} - {None}) == 1
         assert [m.labels("gpu_process_info", g) for g in range(3)] == [[("python", "")]] * 3
+
+
+def test_a_poll_reads_each_of_a_jobs_stat_and_cgroup_once(node_factory, monkeypatch) -> None:
+    """The main process's stat and cgroup, and its workers' stat, are read once a poll
+    for the facts, the job's I/O and the owner alike (the cgroup every poll: a process
+    can be moved)."""
+    scn = scenario(
+        [{"pid": 4242, "gpu_memory_mib": 30000}],
+        host={4242: {"workers": 2, "worker_cpu_percent": 50}},
+    )
+    node = node_factory(scn)
+    node.poll(100.0)
+    opened: Counter[str] = Counter()
+    real_open = os.open
+
+    def counting(path: Any, *args: Any, **kwargs: Any) -> int:
+        opened[os.fspath(path)] += 1
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counting)
+    for t in (105.0, 110.0):
+        m = node.poll(t)
+        main, worker = node.proc / "4242", node.proc / str(worker_pid(4242, 0))
+        assert opened.pop(f"{main}/stat") == opened.pop(f"{main}/cgroup") == 1
+        assert opened.pop(f"{worker}/stat") == 1
+        assert m.gpu("gpu_process_workers", 3) == 2
+        assert m.gpu("gpu_process_workers_cpu_cores", 3) == pytest.approx(1.0, abs=0.02)
+        assert m.labels("gpu_owner_info", 3)
+        opened.clear()

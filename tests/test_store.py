@@ -62,7 +62,7 @@ def test_history_compacts_and_still_answers_windows():
     for t in range(10_000):
         history.append(float(t), t * 2.0, horizon=t - 99.5, max_points=10_000)
     assert len(history) == 100
-    assert len(history._times) <= 200  # expired points were dropped, not kept forever
+    assert len(history.axis.times) <= 200  # expired points were dropped, not kept forever
     assert history.since(9_997) == [(9997.0, 19994.0), (9998.0, 19996.0), (9999.0, 19998.0)]
     assert history.since(0)[0] == (9900.0, 19800.0)
     assert history.since(20_000) == []
@@ -93,3 +93,47 @@ def test_history_follows_keep_history_between_polls_of_the_same_series():
     store.update("nvml", 3.0, [util(3.0), Sample("gpuwatchd_gpu_power_watts", GPU0, 3.0)])
     assert store.window("gpuwatchd_gpu_utilization_ratio", GPU0, since=0) == [(3.0, 3.0)]
     assert store.window("gpuwatchd_gpu_power_watts", GPU0, since=0) == []
+
+
+def gpu_samples(t: float, gpus: list[str]) -> list[Sample]:
+    return [Sample("gpuwatchd_gpu_power_watts", (gpu,), t * 10 + int(gpu)) for gpu in gpus]
+
+
+def power(store: Store, gpu: str) -> list[tuple[float, float]]:
+    return store.window("gpuwatchd_gpu_power_watts", (gpu,), since=0)
+
+
+def test_histories_made_by_one_update_share_one_time_axis():
+    store = Store(history_seconds=3, max_points=10)
+    for t in range(6):
+        store.update("nvml", float(t), gpu_samples(t, ["0", "1", "2"]))
+    ((axis, _),) = store._sources["nvml"].axes  # one append an update, not one a series
+    assert {id(store._series[("gpuwatchd_gpu_power_watts", (g,))].history.axis) for g in "012"} == {
+        id(axis)
+    }
+    assert power(store, "1") == [(2.0, 21.0), (3.0, 31.0), (4.0, 41.0), (5.0, 51.0)]
+    assert store.window_values("gpuwatchd_gpu_power_watts", ("2",), since=4.5)[:2] == (5.0, 5.0)
+    assert list(store.window_values("gpuwatchd_gpu_power_watts", ("2",), 4.5)[2]) == [52.0]
+
+
+def test_windows_stay_exact_as_series_come_and_go():
+    store = Store(max_points=3)
+    store.update("nvml", 0.0, gpu_samples(0, ["0", "1", "2", "3"]))
+    store.update("nvml", 1.0, gpu_samples(1, ["0", "2", "3"]))  # 1 gone
+    store.update("nvml", 2.0, gpu_samples(2, ["3", "0", "2", "1"]))  # 1 back, a new series
+    assert power(store, "1") == [(2.0, 21.0)]
+    assert power(store, "0") == [(0.0, 0.0), (1.0, 10.0), (2.0, 20.0)]
+    store.update("nvml", 3.0, gpu_samples(3, ["2", "1"]))  # half of the first axis gone
+    assert power(store, "2") == [(1.0, 12.0), (2.0, 22.0), (3.0, 32.0)]
+    assert power(store, "1") == [(2.0, 21.0), (3.0, 31.0)]
+    assert power(store, "0") == []
+    widths = sorted(axis.width for axis, _ in store._sources["nvml"].axes)
+    assert widths == [1, 1]  # the gone series' points were dropped with them
+
+
+def test_a_series_twice_in_one_update_takes_a_point_for_each():
+    store = Store()
+    for t in (0.0, 1.0):
+        store.update("nvml", t, gpu_samples(t, ["0", "1"]) + gpu_samples(t + 0.5, ["0"]))
+    assert power(store, "0") == [(0.0, 0.0), (0.0, 5.0), (1.0, 10.0), (1.0, 15.0)]
+    assert power(store, "1") == [(0.0, 1.0), (1.0, 11.0)]

@@ -77,6 +77,7 @@ from gpuwatchd.sim.fake_nvml_fabric import FabricReads
 from gpuwatchd.sim.fake_nvml_mig import MigReads
 from gpuwatchd.sim.fakelib import Symbol, install_symbols, symbol
 from gpuwatchd.sim.scenario import Timeline
+from gpuwatchd.sources.nvml.reader import _Done
 from gpuwatchd.sources.nvmlapi import cores_per_sm
 
 # scenario clock_event_reasons name -> pynvml constant (bit in the reasons mask)
@@ -615,7 +616,7 @@ class FakeNvmlLib(DeviceReads, MigReads, FabricReads):
                 self._hang_changed.wait(0.001)
             self._left_block.clear()
 
-    def wait_for(self, done: threading.Event, thread: threading.Thread, timeout: float) -> bool:
+    def wait_for(self, done: _Done, thread: threading.Thread, timeout: float) -> bool:
         """Virtual time's wait for `thread` to set `done`: True once it has, False as soon
         as the thread blocks in a call on a hung GPU (where real time would wait out
         `timeout`). The nvml source waits for its GPU reader through this

@@ -38,9 +38,11 @@ class ListedInstance:
     processes: dict[int, float]  # pid -> GPU memory bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ListedGpu:
-    """One GPU in a ProcessTable: its labels, bus id and process lists."""
+    """One GPU in a ProcessTable: its labels, bus id and process lists; not changed once
+    published. Not frozen: the nvml source makes one a GPU and poll, and a frozen
+    dataclass's __init__ sets each field through object.__setattr__."""
 
     index: int
     labels: tuple[str, ...]  # (gpu, uuid)

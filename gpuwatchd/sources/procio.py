@@ -40,7 +40,7 @@ the facts it feeds.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.metrics import GPU_LABELS, MetricSpec, Sample, gauge
@@ -310,7 +310,15 @@ class JobIo:
         if not any(f.disks for f in self.facts.values()):
             self._disk_last.clear()
 
-    def read(self, main: int, children: Sequence[int], rescan: bool) -> JobIoFacts:
+    def read(
+        self,
+        main: int,
+        children: Sequence[int],
+        rescan: bool,
+        stats: Mapping[int, bytes] | None = None,
+    ) -> JobIoFacts:
+        """A job's facts; `stats`: /proc/PID/stat of some of its processes, as the
+        caller read them just now (the others are read here)."""
         facts = JobIoFacts()
         rate = faults = 0.0
         rated = faults_rated = False
@@ -323,7 +331,9 @@ class JobIo:
         for pid in [main, *children]:
             base = f"{self._proc}/{pid}"
             try:
-                state, majflt, start, cpu = stat_state(read_file(f"{base}/stat", 4096))
+                raw = stats.get(pid) if stats else None
+                raw = read_file(f"{base}/stat", 4096) if raw is None else raw[:4096]
+                state, majflt, start, cpu = stat_state(raw)
             except (OSError, ValueError):
                 continue  # exited, or not a process
             proc = self._procs.get(pid)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,14 +30,40 @@ _MAX_EVENTS_PER_POLL = 1024
 log = logging.getLogger("gpuwatchd.sources.nvml")
 
 
+class _Done:
+    """Set by the reader once a poll's work is done: a lock held until then (an Event's
+    wait, set and clear run Python code on both threads; these are calls into C)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._lock.release()
+        return True
+
+    def is_set(self) -> bool:
+        return not self._lock.locked()
+
+
 class _Poll:
     """One poll's reads, made by the reader thread: the samples of each GPU it read."""
+
+    __slots__ = ("lock", "read", "closed", "error", "done")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.read: dict[int, list[Sample]] = {}
         self.closed = False  # the poll stopped waiting: the reader stops at the next GPU
         self.error: BaseException | None = None
+        self.done = _Done()
 
 
 class _Reader:
@@ -49,9 +76,7 @@ class _Reader:
 
     def __init__(self, work: Callable[[_Poll], None]) -> None:
         self._work = work
-        self._go = threading.Event()
-        self.done = threading.Event()
-        self.poll = _Poll()
+        self._polls: queue.SimpleQueue[_Poll | None] = queue.SimpleQueue()
         self.retired = False
         self.thread = threading.Thread(
             target=self._run, name=f"nvml-reader-{next(self._ids)}", daemon=True
@@ -59,32 +84,28 @@ class _Reader:
         self.thread.start()
 
     def submit(self, poll: _Poll) -> None:
-        self.poll = poll
-        self.done.clear()
-        self._go.set()
+        self._polls.put(poll)
 
     def retire(self) -> None:
         self.retired = True
-        self._go.set()
+        self._polls.put(None)
 
     def _run(self) -> None:
         name_os_thread("nvml-reader")  # its CPU shows as the daemon's (top -H, benchmarks)
         while True:
-            self._go.wait()
-            self._go.clear()
-            if self.retired:
+            poll = self._polls.get()
+            if poll is None or self.retired:
                 return
-            poll = self.poll
             try:
                 self._work(poll)
             except BaseException as e:  # handed to the poll, raised there
                 poll.error = e
-            self.done.set()
+            poll.done.set()
             if self.retired:
                 return
 
 
-def _wait(done: threading.Event, thread: threading.Thread, timeout: float) -> bool:
+def _wait(done: _Done, thread: threading.Thread, timeout: float) -> bool:
     return done.wait(timeout)
 
 
@@ -94,7 +115,7 @@ class Polling:
     _nv: Any
     _patience: float
     _reader: _Reader | None
-    _wait_reader: Callable[[threading.Event, threading.Thread, float], bool]
+    _wait_reader: Callable[[_Done, threading.Thread, float], bool]
     _events_lock: threading.Lock
     _gpus: list[_Gpu]
     _globals: list[Sample]
@@ -122,15 +143,14 @@ class Polling:
         if reader is None:
             reader = self._reader = _Reader(self._read_gpus)
         reader.submit(poll)
-        if not self._wait_reader(reader.done, reader.thread, self._patience):
-            with poll.lock:
+        if not self._wait_reader(poll.done, reader.thread, self._patience):
+            with poll.lock:  # the reader adds no GPU to poll.read after this
                 poll.closed = True
             reader.retire()
             self._reader = None
         elif poll.error is not None:
             raise poll.error
-        with poll.lock:
-            read = dict(poll.read)
+        read = poll.read  # done or closed: no longer written
         out = list(self._globals)
         listed = []
         now = self._clock()

@@ -37,7 +37,7 @@ from gpuwatchd.sources.nvml.metrics import (
 from gpuwatchd.sources.nvml.mig import MIG_SPECS, MigReads
 from gpuwatchd.sources.nvml.nvlink import NvLinks
 from gpuwatchd.sources.nvml.plans import ReadPlan, field_plan
-from gpuwatchd.sources.nvml.reader import Polling, _Reader, _wait
+from gpuwatchd.sources.nvml.reader import Polling, _Done, _Reader, _wait
 from gpuwatchd.sources.nvml.reads import (
     EVERY_POLL,
     FIELDS,
@@ -81,7 +81,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         self._table = process_table(context)
         # how the poll waits for its reader: done.wait in real time; the simulator's
         # (virtual time) returns as soon as the reader blocks in a hung call
-        self._wait_reader: Callable[[threading.Event, threading.Thread, float], bool] = (
+        self._wait_reader: Callable[[_Done, threading.Thread, float], bool] = (
             context.extras.get("nvml_wait", _wait)
         )
         self._patience = config.timeout / 2  # returned before the scheduler's timeout

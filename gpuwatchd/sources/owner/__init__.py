@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from pathlib import Path
 
 from gpuwatchd.sources.owner.cgroup import Placement, parse_cgroup
@@ -84,7 +85,11 @@ class Owner:
 
     def values(self) -> tuple[str, ...]:
         """The label values, in LABELS order."""
-        return tuple(getattr(self, label) for label in LABELS)
+        values: tuple[str, ...] = _LABEL_VALUES(self)
+        return values
+
+
+_LABEL_VALUES = attrgetter(*LABELS)  # a tuple of them, made in C
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,15 +130,21 @@ def owners_by_gpu(
     device_key -> pod container of the kubelet; `users` names a uid."""
     jobs, pods, job_uids = jobs or {}, pods or {}, job_uids or {}
     owners: dict[str, Owner | None] = {}
+    # one Owner for the GPUs of one main process's facts and job (a process drives
+    # several); the facts are kept in `made`, so that their id is not reused meanwhile
+    made: dict[tuple[int, str, int | None], tuple[ProcessFacts, Owner]] = {}
     for gpu in gpus:
         main = _main_facts(gpu.memory, facts)
         job = jobs.get(gpu.index, "")
         pod = pods.get(gpu.uuid) or pods.get(str(gpu.index))
-        owner = (
-            _from_process(main, job, job_uids.get(gpu.index), users)
-            if main is not None
-            else _from_job(job)
-        )
+        if main is not None:
+            key = (id(main), job, job_uids.get(gpu.index))
+            found = made.get(key)
+            if found is None:
+                found = made[key] = (main, _from_process(main, job, key[2], users))
+            owner: Owner | None = found[1]
+        else:
+            owner = _from_job(job)
         owners[gpu.uuid] = _with_pod(owner, pod) if pod else owner
     return owners
 

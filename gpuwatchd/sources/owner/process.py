@@ -156,12 +156,17 @@ class ProcessReader:
         self.unmapped = unmapped
         self._known: dict[int, tuple[int, Launch | None, int | None]] = {}
 
-    def read(self, pid: int) -> ProcessFacts | None:
-        """The process's facts; None if it is gone (or its cgroup cannot be read)."""
+    def read(
+        self, pid: int, stat: bytes | None = None, cgroup: bytes | None = None
+    ) -> ProcessFacts | None:
+        """The process's facts; None if it is gone (or its cgroup cannot be read).
+        `stat`, `cgroup`: its files as the caller read them just now (None: read here)."""
         base = f"{self.procfs}/{pid}"
         try:
-            start = parse_start(_read(f"{base}/stat", 4096))
-            place = parse_cgroup(_read(f"{base}/cgroup", 65536).decode("utf-8", "replace"))
+            stat = _read(f"{base}/stat", 4096) if stat is None else stat[:4096]
+            start = parse_start(stat)
+            cgroup = _read(f"{base}/cgroup", 65536) if cgroup is None else cgroup[:65536]
+            place = parse_cgroup(cgroup.decode("utf-8", "replace"))
             known = self._known.get(pid)
             if known is None or known[0] != start:
                 known = (start, self._launch(base), self._uid(base))

@@ -102,6 +102,7 @@ class MainProcessReader:
     _ppid_children: dict[int, list[int]]
     _cpulists: dict[str, frozenset[int]]
     _io: JobIo
+    _read_now: dict[int, tuple[bytes, bytes]]
     _complain: Callable[[str, str], None]
     _scan: Callable[[], None]
 
@@ -124,7 +125,8 @@ class MainProcessReader:
         self, pid: int, base: str, now: float, scanning: bool,
         memo: dict[str, _CgroupReading | None],
     ) -> Facts:  # fmt: skip
-        stat = parse_stat(package._proc_read(f"{base}/stat"))
+        raw_stat = package._proc_read(f"{base}/stat")
+        stat = parse_stat(raw_stat)
         known = self._known.get(pid)
         if known is not None and known.start != stat.starttime:
             known = None  # the pid was reused
@@ -181,12 +183,13 @@ class MainProcessReader:
 
         # children (DataLoader workers)
         children = self._children(pid, base, tids, state, scanning)
-        self._io.read(pid, children or [], scanning)
+        stats = {pid: raw_stat}  # read once a poll, for procio too
         if children is not None:
             workers, spent = 0, 0
             for child in children:
                 try:
-                    cstat = parse_stat(package._read(f"{self._proc}/{child}/stat", 4096))
+                    raw = stats[child] = package._read(f"{self._proc}/{child}/stat", 4096)
+                    cstat = parse_stat(raw)
                 except (OSError, ValueError):
                     if known is not None and child in known.children:
                         state.children[child] = (known.children[child][0], -1)  # as threads
@@ -206,6 +209,7 @@ class MainProcessReader:
             facts.workers = workers
             if rated:
                 facts.workers_cpu = spent / CLK_TCK / dt
+        self._io.read(pid, children or [], scanning, stats)
 
         # affinity
         try:
@@ -220,12 +224,14 @@ class MainProcessReader:
 
         # cgroup: container, CPU limit, throttling
         try:
-            lines = parse_cgroup(package._proc_read(f"{base}/cgroup"))
+            raw_cgroup = package._proc_read(f"{base}/cgroup")
+            lines = parse_cgroup(raw_cgroup)
         except _Gone:
             raise
         except (OSError, ValueError) as e:
             self._complain("cgroup", f"{base}/cgroup: {e}")
         else:
+            self._read_now[pid] = (raw_stat, raw_cgroup)  # for the owners' reader
             facts.container = in_container(lines)
             where = cpu_cgroup(lines)
             if where is not None:

@@ -140,6 +140,8 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         self._fabric_managers: set[int] = set()
         self._consoles: set[int] = set()
         self._cgroups: dict[str, tuple[float, int, int]] = {}  # cpu.stat -> (at, periods, thr)
+        # main pid -> its stat and cgroup as this poll read them, for the owners' reader
+        self._read_now: dict[int, tuple[bytes, bytes]] = {}
         self._children_file = True  # False: the kernel has no task/*/children
         self._ppid_children: dict[int, list[int]] = {}  # from the last scan, if needed
         self._complained: set[str] = set()
@@ -221,6 +223,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         memo: dict[str, _CgroupReading | None] = {}
         facts: dict[int, Facts | None] = {}
         self._io.begin(now)
+        self._read_now = {}
         for main in (*mains.values(), *part_mains.values()):
             if main is not None and main not in facts:
                 facts[main] = self._facts(main, now, scanning, memo)
@@ -232,7 +235,7 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         for path in [p for p in self._cgroups if p not in read]:
             del self._cgroups[path]
 
-        launches = _Memo(self._owners.processes.read)
+        launches = _Memo(self._owner_facts)
         owners, parts_owned = self._owned(on_gpu, parts, desktop, launches)
         jobs, launched = self._jobs(facts, launches)
         poll = _Round(facts, jobs, launched, desktop, scanning)
@@ -348,6 +351,11 @@ class ProcessesSource(NvmlLists, MainProcessReader, DesktopWatch, Source):
         except OSError:
             return False
         return comm.strip() in ADOPTERS
+
+    def _owner_facts(self, pid: int) -> ProcessFacts | None:
+        """The owners' reader's facts of `pid`, from its stat and cgroup as this poll
+        read them where it did (a process can be moved: its cgroup is read every poll)."""
+        return self._owners.processes.read(pid, *self._read_now.get(pid, (None, None)))
 
     def _launches(self, pid: int) -> bool:
         """True when the process is a launcher by its command (comm, argv), which any
