@@ -9,7 +9,9 @@ bytes a point), and only for the families a rule's window function reads
 (`keep_history`; every family until it is called): the others keep their latest value
 only. The histories one update of a source made share an `Axis`, one array of times and
 one of values row by row (8 bytes a point and 8 a row), so that an update adds a row
-with one call, not a point with a call for each history.
+with one call, not a point with a call for each history. A series is one source's (the
+built-in sources' families are disjoint: tests/test_store.py): an axis is written by the
+source whose update made it, and a series' changes are told in its source's log.
 """
 
 from __future__ import annotations

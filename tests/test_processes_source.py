@@ -44,6 +44,7 @@ from gpuwatchd.sources.processes.desktop import (
 from gpuwatchd.sources.processes.jobs import ADOPTERS, ALONE, group_jobs, is_launcher
 from gpuwatchd.sources.processes.procfs import (
     CgroupLine,
+    _Gone,
     cpu_cgroup,
     cpus_allowed,
     in_container,
@@ -1474,6 +1475,32 @@ def test_a_main_process_on_several_gpus_gives_each_this_polls_facts(node_factory
         assert [m.gpu("gpu_process_threads", g) for g in range(3)] == [threads] * 3, t
         assert len({m.gpu("gpu_process_cpu_cores", g) for g in range(3)} - {None}) == 1
         assert [m.labels("gpu_process_info", g) for g in range(3)] == [[("python", "")]] * 3
+
+
+def test_a_process_gone_in_its_last_read_has_no_owner(node_factory, monkeypatch) -> None:
+    """A main process that exits between its cgroup read and its maps read (a scan poll,
+    its CUDA runtime not yet known) is gone for the owners too: the stat and cgroup bytes
+    the facts read are not handed on to make its owner."""
+    node = node_factory(scenario([{"pid": 4242, "gpu_memory_mib": 30000}]), scan_every=1)
+    real = processes_module._proc_read
+    exits = False
+
+    def proc_read(path: str, *args: Any, **kwargs: Any) -> bytes:
+        if path.endswith("/4242/maps"):
+            if exits:
+                shutil.rmtree(node.proc / "4242")
+                raise _Gone(path)
+            raise PermissionError(13, "no ptrace", path)  # the runtime stays unknown
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(processes_module, "_proc_read", proc_read)
+    for t in (100.0, 105.0):
+        assert node.poll(t).labels("gpu_owner_info", 0)
+    node.at(110.0)
+    exits = True
+    m = Metrics(node.source.collect())
+    assert m.gpu("gpu_process_pid", 0) is None
+    assert not m.labels("gpu_owner_info", 0)
 
 
 def test_a_poll_reads_each_of_a_jobs_stat_and_cgroup_once(node_factory, monkeypatch) -> None:

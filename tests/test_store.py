@@ -137,3 +137,17 @@ def test_a_series_twice_in_one_update_takes_a_point_for_each():
         store.update("nvml", t, gpu_samples(t, ["0", "1"]) + gpu_samples(t + 0.5, ["0"]))
     assert power(store, "0") == [(0.0, 0.0), (0.0, 5.0), (1.0, 10.0), (1.0, 15.0)]
     assert power(store, "1") == [(0.0, 1.0), (1.0, 11.0)]
+
+
+def test_no_two_sources_declare_one_family():
+    """A series is one source's: its history shares a time axis with the others its
+    source's update made, and its changes are told in that source's log. The built-in
+    sources' families are disjoint."""
+    from gpuwatchd.sources import load_builtin_sources
+
+    owner: dict[str, str] = {}
+    sources = load_builtin_sources()
+    for name, source in sources.items():
+        for spec in source.metrics:
+            assert owner.setdefault(spec.name, name) == name, spec.name
+    assert len(sources) >= 10 and len(owner) > 100

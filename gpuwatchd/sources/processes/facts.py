@@ -223,6 +223,7 @@ class MainProcessReader:
             self._complain("status", f"{base}/status: {e}")
 
         # cgroup: container, CPU limit, throttling
+        read_now: tuple[bytes, bytes] | None = None  # for the owners' reader, if it lives
         try:
             raw_cgroup = package._proc_read(f"{base}/cgroup")
             lines = parse_cgroup(raw_cgroup)
@@ -231,7 +232,7 @@ class MainProcessReader:
         except (OSError, ValueError) as e:
             self._complain("cgroup", f"{base}/cgroup: {e}")
         else:
-            self._read_now[pid] = (raw_stat, raw_cgroup)  # for the owners' reader
+            read_now = (raw_stat, raw_cgroup)
             facts.container = in_container(lines)
             where = cpu_cgroup(lines)
             if where is not None:
@@ -260,6 +261,8 @@ class MainProcessReader:
         facts.cudart = state.cudart
 
         self._known[pid] = state
+        if read_now is not None:  # not for a process gone before its last read
+            self._read_now[pid] = read_now
         return facts
 
     @staticmethod
