@@ -307,7 +307,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         plan = gpu.read_plan
         if plan is None or not plan.fits(gpu.reads, gpu.disabled, gpu.choice):
             plan = gpu.read_plan = ReadPlan(gpu.reads, gpu.disabled, gpu.choice, self._calls)
-        kept, lists, labels, handle = gpu.kept, gpu.lists, gpu.labels, gpu.handle
+        kept, handle = gpu.kept, gpu.handle
         error = self._nv.NVMLError
         for read, function, args, keep, keys in plan.steps(gpu.polls):
             if keys is not None:  # reads not due: what they gave when they were read
@@ -328,16 +328,7 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
                 if value is _MISSING:
                     self._forget(gpu, read)
                     continue
-            if read.listing:
-                lists[read.listing] = value
-            if read.emit is None:
-                samples = [Sample(read.metric, labels, value * read.scale)]
-            else:
-                samples = []
-                read.emit(gpu, value, samples)
-            if keep:
-                kept[read.key] = samples
-            out += samples
+            self._took(gpu, read, value, keep, out)
 
     def _read_one(self, gpu: _Gpu, read: Read, out: list[Sample]) -> None:
         """One read, unplanned: its kept samples if it is not due, else its call."""
@@ -351,6 +342,12 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         if value is _MISSING:
             self._forget(gpu, read)
             return
+        self._took(gpu, read, value, every != EVERY_POLL, out)
+
+    @staticmethod
+    def _took(gpu: _Gpu, read: Read, value: Any, keep: bool, out: list[Sample]) -> None:
+        """A read's value: its process list noted, its samples made (and kept, `keep`,
+        for the polls that do not read it)."""
         if read.listing:
             gpu.lists[read.listing] = value
         if read.emit is None:
@@ -358,9 +355,9 @@ class NvmlSource(Polling, NvLinks, MigReads, Source):
         else:
             samples = []
             read.emit(gpu, value, samples)
-        if every != EVERY_POLL:
+        if keep:
             gpu.kept[read.key] = samples
-        out.extend(samples)
+        out += samples
 
     def _forget(self, gpu: _Gpu, read: Read) -> None:
         """A read that gave nothing: asked again next poll, no list kept."""
