@@ -164,8 +164,7 @@ class Poller:
     def judge(self, now: float, abandon_after: float) -> bool:
         """Each evaluation cycle: keep a resting source's series current, mark a hung or
         held-up source down; True if its poll in flight is given up on (`abandon_if_stuck`)."""
-        if self._resting is not None:
-            self.refresh()
+        self.refresh()
         self.check_hung(now)
         return self._in_flight_since is not None and self.abandon_if_stuck(now, abandon_after)
 

@@ -74,13 +74,9 @@ class History:
 
     __slots__ = ("axis", "column")
 
-    def __init__(self, axis: Axis | None = None, column: int = 0) -> None:
-        self.axis = Axis(1) if axis is None else axis
+    def __init__(self, axis: Axis, column: int) -> None:
+        self.axis = axis
         self.column = column
-
-    def append(self, t: float, value: float, horizon: float, max_points: int) -> None:
-        """A point of a history alone on its axis."""
-        self.axis.append(t, (value,), horizon, max_points)
 
     def since(self, since: float) -> list[tuple[float, float]]:
         axis = self.axis

@@ -56,11 +56,11 @@ def test_stale_source_is_left_out_of_latest():
 
 
 def test_history_compacts_and_still_answers_windows():
-    from gpuwatchd.store import History
+    from gpuwatchd.store import Axis, History
 
-    history = History()
+    history = History(Axis(1), 0)
     for t in range(10_000):
-        history.append(float(t), t * 2.0, horizon=t - 99.5, max_points=10_000)
+        history.axis.append(float(t), (t * 2.0,), horizon=t - 99.5, max_points=10_000)
     assert len(history) == 100
     assert len(history.axis.times) <= 200  # expired points were dropped, not kept forever
     assert history.since(9_997) == [(9997.0, 19994.0), (9998.0, 19996.0), (9999.0, 19998.0)]

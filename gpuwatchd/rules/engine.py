@@ -252,7 +252,7 @@ class RuleEngine:
             compiled = (rule.expr, *rule.summary_values())
             read = [s.family for c in compiled for s in c.selectors]
             families += read
-            windowed |= {w for c in compiled for w in c.windowed()}
+            windowed |= {w for c in compiled for w in c.windows}
             if rule.per_instance:
                 self._per_instance.add(rule.name)
             forms = {f.instance_form.source for f in read if f.instance_form is not None}

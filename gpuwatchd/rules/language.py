@@ -265,9 +265,6 @@ class Compiled:
     def bytecode(self) -> Any:
         return self.code
 
-    def windowed(self) -> set[str]:
-        return set(self.windows)
-
 
 def _windowed(tree: ast.AST, selectors: list[Selector]) -> frozenset[str]:
     """The families the window functions of a rewritten tree read."""
